@@ -1,0 +1,29 @@
+# The two commands a newcomer needs (see README.md): `make demo` and `make test`.
+# Both create the virtual environment .venv in the repo root on first use.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): setup.py requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# A 4-rank forward/backward of one MoE layer with every dispatcher, side by side.
+demo: install
+	$(PY) -m torch.distributed.run --nproc-per-node 4 tools/bench_moe_layer.py \
+		--tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
+		--expert-tensor-parallel-size 2 --sequence-parallel
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,196 @@
+"""What Parm's dispatchers share: groups, local permutation and the routing plan.
+
+Notation (as in PARM_DESIGN.md):
+    M: hidden size           n: tokens this rank routes (its sequence-parallel shard)
+    E: experts               L: local experts (E / e)     k: top-k
+    t: attention TP size     e: EP size                    s: ETP (ESP) size
+    C: expert capacity (capacity factor f, padded to capacity)
+    R: rows this rank dispatches = sum over experts of its routed rows
+
+Group names used for byte accounting: "tp" (attention TP), "ep", "expt_tp" (ESP), and for
+routing metadata "tp_ep_counts" / "ep_counts" (E integers per rank) and "tp_routing"
+(ds_baseline's routing map, one byte per token and expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron.core import utils
+from megatron.core.transformer.moe.moe_utils import get_capacity, permute, sort_chunks_by_idxs, unpermute
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from megatron_parm.comm.collectives import start_all_gather
+
+
+@dataclass
+class RoutingPlan:
+    """Row counts of one dispatch, all on the host.
+
+    counts[j][q][x]: rows the rank at (EP index j, ESP index q) sends to expert x.
+    The ranks of this dispatch's EP group share one ESP index; ``me_ep``/``me_etp`` are
+    this rank's indices.
+    """
+
+    counts: torch.Tensor  # [e, s, E] int64
+    me_ep: int
+    me_etp: int
+    num_local_experts: int
+
+    @property
+    def ep_size(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def etp_size(self) -> int:
+        return self.counts.shape[1]
+
+    def _to_local(self, j: int, q: int) -> torch.Tensor:
+        """[L] rows EP rank j (ESP index q) sends to each of this rank's local experts."""
+        lo = self.me_ep * self.num_local_experts
+        return self.counts[j, q, lo : lo + self.num_local_experts]
+
+    def a2a_input_splits(self) -> List[int]:
+        """Rows this rank sends to each EP peer (its experts are contiguous)."""
+        mine = self.counts[self.me_ep, self.me_etp]
+        return mine.view(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
+
+    def a2a_output_splits(self) -> List[int]:
+        """Rows this rank receives from each EP peer (same ESP index)."""
+        return [int(self._to_local(j, self.me_etp).sum()) for j in range(self.ep_size)]
+
+    def etp_split_sizes(self) -> List[int]:
+        """Rows each ESP peer holds after its A2A (the AG/RS split sizes)."""
+        return [
+            int(sum(self._to_local(j, q).sum() for j in range(self.ep_size)))
+            for q in range(self.etp_size)
+        ]
+
+    def gathered_chunk_sizes(self) -> torch.Tensor:
+        """Rows after AG(ESP), as chunks ordered [q][j][local expert]."""
+        return torch.stack(
+            [torch.stack([self._to_local(j, q) for j in range(self.ep_size)]) for q in range(self.etp_size)]
+        ).reshape(-1)
+
+    def tokens_per_local_expert(self) -> torch.Tensor:
+        lo = self.me_ep * self.num_local_experts
+        return self.counts[:, :, lo : lo + self.num_local_experts].sum(dim=(0, 1))
+
+    def chunk(self, index: int, num_chunks: int) -> "RoutingPlan":
+        """The plan of pipeline chunk ``index``: every count cut into num_chunks near-equal parts."""
+        return RoutingPlan(split_count(self.counts, index, num_chunks), self.me_ep, self.me_etp,
+                           self.num_local_experts)
+
+
+def split_count(counts: torch.Tensor, index: int, num_chunks: int) -> torch.Tensor:
+    """Part ``index`` of each count cut into ``num_chunks`` parts that differ by at most one."""
+    base = torch.div(counts, num_chunks, rounding_mode="floor")
+    return base + (counts % num_chunks > index).to(counts.dtype)
+
+
+def chunk_row_index(counts_per_expert: torch.Tensor, index: int, num_chunks: int) -> torch.Tensor:
+    """Rows of chunk ``index`` in an expert-sorted tensor with counts_per_expert rows per expert."""
+    starts = torch.cumsum(counts_per_expert, 0) - counts_per_expert
+    parts = [split_count(counts_per_expert, i, num_chunks) for i in range(index + 1)]
+    offsets = starts + sum(parts[:index], torch.zeros_like(counts_per_expert))
+    pieces = [torch.arange(int(o), int(o) + int(p)) for o, p in zip(offsets, parts[index])]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def sort_order(num_sources: int, num_local_experts: int) -> tuple:
+    """Chunk orders that turn [source][local expert] into [local expert][source] and back."""
+    idx = torch.arange(num_sources * num_local_experts)
+    to_expert_major = idx.reshape(num_sources, num_local_experts).T.ravel()
+    to_source_major = idx.reshape(num_local_experts, num_sources).T.ravel()
+    return to_expert_major, to_source_major
+
+
+def sort_by_local_expert(rows: torch.Tensor, probs: Optional[torch.Tensor], chunk_sizes: torch.Tensor,
+                         num_local_experts: int):
+    """[source][local expert] row chunks -> [local expert][source] (no-op for one expert)."""
+    if num_local_experts == 1:
+        return rows, probs
+    order, _ = sort_order(chunk_sizes.numel() // num_local_experts, num_local_experts)
+    return sort_chunks_by_idxs(rows, chunk_sizes, order, probs=probs)
+
+
+def unsort_by_local_expert(rows: torch.Tensor, chunk_sizes: torch.Tensor, num_local_experts: int):
+    """Inverse of ``sort_by_local_expert``; chunk_sizes as given to it."""
+    if num_local_experts == 1:
+        return rows
+    num_sources = chunk_sizes.numel() // num_local_experts
+    _, order = sort_order(num_sources, num_local_experts)
+    expert_major_sizes = chunk_sizes.reshape(num_sources, num_local_experts).T.ravel()
+    return sort_chunks_by_idxs(rows, expert_major_sizes, order)[0]
+
+
+class ParmTokenDispatcher(MoETokenDispatcher):
+    """Base of ds_baseline, parm_s1 and parm_s2: groups, permutation and the counts exchange.
+
+    Megatron's base class names the ESP group ``tp_group``; here it is ``etp_group`` and the
+    attention TP group is ``attn_tp_group``, to keep the two apart.
+    """
+
+    # True for dispatchers that run dispatch, experts and combine as one pipeline (S2).
+    pipelined = False
+
+    def __init__(self, num_local_experts: int, local_expert_indices: Sequence[int], config,
+                 pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.attn_tp_group = pg_collection.tp
+        self.etp_group = pg_collection.expt_tp
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.topk = config.moe_router_topk
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        self.ep_rank = utils.get_pg_rank(self.ep_group)
+        self.etp_rank = utils.get_pg_rank(self.etp_group)
+
+    # -- local work ---------------------------------------------------------------------
+
+    def _permute(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+                 num_routers: int = 1):
+        """Sort (token, expert) pairs by expert; returns rows, probs, counts [E].
+
+        num_routers: how many ranks' routing decisions the map concatenates; with padding
+        to capacity each of them padded to its own capacity, so the map holds that many
+        capacities per expert.
+        """
+        if self.drop_and_pad:
+            routed_by_one = routing_map.size(0) // num_routers
+            capacity = num_routers * get_capacity(routed_by_one * self.topk, self.num_experts,
+                                                  self.config.moe_expert_capacity_factor)
+            counts = torch.full((self.num_experts,), capacity, dtype=torch.long)
+        else:
+            counts = routing_map.sum(dim=0).long().cpu()
+        rows, row_probs, self._sorted_indices = permute(
+            tokens, routing_map, probs=probs, num_out_tokens=int(counts.sum()),
+            drop_and_pad=self.drop_and_pad)
+        self._routing_map = routing_map
+        self._permuted_shape = tokens.shape
+        return rows, row_probs, counts
+
+    def _unpermute(self, rows: torch.Tensor) -> torch.Tensor:
+        out = unpermute(rows, self._sorted_indices, restore_shape=self._permuted_shape,
+                        routing_map=self._routing_map, drop_and_pad=self.drop_and_pad)
+        self._routing_map = self._sorted_indices = None
+        return out
+
+    # -- routing counts -----------------------------------------------------------------
+
+    def _exchange_counts(self, counts: torch.Tensor, group, name: str, num_etp: int) -> torch.Tensor:
+        """Gather every rank's counts [E] over ``group`` (ordered EP-major, ESP-minor)."""
+        if self.drop_and_pad:  # every count is the capacity: nothing to exchange
+            return counts.expand(self.ep_size, num_etp, -1).clone()
+        gathered = start_all_gather(counts.view(1, -1), group, name).wait()
+        return gathered.view(self.ep_size, num_etp, self.num_experts).cpu()
+
+    def build_plan(self, counts: torch.Tensor) -> RoutingPlan:
+        """The plan of a dispatch where every ESP peer routes its own tokens (S1, S2)."""
+        etp_size = utils.get_pg_size(self.etp_group)
+        all_counts = self._exchange_counts(counts, self.tp_ep_group, "tp_ep_counts", etp_size)
+        return RoutingPlan(all_counts, self.ep_rank, self.etp_rank, self.num_local_experts)

@@ -1,0 +1,92 @@
+"""DeepSpeed-MoE's MP+EP+ESP dataflow, Parm's baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import utils
+
+from megatron_parm.comm.collectives import all_gather, all_reduce, all_to_all, start_all_gather
+from megatron_parm.dispatchers.base import (
+    ParmTokenDispatcher,
+    RoutingPlan,
+    sort_by_local_expert,
+    unsort_by_local_expert,
+)
+
+
+class DSBaselineTokenDispatcher(ParmTokenDispatcher):
+    """ds_baseline: every TP rank holds and dispatches all N = t*n tokens of its TP group.
+
+    Workflow (communication on the group in brackets):
+    (1) dispatch_preprocess: flatten this rank's n tokens
+    (2) token_dispatch: AG [TP] of tokens, probs and routing map, so every TP rank holds
+        all N tokens as after DeepSpeed's attention all-reduce; permute the N tokens by
+        expert; exchange the E counts [EP]; A2A [EP] of the duplicated dispatch tensor
+        (each token leaves its TP group t times)
+    (3) dispatch_postprocess: sort by local expert; the ranks of an ESP group now hold
+        identical rows
+    (4) experts: fc1 column-split, fc2 row-split over ESP (partial sums out)
+    (5) combine_preprocess: unsort; AR [ESP] of the partial sums
+    (6) token_combine: A2A [EP] back
+    (7) combine_postprocess: unpermute the N tokens and keep this rank's n
+
+    The gate runs on each rank's own n tokens (Megatron's router, so the aux loss keeps
+    its definition) and its decisions travel with the AG; DeepSpeed instead recomputes
+    the gate on all N tokens on every TP rank, which adds compute but no communication.
+    Requires ESP groups inside TP groups (ETP divides TP): only then do ESP peers hold
+    the same tokens, which is what lets DeepSpeed close the experts with an all-reduce.
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
+        tp = utils.get_pg_size(self.attn_tp_group)
+        etp = utils.get_pg_size(self.etp_group)
+        if tp % etp != 0:
+            raise ValueError(
+                f"--moe-token-dispatcher-type ds_baseline needs --expert-tensor-parallel-size "
+                f"({etp}) to divide --tensor-model-parallel-size ({tp}): DeepSpeed's ESP "
+                f"experts are split inside the tensor-parallel group")
+        self.attn_tp_rank = utils.get_pg_rank(self.attn_tp_group)
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        self.routing_map = routing_map
+        return hidden_states.view(-1, self.hidden_shape[-1]), probs
+
+    def token_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor):
+        self.num_local_tokens = tokens.shape[0]
+        tokens = all_gather(tokens, self.attn_tp_group, "tp")
+        probs = all_gather(probs, self.attn_tp_group, "tp")
+        routing_map = start_all_gather(self.routing_map.to(torch.uint8), self.attn_tp_group,
+                                       "tp_routing").wait().bool()
+        self.routing_map = None
+        rows, row_probs, counts = self._permute(tokens, routing_map, probs,
+                                                num_routers=utils.get_pg_size(self.attn_tp_group))
+        all_counts = self._exchange_counts(counts, self.ep_group, "ep_counts", 1)
+        self.plan = RoutingPlan(all_counts, self.ep_rank, 0, self.num_local_experts)
+        out_splits, in_splits = self.plan.a2a_output_splits(), self.plan.a2a_input_splits()
+        rows = all_to_all(rows, self.ep_group, "ep", out_splits, in_splits)
+        row_probs = all_to_all(row_probs, self.ep_group, "ep", out_splits, in_splits)
+        return rows, row_probs
+
+    def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
+        self.chunk_sizes = self.plan.gathered_chunk_sizes()
+        rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes,
+                                               self.num_local_experts)
+        return rows, self.plan.tokens_per_local_expert(), row_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        rows = unsort_by_local_expert(hidden_states, self.chunk_sizes, self.num_local_experts)
+        return all_reduce(rows, self.etp_group, "expt_tp")
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        return all_to_all(hidden_states, self.ep_group, "ep", self.plan.a2a_input_splits(),
+                          self.plan.a2a_output_splits())
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        self.plan = self.chunk_sizes = None
+        tokens = self._unpermute(hidden_states)
+        start = self.attn_tp_rank * self.num_local_tokens
+        return tokens[start : start + self.num_local_tokens].view(self.hidden_shape)

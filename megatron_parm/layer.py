@@ -1,0 +1,120 @@
+"""ParmMoELayer: Megatron-Core's MoELayer with Parm's dispatchers selectable by name."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_parm.comm.collectives import gather_replicated, keep_shard
+from megatron_parm.dispatchers import NATIVE_DISPATCHERS, PARM_DISPATCHERS, VALID_DISPATCHERS
+
+
+def check_dispatcher_type(name: str) -> None:
+    if name not in VALID_DISPATCHERS:
+        raise ValueError(
+            f"--moe-token-dispatcher-type: unknown dispatcher {name!r}; valid names are "
+            f"{', '.join(VALID_DISPATCHERS)}")
+
+
+class ParmMoELayer(MoELayer):
+    """A drop-in MoELayer (same constructor) that also accepts Parm's dispatchers.
+
+    config.moe_token_dispatcher_type picks the dispatcher: ``allgather`` and ``alltoall``
+    are Megatron's own (the layer is then exactly MoELayer), ``ds_baseline``, ``parm_s1``
+    and ``parm_s2`` are Parm's. With a Parm dispatcher and TP > 1 without sequence
+    parallelism, the input is replicated over TP: the layer routes only this rank's
+    sequence shard and restores the full output with one AG [TP], so no TP rank repeats
+    another's work.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Optional[MoESubmodules] = None,
+                 layer_number: Optional[int] = None, pg_collection=None):
+        name = config.moe_token_dispatcher_type
+        check_dispatcher_type(name)
+        if name in NATIVE_DISPATCHERS:
+            super().__init__(config, submodules, layer_number, pg_collection)
+            return
+        # MoELayer builds its dispatcher from the config: let it build the cheapest native
+        # one from a shadow config, then put ours and the real config in place.
+        shadow = copy.copy(config)
+        shadow.moe_token_dispatcher_type = "allgather"
+        super().__init__(shadow, submodules, layer_number, pg_collection)
+        for module in self.modules():
+            if getattr(module, "config", None) is shadow:
+                module.config = config
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        self.token_dispatcher = PARM_DISPATCHERS[name](
+            self.num_local_experts, self.local_expert_indices, config=config,
+            pg_collection=pg_collection)
+        if self.use_shared_expert and self.shared_expert_overlap:
+            raise ValueError("--moe-shared-expert-overlap is not supported with "
+                             f"--moe-token-dispatcher-type {name}")
+
+    @property
+    def uses_parm_dispatcher(self) -> bool:
+        return self.config.moe_token_dispatcher_type in PARM_DISPATCHERS
+
+    # -- S2 folds dispatch, experts and combine into one pipeline ------------------------
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if getattr(self.token_dispatcher, "pipelined", False):
+            return hidden_states, probs
+        return super().dispatch(hidden_states, probs)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if getattr(self.token_dispatcher, "pipelined", False):
+            return self.token_dispatcher.dispatch_compute_combine(hidden_states, probs,
+                                                                  self.experts), None
+        return super().routed_experts_compute(hidden_states, probs)
+
+    def combine(self, output: torch.Tensor):
+        if getattr(self.token_dispatcher, "pipelined", False):
+            return output
+        return super().combine(output)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        if not self.uses_parm_dispatcher:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if intermediate_tensors is not None:
+            raise ValueError("partial CUDA-graph capture of the MoE layer is not supported "
+                             f"with --moe-token-dispatcher-type {self.config.moe_token_dispatcher_type}")
+        replicated = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        if replicated:
+            # Keep this rank's shard (backward: AG), as sequence parallelism would.
+            hidden_states = keep_shard(hidden_states, self.attn_tp_group, "tp")
+            if padding_mask is not None:
+                rows = hidden_states.shape[0]
+                start = self.attn_tp_group.rank() * rows
+                padding_mask = padding_mask[start : start + rows]
+
+        def moe(hidden_states, padding_mask):
+            shared_output = self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+            dispatched, probs = self.dispatch(hidden_states, probs)
+            output, mlp_bias = self.routed_experts_compute(dispatched, probs)
+            output = self.combine(output)
+            return self.postprocess(output, shared_output), mlp_bias
+
+        if self.moe_layer_recompute:
+            output, mlp_bias = tensor_parallel.checkpoint(moe, False, hidden_states, padding_mask)
+        else:
+            output, mlp_bias = moe(hidden_states, padding_mask)
+        if replicated:
+            # One AG [TP] restores the replicated output (backward: keep this rank's shard).
+            output = gather_replicated(output, self.attn_tp_group, "tp")
+        return output, mlp_bias

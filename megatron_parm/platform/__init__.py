@@ -1,0 +1,305 @@
+"""CPU/gloo redirects for Megatron-Core 0.16.1.
+
+Megatron-Core's MoE, model, optimizer and checkpoint paths assume a CUDA device in a
+handful of places. On a machine without CUDA (this project's CI, laptops) ``setup()``
+redirects exactly those places so that the same code runs on CPU with the gloo backend.
+
+Rules:
+- Nothing here runs at import time: entry points and tests call ``setup()`` explicitly.
+- ``setup()`` changes nothing CUDA-related where CUDA is available, so GPU runs use Megatron
+  unchanged (the one fix it still applies there is ``missing_te``, a no-op when TE imports).
+- Every redirect is listed in ``REDIRECTS`` with the reason it exists, and is as narrow as
+  the call site allows (a Megatron module attribute rather than torch where possible).
+
+This module imports nothing from the rest of megatron_parm at import time; the uneven
+collectives redirect borrows the padding collectives of ``megatron_parm.comm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Dict, List
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: List[str] = []
+
+# name -> why it exists. Kept next to the code so the list and the patches stay in step.
+REDIRECTS: Dict[str, str] = {
+    "current_device": (
+        "Megatron allocates with device=torch.cuda.current_device() all over "
+        "(mappings, layers, router, experts); on CPU that must name the CPU."
+    ),
+    "streams": (
+        "The alltoall dispatcher and shared experts create torch.cuda.Stream objects and "
+        "enter torch.cuda.stream(); on CPU work is ordered already, so a do-nothing stream "
+        "keeps the call sites working."
+    ),
+    "rng_tracker": (
+        "tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the "
+        "same tracker keeps CPU generator states instead, so model-parallel init and "
+        "dropout forks stay reproducible."
+    ),
+    "uneven_collectives": (
+        "gloo's list all_gather and reduce_scatter need equal sizes; Megatron's gather with "
+        "output_split_sizes and reduce-scatter with input_split_sizes (alltoall dispatcher, "
+        "ETP>1) pad every split to the largest and trim."
+    ),
+    "sp_layernorm": (
+        "Megatron's local LayerNorm (WrappedTorchNorm) refuses sequence_parallel=True "
+        "without apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights "
+        "get Megatron's sequence_parallel attribute so their grads are reduced over TP."
+    ),
+    "host_split_sizes": (
+        "The alltoall dispatcher turns its split sizes into numpy arrays only when they "
+        "live on the GPU (maybe_move_tensor_to_cpu); on CPU they stay tensors, which "
+        "torch.distributed.all_to_all_single rejects as split sizes."
+    ),
+    "missing_te": (
+        "moe_utils.RouterGatingLinearFunction reads the name te_general_gemm, which only "
+        "exists when transformer-engine imports; it is bound to None when TE is absent. "
+        "This one is about TE, not CUDA, so setup() applies it wherever TE is missing."
+    ),
+}
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def applied() -> List[str]:
+    """Names of the redirects ``setup()`` has applied in this process."""
+    return list(_APPLIED)
+
+
+def setup() -> None:
+    """Apply every CPU redirect once; do nothing where CUDA is present."""
+    if _APPLIED:
+        return
+    if cuda_available():
+        _patch_missing_te()
+        _APPLIED.append("missing_te")
+        return
+    for name, patch in _PATCHES.items():
+        patch()
+        _APPLIED.append(name)
+    logger.info("megatron_parm.platform: CPU redirects applied: %s", ", ".join(_APPLIED))
+
+
+# ----------------------------------------------------------------------------------------
+# current device
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_current_device() -> None:
+    # Megatron passes the result straight to device=..., so the CPU device object works.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------
+# streams and events
+# ----------------------------------------------------------------------------------------
+
+
+class _HostStream:
+    """A stream that does nothing: CPU ops already run in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _HostEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _patch_streams() -> None:
+    torch.cuda.Stream = _HostStream
+    torch.cuda.Event = _HostEvent
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.default_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    # Tensor.record_stream rejects a non-CUDA stream; on CPU there is nothing to record.
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+# ----------------------------------------------------------------------------------------
+# RNG tracker
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's tracker, keeping CPU generator states under the same names."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # A tracker built before setup() would hold the CUDA class: rebuild it.
+    mrandom.initialize_rng_tracker(force_reset=True)
+    # Checkpoints save "cuda" RNG states next to the CPU one; on CPU they are the CPU state.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+
+
+# ----------------------------------------------------------------------------------------
+# uneven all_gather / reduce_scatter on gloo
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_uneven_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    # The padding collectives live with the dispatchers' own (name=None: not accounted).
+    from megatron_parm.comm.collectives import start_all_gather, start_reduce_scatter
+
+    gather_orig: Callable = mappings._gather_along_first_dim
+    scatter_orig: Callable = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather_orig(input_, group, output_split_sizes, use_global_buffer)
+        return start_all_gather(input_, group, None, output_split_sizes).wait()
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter_orig(input_, group, input_split_sizes, use_global_buffer)
+        return start_reduce_scatter(input_, group, None, input_split_sizes).wait()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
+# ----------------------------------------------------------------------------------------
+# LayerNorm under sequence parallelism
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_sp_layernorm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    wrapped_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return wrapped_new(cls, config, hidden_size, eps, persist_layer_norm,
+                               zero_centered_gamma, normalization)
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            # Megatron all-reduces grads of such params over TP (each rank saw a shard).
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+# ----------------------------------------------------------------------------------------
+# split sizes that already live on the host
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_host_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+# ----------------------------------------------------------------------------------------
+# Transformer Engine absent
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_missing_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    # RouterGatingLinearFunction tests `te_general_gemm is not None`, but the name is only
+    # bound when TE imports; without TE the router raises NameError.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_PATCHES: Dict[str, Callable[[], None]] = {
+    "current_device": _patch_current_device,
+    "streams": _patch_streams,
+    "rng_tracker": _patch_rng_tracker,
+    "uneven_collectives": _patch_uneven_collectives,
+    "sp_layernorm": _patch_sp_layernorm,
+    "host_split_sizes": _patch_host_split_sizes,
+    "missing_te": _patch_missing_te,
+}

@@ -1,0 +1,292 @@
+"""Multi-rank worker: every dispatcher vs Megatron's alltoall and a single-process reference.
+
+Launched once per world size by tests/distributed/test_dispatchers.py (torchrun, gloo):
+
+    torchrun --nproc-per-node 4 tests/distributed/moe_equivalence_worker.py OUT.json 2,2,2 1,4,1
+
+For each layout (tp, ep, etp) and routing case it builds ParmMoELayer with each dispatcher
+from the same weights and input, runs forward + backward and compares, on rank 0:
+output, input grad, router grad and every expert weight grad (each summed over the ranks
+that hold a part of it). It also checks the bytes each Parm dispatcher recorded against
+the design's formulas, computed here from the routing counts. Records go to OUT.json.
+
+Notation: D data-parallel replicas, S sequence, B micro-batch, M hidden, F expert FFN
+hidden, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_parm import platform  # noqa: E402
+
+S, B, M, F, E = 8, 2, 16, 32, 8
+DISPATCHERS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2")
+# name -> (top-k, capacity factor, pad to capacity, aux-loss coefficient); top-1 routing
+# takes the softmax over all experts before top-k (Megatron requires that for k = 1).
+CASES = {
+    "dropless": (2, None, False, 0.0),
+    "drop": (2, 1.0, False, 1e-2),
+    "pad": (2, 1.0, True, 1e-2),
+    "top1": (1, None, False, 1e-2),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = max(b.abs().max().item(), 1e-12)
+    return (a - b).abs().max().item() / scale
+
+
+def global_tensors(seed: int, num_replicas: int):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(num_replicas, S, B, M, generator=gen),
+        "dy": torch.randn(num_replicas, S, B, M, generator=gen),
+        "router": torch.randn(E, M, generator=gen) * 0.5,
+        "fc1": torch.randn(E, F, M, generator=gen) * 0.2,
+        "fc2": torch.randn(E, M, F, generator=gen) * 0.2,
+    }
+
+
+def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False):
+    """Forward + backward on this rank; returns full-size tensors holding this rank's part."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_parm.comm.accounting import track_comm
+    from megatron_parm.config import ParmTransformerConfig
+    from megatron_parm.layer import ParmMoELayer
+    from megatron_parm.specs import get_gpt_layer_parm_spec
+
+    topk, capacity, pad, aux = case
+    cfg = ParmTransformerConfig(
+        num_layers=1, hidden_size=M, num_attention_heads=4, ffn_hidden_size=F, moe_ffn_hidden_size=F,
+        num_moe_experts=E, moe_router_topk=topk, moe_token_dispatcher_type=dispatcher,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=sequence_parallel, moe_aux_loss_coeff=aux, moe_expert_capacity_factor=capacity,
+        moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
+        use_cpu_initialization=True, add_bias_linear=False,
+        params_dtype=torch.float32, parm_num_chunks=3)
+    spec = get_gpt_layer_parm_spec(num_experts=E)
+    layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules)
+    layer.train()
+
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    ep_rank, etp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    num_local = E // ep
+    fs = F // etp
+    with torch.no_grad():
+        layer.router.weight.copy_(data["router"])
+        for l, expert in enumerate(layer.experts.local_experts):
+            e = ep_rank * num_local + l
+            expert.linear_fc1.weight.copy_(data["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs])
+            expert.linear_fc2.weight.copy_(data["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs])
+
+    rows = S // tp
+    shard = slice(tp_rank * rows, (tp_rank + 1) * rows)
+    if sequence_parallel or tp == 1:
+        x = data["x"][dp_rank, shard].clone().requires_grad_()
+        dy = data["dy"][dp_rank, shard]
+    else:  # replicated over TP
+        x = data["x"][dp_rank].clone().requires_grad_()
+        dy = data["dy"][dp_rank]
+
+    with track_comm() as stats:
+        out, _ = layer(x)
+        out.backward(dy)
+    full = {k: torch.zeros_like(data[k]) for k in ("x", "router", "fc1", "fc2")}
+    full["y"] = torch.zeros_like(data["x"])
+    # A part replicated over TP is contributed by TP rank 0 only.
+    if sequence_parallel or tp == 1:
+        full["y"][dp_rank, shard] = out.detach()
+        full["x"][dp_rank, shard] = x.grad
+    elif tp_rank == 0:
+        full["y"][dp_rank] = out.detach()
+        full["x"][dp_rank] = x.grad
+    full["router"] += layer.router.weight.grad
+    for l, expert in enumerate(layer.experts.local_experts):
+        e = ep_rank * num_local + l
+        full["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs] = expert.linear_fc1.weight.grad
+        full["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs] = expert.linear_fc2.weight.grad
+    for t in full.values():
+        dist.all_reduce(t)
+    totals = stats.totals() if track else None
+    return full, totals, x.detach()
+
+
+def reference(case, data, tp):
+    """Single-process forward/backward over all replicas; routing shards = TP shards."""
+    from reference_moe import moe_forward
+
+    topk, capacity, pad, _ = case
+    leaves = {k: data[k].clone().requires_grad_() for k in ("x", "router", "fc1", "fc2")}
+    ys = []
+    for d in range(data["x"].shape[0]):
+        tokens = leaves["x"][d].reshape(S * B, M)
+        y = moe_forward(tokens, leaves["router"], leaves["fc1"], leaves["fc2"], topk, capacity, pad,
+                        num_shards=tp)
+        ys.append(y.view(S, B, M))
+    y = torch.stack(ys)
+    (y * data["dy"]).sum().backward()
+    out = {k: v.grad for k, v in leaves.items()}
+    out["y"] = y.detach()
+    return out
+
+
+def expected_bytes(dispatcher, counts, me, tp, ep, etp, n_tokens):
+    """Bytes this rank sends in one forward+backward, by the design's formulas.
+
+    counts: [W, E] rows each rank routes to each expert (dropless: from its own routing).
+    """
+    from megatron.core import parallel_state as ps
+
+    b = 4  # float32
+    row, prob = M * b, b
+    ep_group = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    etp_group = dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group())
+    tp_group = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    num_local = E // ep
+
+    def experts_of(rank):
+        j = ep_group.index(rank) if rank in ep_group else None
+        return slice(j * num_local, (j + 1) * num_local)
+
+    out = {}
+    if dispatcher in ("parm_s1", "parm_s2"):
+        sent = sum(int(counts[me, experts_of(p)].sum()) for p in ep_group if p != me)
+        my_ep = ep_group.index(me)
+        local = slice(my_ep * num_local, (my_ep + 1) * num_local)
+        recv = sum(int(counts[p, local].sum()) for p in ep_group if p != me)
+        if ep > 1:
+            out[("all_to_all", "ep")] = (sent + recv) * (2 * row + prob)
+        if etp * ep > 1:
+            out[("all_gather", "tp_ep_counts")] = (etp * ep - 1) * E * 8
+        if etp > 1:
+            def held(rank):  # rows an ESP peer holds after its A2A
+                grp = [r for r in range(dist.get_world_size())
+                       if r % etp == rank % etp and r // (etp * ep) == rank // (etp * ep)]
+                return sum(int(counts[p, local].sum()) for p in grp)
+            mine = held(me)
+            others = sum(held(q) for q in etp_group if q != me)
+            out[("all_gather", "expt_tp")] = (etp - 1) * mine * (2 * row + prob)
+            out[("reduce_scatter", "expt_tp")] = others * (2 * row + prob)
+    elif dispatcher == "ds_baseline":
+        # Every TP rank dispatches the N tokens of its whole TP group.
+        dup = counts[tp_group].sum(dim=0)
+        sent = sum(int(dup[experts_of(p)].sum()) for p in ep_group if p != me)
+        my_ep = ep_group.index(me)
+        local = slice(my_ep * num_local, (my_ep + 1) * num_local)
+        recv = 0
+        for p in ep_group:
+            if p != me:
+                p_tp = [r for r in range(dist.get_world_size()) if r // tp == p // tp]
+                recv += int(counts[p_tp, local].sum())
+        if ep > 1:
+            out[("all_to_all", "ep")] = (sent + recv) * (2 * row + prob)
+            out[("all_gather", "ep_counts")] = (ep - 1) * E * 8
+        if tp > 1:
+            out[("all_gather", "tp")] = (tp - 1) * n_tokens * (row + E * prob)
+            out[("reduce_scatter", "tp")] = (tp - 1) * n_tokens * (row + E * prob)
+            out[("all_gather", "tp_routing")] = (tp - 1) * n_tokens * E
+        if etp > 1:
+            held_rows = sum(int(counts[[r for r in range(dist.get_world_size()) if r // tp == p // tp], local].sum())
+                            for p in ep_group)
+            out[("all_reduce", "expt_tp")] = 2 * (2 * (held_rows * row) // etp) * (etp - 1)
+    return out
+
+
+def check_layout(tp, ep, etp, records):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_parm.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tp, ep, etp, num_experts=E)
+    model_parallel_cuda_manual_seed(1234)
+    rank = dist.get_rank()
+    num_replicas = dist.get_world_size() // tp
+    layout = f"{tp},{ep},{etp}"
+    for case_name, case in CASES.items():
+        data = global_tensors(7 + len(records), num_replicas)
+        results = {}
+        for name in DISPATCHERS:
+            results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
+                                                       track=(case_name == "dropless"))
+            if totals is not None and name != "alltoall":
+                check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records)
+        ref = reference(case, data, tp)
+        for name in DISPATCHERS[1:]:
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                records.append(dict(layout=layout, case=case_name, dispatcher=name, against="alltoall",
+                                    quantity=key, err=rel_err(results[name][key], results["alltoall"][key])))
+        # The reference has no aux loss: its gradients are compared where the aux loss is 0.
+        keys = ("y", "x", "router", "fc1", "fc2") if case[3] == 0 else ("y",)
+        for name in DISPATCHERS:
+            for key in keys:
+                records.append(dict(layout=layout, case=case_name, dispatcher=name, against="reference",
+                                    quantity=key, err=rel_err(results[name][key], ref[key])))
+    # S1/S2 where the input is replicated over TP (no sequence parallelism): reference only.
+    if tp > 1:
+        case = CASES["dropless"]
+        data = global_tensors(99, num_replicas)
+        ref = reference(case, data, tp)
+        for name in ("parm_s1", "parm_s2", "ds_baseline"):
+            full, _, _ = run_layer(name, case, tp, ep, etp, False, data)
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
+                                    against="reference", quantity=key, err=rel_err(full[key], ref[key])))
+    if rank == 0:
+        print(f"layout {layout}: done", flush=True)
+
+
+def check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records):
+    """Recorded bytes vs formulas from the routing counts (routing recomputed here)."""
+    from reference_moe import route
+
+    tokens = x_local.reshape(-1, M)
+    counts = (route(tokens, data["router"], CASES["dropless"][0]) > 0).sum(dim=0).long()
+    all_counts = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_counts, counts)
+    expected = expected_bytes(name, torch.stack(all_counts), dist.get_rank(), tp, ep, etp,
+                              tokens.shape[0])
+    measured = {k: v["intra"] + v["inter"] for k, v in
+                ((tuple(k), v) for k, v in totals.items())}
+    mismatch = {f"{k[0]}/{k[1]}": (measured.get(k, 0), expected.get(k, 0))
+                for k in set(measured) | set(expected) if measured.get(k, 0) != expected.get(k, 0)}
+    # Sum the A2A(EP) bytes over the world: ds_baseline's duplication shows as a factor t.
+    a2a = torch.tensor([float(measured.get(("all_to_all", "ep"), 0))])
+    dist.all_reduce(a2a)
+    records.append(dict(layout=layout, case="bytes", dispatcher=name, against="formula",
+                        quantity="bytes", mismatch=mismatch, a2a_world=a2a.item()))
+
+
+def main():
+    out_path, layouts = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    platform.setup()
+    torch.manual_seed(0)
+    records = []
+    for spec in layouts:
+        tp, ep, etp = (int(v) for v in spec.split(","))
+        check_layout(tp, ep, etp, records)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(records, gathered, dst=0)
+    if dist.get_rank() == 0:
+        # Numeric records are identical on all ranks (all-reduced); byte records are per rank.
+        merged = [r for r in records if r["case"] != "bytes"]
+        for rank, recs in enumerate(gathered):
+            merged += [dict(r, rank=rank) for r in recs if r["case"] == "bytes"]
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Start a multi-rank gloo job for a test: one torchrun launch, output captured."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, env=None) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc-per-node nproc script args...` from the repo root; raise with its log on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")
+    return proc
