@@ -1,0 +1,343 @@
+"""Data pipeline: tokenizers, preprocessing to indexed datasets, GPT and BERT datasets.
+
+Single process, CPU, a slice of the shipped corpus; run from the repository root:
+    python -m pytest tests/unit/test_data.py -q
+"""
+
+import argparse
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.core.tokenizers import MegatronTokenizerBase  # noqa: E402
+
+from megatron_parm.data.datasets import (  # noqa: E402
+    PretrainingBatchSampler,
+    build_bert_datasets,
+    build_data_iterator,
+    build_gpt_datasets,
+    parse_data_path,
+    parse_split,
+    train_valid_test_num_samples,
+)
+from megatron_parm.data.preprocess import preprocess_jsonl, split_sentences  # noqa: E402
+from megatron_parm.data.tokenizers import _bytes_to_unicode, build_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "data" / "corpus.jsonl"
+SPM_MODEL = REPO / "data" / "tokenizer" / "spm_8k.model"
+NUM_DOCS = 300
+SPM_ARGS = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(SPM_MODEL)}
+
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer():
+    return build_tokenizer(argparse.Namespace(**SPM_ARGS))
+
+
+@pytest.fixture(scope="module")
+def documents():
+    with open(CORPUS, encoding="utf-8") as handle:
+        return [json.loads(line)["text"] for _, line in zip(range(NUM_DOCS), handle)]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, documents):
+    """A tiny jsonl (with an extra key and an empty document) and its GPT and BERT datasets."""
+    root = tmp_path_factory.mktemp("data")
+    with open(root / "tiny.jsonl", "w", encoding="utf-8") as handle:
+        for i, text in enumerate(documents):
+            handle.write(json.dumps({"text": text, "title": f"doc {i}"}) + "\n")
+        handle.write(json.dumps({"text": "", "title": "empty"}) + "\n")
+    preprocess_jsonl(str(root / "tiny.jsonl"), str(root / "gpt"), SPM_ARGS, append_eod=True)
+    preprocess_jsonl(str(root / "tiny.jsonl"), str(root / "bert"), SPM_ARGS, split=True)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------
+
+def test_shipped_sentencepiece_round_trip_and_special_ids(spm_tokenizer, documents):
+    assert isinstance(spm_tokenizer, MegatronTokenizerBase)
+    assert spm_tokenizer.vocab_size == 8000
+    assert (spm_tokenizer.pad, spm_tokenizer.eod, spm_tokenizer.cls, spm_tokenizer.sep,
+            spm_tokenizer.mask) == (0, 3, 4, 5, 6)
+    assert spm_tokenizer.inv_vocab[spm_tokenizer.mask] == "[MASK]"
+    assert spm_tokenizer.has_bert_special_tokens()
+    text = "Return x.\n\tIndented  code: f(x) == 3  # naïve ✓"
+    ids = spm_tokenizer.tokenize(text)
+    assert all(isinstance(i, int) and 0 <= i < spm_tokenizer.vocab_size for i in ids)
+    assert spm_tokenizer.detokenize(ids) == text
+    for document in documents[:50]:
+        assert spm_tokenizer.detokenize(spm_tokenizer.tokenize(document)) == document
+    # Special ids never come out of plain text.
+    assert not {0, 3, 4, 5, 6} & set(spm_tokenizer.tokenize("[CLS] [SEP] [MASK] <pad> </s>"))
+
+
+def test_gpt2_bpe_from_local_files(tmp_path):
+    symbols = list(_bytes_to_unicode().values())
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("o", "r")]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tmp_path / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    tokenizer = build_tokenizer(argparse.Namespace(
+        tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+        merge_file=str(tmp_path / "merges.txt")))
+    assert tokenizer.vocab_size == 256 + len(merges) + 1
+    assert tokenizer.eod == vocab["<|endoftext|>"]
+    assert tokenizer.tokenize(" the") == [vocab["Ġthe"]]
+    assert tokenizer.tokenize("for") == [vocab["f"], vocab["or"]]
+    text = "Hello the world! It's 2024 -- naïve_x\n\tok  "
+    assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+    assert not tokenizer.has_bert_special_tokens()
+
+
+@pytest.mark.parametrize("tokenizer_type", ["BertWordPieceLowerCase", "BertWordPieceCase"])
+def test_bert_wordpiece_from_local_vocab(tmp_path, tokenizer_type):
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "Hello", ",", "world",
+             "##s", "un", "##aff", "##able", "cafe", "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = build_tokenizer(argparse.Namespace(
+        tokenizer_type=tokenizer_type, vocab_file=str(tmp_path / "vocab.txt")))
+    assert (tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask) == (0, 2, 3, 4)
+    assert tokenizer.vocab_size == len(vocab)
+    assert tokenizer.inv_vocab[9] == "##s"
+    ids = tokenizer.tokenize("Hello, worlds unaffable café!")
+    pieces = [vocab[i] for i in ids]
+    if tokenizer_type == "BertWordPieceLowerCase":
+        assert pieces == ["hello", ",", "world", "##s", "un", "##aff", "##able", "cafe", "[UNK]"]
+        assert tokenizer.detokenize(ids[:4]) == "hello , worlds"
+    else:
+        assert pieces == ["Hello", ",", "world", "##s", "un", "##aff", "##able", "[UNK]",
+                          "[UNK]"]
+
+
+def test_build_tokenizer_errors_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-model: file not found: .*nope.model"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer",
+                                           tokenizer_model=str(tmp_path / "nope.model")))
+    with pytest.raises(ValueError, match="--tokenizer-model is required"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer"))
+    with pytest.raises(ValueError, match="--tokenizer-type"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer"))
+    (tmp_path / "vocab.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="--merge-file: file not found"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="GPT2BPETokenizer",
+                                           vocab_file=str(tmp_path / "vocab.json"),
+                                           merge_file=str(tmp_path / "merges.txt")))
+    with pytest.raises(ValueError, match="--vocab-file: file not found"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="BertWordPieceCase",
+                                           vocab_file=str(tmp_path / "vocab.txt")))
+    (tmp_path / "vocab.txt").write_text("[PAD]\nhello\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="--vocab-file: .* lacks"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="BertWordPieceCase",
+                                           vocab_file=str(tmp_path / "vocab.txt")))
+
+
+def test_train_tokenizer_tool(tmp_path, documents):
+    jsonl = tmp_path / "small.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents[:100]),
+                     encoding="utf-8")
+    _load_tool("train_tokenizer").main([
+        "--input", str(jsonl), "--vocab-size", "600", "--output-prefix", str(tmp_path / "sp"),
+        "--num-threads", "1"])
+    assert (tmp_path / "sp.vocab").is_file()
+    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer",
+                                                   tokenizer_model=str(tmp_path / "sp.model")))
+    assert tokenizer.vocab_size == 600 and tokenizer.has_bert_special_tokens()
+    assert tokenizer.detokenize(tokenizer.tokenize(documents[0])) == documents[0]
+    with pytest.raises(ValueError, match="--input: file not found"):
+        _load_tool("train_tokenizer").main([
+            "--input", str(tmp_path / "missing.jsonl"), "--vocab-size", "600",
+            "--output-prefix", str(tmp_path / "sp2")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing
+# ---------------------------------------------------------------------------------------------
+
+def test_split_sentences():
+    text = ("See e.g. the docs. It works, i.e. fine! Dr. Who said \"Hi.\" Then J. Smith "
+            "left.\nVersion 3.11 is out.\n\nNew paragraph without a period")
+    assert split_sentences(text) == [
+        "See e.g. the docs.", "It works, i.e. fine!", "Dr. Who said \"Hi.\"",
+        "Then J. Smith left.", "Version 3.11 is out.", "New paragraph without a period"]
+    assert split_sentences("") == []
+
+
+def test_preprocess_gpt_documents(data_dir, documents, spm_tokenizer):
+    prefix = data_dir / "gpt_text_document"
+    assert prefix.with_suffix(".bin").is_file() and prefix.with_suffix(".idx").is_file()
+    dataset = IndexedDataset(str(prefix))
+    assert dataset.index.dtype == numpy.uint16  # Megatron's choice for a vocab under 65500
+    assert len(dataset) == len(documents)  # the empty document was skipped
+    assert len(dataset.document_indices) == len(documents) + 1
+    for i in (0, 7, len(documents) - 1):
+        ids = dataset[i].tolist()
+        assert ids[-1] == spm_tokenizer.eod
+        assert spm_tokenizer.detokenize(ids[:-1]) == documents[i]
+
+
+def test_preprocess_bert_sentences(data_dir, documents, spm_tokenizer):
+    dataset = IndexedDataset(str(data_dir / "bert_text_sentence"))
+    num_sentences = numpy.diff(dataset.document_indices)
+    assert len(num_sentences) == len(documents)
+    for i in (0, 5):
+        expected = split_sentences(documents[i])
+        assert num_sentences[i] == len(expected)
+        first = dataset[int(dataset.document_indices[i])].tolist()
+        assert spm_tokenizer.detokenize(first) == expected[0]
+        assert spm_tokenizer.eod not in first  # no --append-eod
+
+
+def test_preprocess_tool_cli_and_workers(data_dir, tmp_path):
+    tool = _load_tool("preprocess_data")
+    common = ["--input", str(data_dir / "tiny.jsonl"), "--tokenizer-type",
+              "SentencePieceTokenizer", "--tokenizer-model", str(SPM_MODEL), "--append-eod",
+              "--json-keys", "text", "title"]
+    tool.main(common + ["--output-prefix", str(tmp_path / "cli"), "--workers", "2"])
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"cli_text_document{suffix}").read_bytes() == \
+            (data_dir / f"gpt_text_document{suffix}").read_bytes()
+    titles = IndexedDataset(str(tmp_path / "cli_title_document"))
+    assert len(titles) == NUM_DOCS + 1  # the empty document has a title
+    with pytest.raises(ValueError, match="--tokenizer-model: file not found"):
+        tool.main(["--input", str(data_dir / "tiny.jsonl"), "--output-prefix",
+                   str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(tmp_path / "missing.model")])
+    with pytest.raises(ValueError, match="--input: file not found"):
+        tool.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix",
+                   str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(SPM_MODEL)])
+    with pytest.raises(ValueError, match="--json-keys: line 1 has no key 'body'"):
+        tool.main(common[:-2] + ["body", "--output-prefix", str(tmp_path / "y")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets and iterators
+# ---------------------------------------------------------------------------------------------
+
+def test_gpt_datasets_and_batches(data_dir, spm_tokenizer, tmp_path):
+    seq_length, micro_batch_size = 64, 4
+    num_samples = train_valid_test_num_samples(train_iters=20, global_batch_size=8,
+                                               eval_interval=10, eval_iters=2)
+    assert num_samples == [160, 48, 16]
+    train, valid, test = build_gpt_datasets(
+        spm_tokenizer, [str(data_dir / "gpt_text_document")], "90,8,2", seq_length, 1234,
+        num_samples, data_cache_path=str(tmp_path / "cache"), eod_mask_loss=True)
+    assert len(train) >= 160 and len(valid) >= 48 and len(test) >= 16
+    batch = next(build_data_iterator(train, micro_batch_size))
+    assert batch["tokens"].shape == (micro_batch_size, seq_length)
+    assert batch["attention_mask"].shape == (micro_batch_size, 1, seq_length, seq_length)
+    assert batch["tokens"].dtype == batch["labels"].dtype == torch.int64
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    assert torch.equal(batch["position_ids"][0], torch.arange(seq_length))
+    # --eod-mask-loss: no loss where the input token is the end of a document.
+    eod = batch["tokens"] == spm_tokenizer.eod
+    assert torch.all(batch["loss_mask"][eod] == 0) and torch.all(batch["loss_mask"][~eod] == 1)
+    # Same seed, same samples; the second build reads the cache.
+    again = build_gpt_datasets(
+        spm_tokenizer, [str(data_dir / "gpt_text_document")], "90,8,2", seq_length, 1234,
+        num_samples, data_cache_path=str(tmp_path / "cache"), eod_mask_loss=True)[0]
+    assert torch.equal(again[3]["tokens"], train[3]["tokens"])
+    # A weighted blend of two prefixes.
+    blend = build_gpt_datasets(
+        spm_tokenizer, ["0.3", str(data_dir / "gpt_text_document"), "0.7",
+                        str(data_dir / "gpt_text_document")],
+        "98,2,0", seq_length, 1, [32, 8, None], data_cache_path=str(tmp_path / "cache"))
+    assert len(blend[0]) >= 32 and blend[2] is None  # Megatron rounds blends up a little
+    assert set(blend[0][0]) >= {"tokens", "labels", "dataset_id"}
+
+
+def test_bert_datasets_and_batches(data_dir, spm_tokenizer, tmp_path):
+    seq_length, micro_batch_size = 64, 8
+    train, valid, test = build_bert_datasets(
+        spm_tokenizer, [str(data_dir / "bert_text_sentence")], "90,8,2", seq_length, 1234,
+        [200, 20, 10], data_cache_path=str(tmp_path / "cache"))
+    assert not torch.distributed.is_initialized()  # the temporary group is gone again
+    # Megatron-Core builds whole epochs, so counts are lower bounds.
+    assert len(train) >= 200 and len(valid) >= 20 and len(test) >= 10
+    batch = next(build_data_iterator(train, micro_batch_size))
+    for key in ("text", "types", "labels", "loss_mask", "padding_mask"):
+        assert batch[key].shape == (micro_batch_size, seq_length), key
+    assert batch["is_random"].shape == (micro_batch_size,)
+    assert set(batch["is_random"].tolist()) <= {0, 1}
+    assert torch.all(batch["text"][:, 0] == spm_tokenizer.cls)
+    for row in range(micro_batch_size):
+        num_real = int(batch["padding_mask"][row].sum())
+        assert torch.all(batch["padding_mask"][row, :num_real] == 1)
+        assert torch.all(batch["padding_mask"][row, num_real:] == 0)
+        assert int((batch["text"][row, :num_real] == spm_tokenizer.sep).sum()) == 2
+        assert torch.all(batch["types"][row, num_real:] == 0)
+        # Loss exactly where a label is given; about 15% of the real tokens.
+        masked = batch["loss_mask"][row] > 0
+        assert torch.equal(masked, batch["labels"][row] >= 0)
+        assert 1 <= int(masked.sum()) <= max(1, round(0.15 * num_real)) + 1
+        assert not torch.any(masked[num_real:])
+    assert batch["loss_mask"].dtype == torch.float32
+    # Without the next-sentence head every sample is a single segment.
+    single = build_bert_datasets(
+        spm_tokenizer, [str(data_dir / "bert_text_sentence")], "1,0,0", seq_length, 5,
+        [16, None, None], data_cache_path=str(tmp_path / "cache"), binary_head=False)[0]
+    assert int(single[0]["is_random"]) == 0 and int(single[0]["types"].max()) == 0
+
+
+def test_batch_sampler_data_parallel_and_resume():
+    ranks = [list(PretrainingBatchSampler(20, 0, 2, rank, 3)) for rank in range(3)]
+    assert ranks[0][:2] == [[0, 1], [6, 7]] and ranks[2][0] == [4, 5]
+    assert len(ranks[0]) == 3  # 18 of 20 samples fill whole steps
+    flat = sorted(i for rank in ranks for batch in rank for i in batch)
+    assert flat == list(range(18))
+    assert list(PretrainingBatchSampler(20, 12, 2, 1, 3)) == [[14, 15]]
+
+
+def test_data_errors_name_the_flag(data_dir, spm_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"--data-path: no such indexed dataset: .*missing "
+                                         r"\(.bin/.idx not found\)"):
+        parse_data_path([str(tmp_path / "missing")])
+    prefix = str(data_dir / "gpt_text_document")
+    assert parse_data_path(prefix) == ([prefix], None)
+    assert parse_data_path([prefix, prefix]) == ([prefix, prefix], None)
+    assert parse_data_path(["1", prefix, "3", prefix]) == ([prefix, prefix], [1.0, 3.0])
+    with pytest.raises(ValueError, match="--data-path: no such indexed dataset: 0.5"):
+        parse_data_path([prefix, "0.5"])
+    with pytest.raises(ValueError, match="--data-path is required"):
+        parse_data_path([])
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("90/10")
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("0,0,0")
+    assert parse_split("969,30,1")[2][1] == pytest.approx(1.0)
+    # 1/1000 of 300 documents rounds to none: refuse instead of looping forever.
+    with pytest.raises(ValueError, match="--split: the test split .* has no sequences"):
+        build_gpt_datasets(spm_tokenizer, [str(data_dir / "gpt_text_document")], "999,0,1",
+                           32, 1, [8, 8, 8], data_cache_path=str(tmp_path / "cache"))
+    gpt2_like = argparse.Namespace(**SPM_ARGS)
+    tokenizer = build_tokenizer(gpt2_like)
+    tokenizer.has_bert_special_tokens = lambda: False
+    with pytest.raises(ValueError, match="--tokenizer-type SentencePieceTokenizer: BERT needs"):
+        build_bert_datasets(tokenizer, [str(data_dir / "bert_text_sentence")], "1,0,0", 32, 1,
+                            [8, None, None], data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="--data-path: no such indexed dataset"):
+        build_bert_datasets(spm_tokenizer, [str(data_dir / "bert")], "1,0,0", 32, 1,
+                            [8, None, None], data_cache_path=str(tmp_path / "cache"))

@@ -1,0 +1,77 @@
+"""Tokenize JSON lines into Megatron's indexed dataset format (.bin/.idx).
+
+Same flags and output names as Megatron-LM's tools/preprocess_data.py:
+
+    # GPT: one sequence per document, end-of-document token appended
+    python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/gpt \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/tokenizer/spm_8k.model \\
+        --append-eod --workers 2
+    # -> data/gpt_text_document.bin / .idx;  train with --data-path data/gpt_text_document
+
+    # BERT: one sequence per sentence, documents kept
+    python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/bert \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/tokenizer/spm_8k.model \\
+        --split-sentences
+    # -> data/bert_text_sentence.bin / .idx;  train with --data-path data/bert_text_sentence
+"""
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Importing megatron.core warns about optional CUDA extensions that a CPU setup never has.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from megatron_parm.data.preprocess import preprocess_jsonl  # noqa: E402
+from megatron_parm.data.tokenizers import add_tokenizer_args  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="JSON-lines file, one document a line.")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="Keys to extract from each JSON line.")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="Store each sentence as its own sequence (for BERT).")
+    add_tokenizer_args(parser)
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True,
+                       help="Writes PREFIX_{key}_document (or _sentence) .bin/.idx.")
+    group.add_argument("--append-eod", action="store_true",
+                       help="Append the end-of-document token to every document.")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="Tokenizer processes.")
+    group.add_argument("--log-interval", type=int, default=10000,
+                       help="Print progress every this many documents.")
+    args = parser.parse_args(argv)
+    if args.tokenizer_type is None:
+        raise ValueError("--tokenizer-type is required")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tokenizer_args = {
+        "tokenizer_type": args.tokenizer_type,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+    }
+    start = time.time()
+    prefixes = preprocess_jsonl(
+        args.input, args.output_prefix, tokenizer_args, json_keys=args.json_keys,
+        append_eod=args.append_eod, split=args.split_sentences, workers=args.workers,
+        log_interval=args.log_interval,
+    )
+    for key, prefix in prefixes.items():
+        print(f"{key}: wrote {prefix}.bin and {prefix}.idx")
+    print(f"done in {time.time() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
