@@ -1,0 +1,172 @@
+"""Predicted time of one MoE layer (forward + backward) and the choice between S1 and S2.
+
+Time of one stage (see volumes.py for the stages and profile.py for the numbers):
+    collective: the intra part  alpha[K][intra] + beta[K][intra] * intra_bytes  and the inter
+                part  alpha[K][inter] + beta[K][inter] * inter_bytes  run in parallel on their
+                own links, so the stage takes the max of the parts that have peers
+    compute:    alpha_c + beta_c * flops
+
+ds_baseline, parm_s1: the stages run one after another: T = sum of stage times.
+
+parm_s2 with c chunks: every stage moves 1/c of the bytes and flops (alpha is paid for every
+chunk). The stages share three resources: the inter-node link (the A2A(EP)s, and anything else
+whose peers are off-node), the intra-node link (AG/RS(ESP), on-node A2A peers, AG(TP)) and the
+compute units. A chunk occupies each resource for the sum of its stage parts on it, so
+    T(c) = sum over stages of stage_time(chunk) + (c - 1) * max(inter, intra, compute busy
+           time per chunk)
+i.e. one chunk goes through the whole pipeline (fill + drain) and the other c-1 follow at the
+rate of the busiest resource. With c = 1 this is exactly the sequential sum of parm_s1.
+The backward pass is modelled the same way with its own stages.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.profile import Profile
+from megatron_parm.perf_model.shape import LayerShape
+from megatron_parm.perf_model.volumes import DISPATCHERS, Step, build_plan
+
+RESOURCES = ("inter", "intra", "compute")
+Schedule = Union[str, Tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage of the prediction. `seconds` is the time of one chunk of it."""
+
+    direction: str
+    name: str
+    kind: str
+    group: Optional[str]
+    seconds: float
+    intra_seconds: float  # part on the intra-node link (or compute time for compute stages)
+    inter_seconds: float
+    intra_bytes: float  # whole layer, not per chunk
+    inter_bytes: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    dispatcher: str
+    num_chunks: int
+    total_s: float
+    forward_s: float
+    backward_s: float
+    stages: Tuple[StageTime, ...]
+    # direction -> resource ("inter", "intra", "compute") -> busy seconds per chunk
+    resources: Dict[str, Dict[str, float]]
+
+    def stage_seconds(self) -> Dict[str, float]:
+        """{"forward/dispatch_a2a": seconds summed over all chunks, ...}"""
+        return {f"{stage.direction}/{stage.name}": stage.seconds * self.num_chunks
+                for stage in self.stages}
+
+
+@dataclass(frozen=True)
+class Choice:
+    schedule: Schedule  # "parm_s1" or ("parm_s2", c)
+    times: Dict[Schedule, float]  # predicted total seconds of every candidate considered
+    predictions: Dict[Schedule, Prediction]
+
+    @property
+    def dispatcher(self) -> str:
+        return self.schedule if isinstance(self.schedule, str) else self.schedule[0]
+
+    @property
+    def num_chunks(self) -> int:
+        return 1 if isinstance(self.schedule, str) else self.schedule[1]
+
+    def describe(self) -> str:
+        def label(schedule):
+            return schedule if isinstance(schedule, str) else f"{schedule[0]}(c={schedule[1]})"
+
+        listed = ", ".join(f"{label(key)} {seconds * 1e3:.3f} ms"
+                           for key, seconds in self.times.items())
+        return f"{label(self.schedule)} (predicted: {listed})"
+
+
+def _stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
+    if step.kind == "compute":
+        seconds = profile.compute_time(step.flops / num_chunks)
+        return StageTime(step.direction, step.name, step.kind, step.group, seconds,
+                         intra_seconds=seconds, inter_seconds=0.0, intra_bytes=0.0,
+                         inter_bytes=0.0, flops=step.flops)
+    intra = (profile.collective_time(step.kind, "intra", step.intra_bytes / num_chunks)
+             if step.intra_peers else 0.0)
+    inter = (profile.collective_time(step.kind, "inter", step.inter_bytes / num_chunks)
+             if step.inter_peers else 0.0)
+    return StageTime(step.direction, step.name, step.kind, step.group, max(intra, inter),
+                     intra_seconds=intra, inter_seconds=inter, intra_bytes=step.intra_bytes,
+                     inter_bytes=step.inter_bytes, flops=0.0)
+
+
+def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile,
+            num_chunks: Optional[int] = None, sequence_parallel: bool = True) -> Prediction:
+    """Predicted forward + backward time of one MoE layer on one rank."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
+    if dispatcher == "parm_s2":
+        if num_chunks is None:
+            raise ValueError("predict: parm_s2 needs num_chunks")
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+    elif num_chunks not in (None, 1):
+        raise ValueError(f"num_chunks applies to parm_s2 only; {dispatcher} got {num_chunks!r}")
+    chunks = num_chunks or 1
+
+    stages = tuple(_stage_time(step, profile, chunks)
+                   for step in build_plan(dispatcher, shape, layout, sequence_parallel))
+    totals, resources = {}, {}
+    for direction in ("forward", "backward"):
+        mine = [stage for stage in stages if stage.direction == direction]
+        busy = {resource: 0.0 for resource in RESOURCES}
+        for stage in mine:
+            if stage.kind == "compute":
+                busy["compute"] += stage.seconds
+            else:
+                busy["intra"] += stage.intra_seconds
+                busy["inter"] += stage.inter_seconds
+        resources[direction] = busy
+        one_chunk = sum(stage.seconds for stage in mine)
+        totals[direction] = one_chunk + (chunks - 1) * max(busy.values())
+    return Prediction(dispatcher=dispatcher, num_chunks=chunks,
+                      total_s=totals["forward"] + totals["backward"],
+                      forward_s=totals["forward"], backward_s=totals["backward"],
+                      stages=stages, resources=resources)
+
+
+def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
+                    chunk_candidates: Sequence[int] = (2, 4, 8),
+                    sequence_parallel: bool = True, min_gain: float = 0.0) -> Choice:
+    """The faster of parm_s1 and parm_s2 over `chunk_candidates`.
+
+    Deterministic in its inputs (ties go to parm_s1, then to fewer chunks), so every rank
+    that evaluates it with the same shapes and profile picks the same schedule. parm_s2 wins
+    only if it is faster than parm_s1 by more than the fraction `min_gain`. Chunk counts
+    larger than the number of tokens per rank are skipped (a chunk needs a token).
+    """
+    candidates = []
+    for count in chunk_candidates:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
+        if count <= shape.num_tokens and count not in candidates:
+            candidates.append(count)
+    if not 0.0 <= min_gain < 1.0:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+
+    predictions: Dict[Schedule, Prediction] = {
+        "parm_s1": predict("parm_s1", shape, layout, profile, None, sequence_parallel)
+    }
+    for count in sorted(candidates):
+        predictions[("parm_s2", count)] = predict("parm_s2", shape, layout, profile, count,
+                                                  sequence_parallel)
+    times = {key: prediction.total_s for key, prediction in predictions.items()}
+
+    best: Schedule = "parm_s1"
+    threshold = times["parm_s1"] * (1.0 - min_gain)
+    for key, seconds in times.items():
+        if key != "parm_s1" and seconds < threshold and seconds < times[best]:
+            best = key
+    return Choice(schedule=best, times=times, predictions=predictions)

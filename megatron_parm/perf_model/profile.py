@@ -1,0 +1,200 @@
+"""Cluster profiles: the alpha-beta numbers of the performance model.
+
+A collective of kind K on link class L that sends `bytes` per rank takes
+    alpha[K][L] + beta[K][L] * bytes            seconds
+and expert compute of `flops` takes
+    compute.alpha + compute.beta * flops         seconds.
+K is one of all_to_all, all_gather, reduce_scatter, all_reduce; L is intra (all peers on the
+rank's node) or inter (peers on other nodes). Units: seconds, seconds/byte, seconds/flop.
+beta is an *effective per-rank* number: measure it with every rank of a node sending at once.
+
+File format (YAML, or JSON with the same structure):
+
+    name: emulated_pcie
+    provenance: estimate          # "measured" or "estimate"
+    note: free text: where the numbers come from
+    alpha:
+      all_to_all: {intra: 2.0e-4, inter: 5.0e-4}
+      all_gather: {intra: ..., inter: ...}
+      reduce_scatter: {intra: ..., inter: ...}
+      all_reduce: {intra: ..., inter: ...}
+    beta:
+      (same keys as alpha)
+    compute: {alpha: 1.0e-4, beta: 5.0e-11}
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Tuple
+
+from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
+
+LINKS = ("intra", "inter")
+PROVENANCES = ("measured", "estimate")
+_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    alpha: Dict[str, Dict[str, float]]  # alpha[kind][link], seconds
+    beta: Dict[str, Dict[str, float]]  # beta[kind][link], seconds per byte
+    compute_alpha: float  # seconds
+    compute_beta: float  # seconds per flop
+    provenance: str = "estimate"
+    note: str = ""
+    source: str = field(default="<in memory>", compare=False)
+
+    def __post_init__(self):
+        for table in ("alpha", "beta"):
+            if not isinstance(getattr(self, table), dict):
+                _fail(self.source, f"field {table} must be a mapping")
+        _check_profile_dict(self.to_dict(), self.source)
+
+    def collective_time(self, kind: str, link: str, num_bytes: float) -> float:
+        return self.alpha[kind][link] + self.beta[kind][link] * num_bytes
+
+    def compute_time(self, flops: float) -> float:
+        return self.compute_alpha + self.compute_beta * flops
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "provenance": self.provenance,
+            "note": self.note,
+            "units": {"alpha": "s", "beta": "s/byte", "compute.alpha": "s",
+                      "compute.beta": "s/flop"},
+            "alpha": {kind: _copy(links) for kind, links in self.alpha.items()},
+            "beta": {kind: _copy(links) for kind, links in self.beta.items()},
+            "compute": {"alpha": self.compute_alpha, "beta": self.compute_beta},
+        }
+
+    @classmethod
+    def from_dict(cls, data, source: str = "<in memory>") -> "Profile":
+        _check_profile_dict(data, source)
+        return cls(
+            name=data["name"],
+            provenance=data["provenance"],
+            note=data.get("note", "") or "",
+            alpha={kind: {link: float(data["alpha"][kind][link]) for link in LINKS}
+                   for kind in COLLECTIVE_KINDS},
+            beta={kind: {link: float(data["beta"][kind][link]) for link in LINKS}
+                  for kind in COLLECTIVE_KINDS},
+            compute_alpha=float(data["compute"]["alpha"]),
+            compute_beta=float(data["compute"]["beta"]),
+            source=source,
+        )
+
+
+def _copy(value):
+    return dict(value) if isinstance(value, dict) else value
+
+
+def _fail(source: str, message: str):
+    raise ValueError(f"profile {source}: {message}")
+
+
+def _check_number(source: str, path: str, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(source, f"field {path} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        _fail(source, f"field {path} must be a finite non-negative number, got {value!r}")
+
+
+def _check_mapping(source: str, path: str, value, keys: Iterable[str]):
+    if not isinstance(value, dict):
+        _fail(source, f"field {path} must be a mapping, got {value!r}")
+    keys = tuple(keys)
+    for key in keys:
+        if key not in value:
+            _fail(source, f"field {path}.{key} missing")
+    for key in value:
+        if key not in keys:
+            _fail(source, f"field {path}.{key} unknown; expected one of {', '.join(keys)}")
+
+
+def _check_profile_dict(data, source: str):
+    if not isinstance(data, dict):
+        _fail(source, f"expected a mapping at the top level, got {type(data).__name__}")
+    for key in data:
+        if key not in _TOP_FIELDS:
+            _fail(source, f"field {key} unknown; expected one of {', '.join(_TOP_FIELDS)}")
+    for key in ("name", "provenance", "alpha", "beta", "compute"):
+        if key not in data:
+            _fail(source, f"field {key} missing")
+    if not isinstance(data["name"], str) or not data["name"]:
+        _fail(source, f"field name must be a non-empty string, got {data['name']!r}")
+    if data["provenance"] not in PROVENANCES:
+        _fail(source, f"field provenance must be one of {', '.join(PROVENANCES)}, "
+                      f"got {data['provenance']!r}")
+    for table in ("alpha", "beta"):
+        _check_mapping(source, table, data[table], COLLECTIVE_KINDS)
+        for kind in COLLECTIVE_KINDS:
+            _check_mapping(source, f"{table}.{kind}", data[table][kind], LINKS)
+            for link in LINKS:
+                _check_number(source, f"{table}.{kind}.{link}", data[table][kind][link])
+    _check_mapping(source, "compute", data["compute"], ("alpha", "beta"))
+    for key in ("alpha", "beta"):
+        _check_number(source, f"compute.{key}", data["compute"][key])
+
+
+def _is_json(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() == ".json"
+
+
+def load_profile(path) -> Profile:
+    """Read and validate a profile file (.yaml/.yml, or .json)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ValueError(f"profile {path}: cannot read: {error.strerror}") from error
+    try:
+        if _is_json(path):
+            data = json.loads(text)
+        else:
+            import yaml  # lazy: only profile files need it
+
+            data = yaml.safe_load(text)
+    except Exception as error:  # json.JSONDecodeError or yaml.YAMLError (imported lazily)
+        if _is_json(path) and isinstance(error, ValueError):
+            raise ValueError(f"profile {path}: not valid JSON: {error}") from error
+        if type(error).__module__.startswith("yaml"):
+            raise ValueError(f"profile {path}: not valid YAML: {error}") from error
+        raise
+    return Profile.from_dict(data, source=path)
+
+
+def save_profile(profile: Profile, path) -> None:
+    path = os.fspath(path)
+    data = profile.to_dict()
+    with open(path, "w", encoding="utf-8") as handle:
+        if _is_json(path):
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        else:
+            import yaml
+
+            yaml.safe_dump(data, handle, sort_keys=False)
+
+
+def fit_alpha_beta(samples: Iterable[Tuple[float, float]]) -> Tuple[float, float]:
+    """Least-squares (alpha, beta) of time = alpha + beta * size from (size, seconds) samples.
+
+    Negative results are clipped to zero (a negative latency or bandwidth cost is noise).
+    """
+    points = [(float(size), float(seconds)) for size, seconds in samples]
+    if len(points) < 2:
+        raise ValueError("fit_alpha_beta needs at least two (size, seconds) samples")
+    mean_size = sum(size for size, _ in points) / len(points)
+    mean_time = sum(seconds for _, seconds in points) / len(points)
+    spread = sum((size - mean_size) ** 2 for size, _ in points)
+    if spread == 0:
+        raise ValueError("fit_alpha_beta needs samples of at least two different sizes")
+    beta = sum((size - mean_size) * (seconds - mean_time) for size, seconds in points) / spread
+    beta = max(beta, 0.0)
+    alpha = max(mean_time - beta * mean_size, 0.0)
+    return alpha, beta

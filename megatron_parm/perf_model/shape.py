@@ -1,0 +1,76 @@
+"""Shape of one MoE layer as seen by one rank.
+
+Notation:
+    n  tokens per rank entering the MoE layer (the sequence-parallel shard); N = t * n
+    M  hidden size            H  expert FFN hidden size
+    E  experts                k  top-k
+    f  capacity factor (None = dropless)
+    b  bytes per activation element (4 fp32, 2 bf16/fp16)
+    C  capacity per expert = ceil(k * n_routed * f / E), n_routed = tokens this rank routes
+
+Routing is assumed uniform: each token's k copies spread evenly over the E experts, so
+every expert gets k * n_routed / E rows (dropless), min(that, C) (capacity, no padding)
+or exactly C (capacity with padding to capacity).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_tokens: int  # n
+    hidden_size: int  # M
+    ffn_hidden_size: int  # H (the expert's, i.e. --moe-ffn-hidden-size)
+    num_experts: int  # E
+    topk: int  # k
+    capacity_factor: Optional[float] = None  # f; None = dropless
+    pad_to_capacity: bool = False
+    dtype_bytes: int = 2  # b
+    prob_bytes: int = 4  # bytes of the routing probability that travels with each row
+    gated_linear_unit: bool = False  # SwiGLU-style fc1 with 2H outputs
+
+    def __post_init__(self):
+        for name in ("num_tokens", "hidden_size", "ffn_hidden_size", "num_experts", "topk",
+                     "dtype_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LayerShape.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prob_bytes, int) or self.prob_bytes < 0:
+            raise ValueError(
+                f"LayerShape.prob_bytes must be a non-negative integer, got {self.prob_bytes!r}"
+            )
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"LayerShape.topk={self.topk} exceeds LayerShape.num_experts={self.num_experts}"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"LayerShape.capacity_factor must be positive or None, got {self.capacity_factor!r}"
+            )
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("LayerShape.pad_to_capacity needs LayerShape.capacity_factor")
+
+    def capacity(self, num_routed: int) -> Optional[int]:
+        """C for a rank that routes `num_routed` tokens; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        # round() first so that e.g. 2*8*1.1/4 does not become 4.4000000000000004 -> 5
+        return math.ceil(round(self.topk * num_routed * self.capacity_factor / self.num_experts, 9))
+
+    def rows_per_expert(self, num_routed: int) -> float:
+        """Rows a rank that routes `num_routed` tokens sends to each expert (uniform routing)."""
+        uniform = self.topk * num_routed / self.num_experts
+        capacity = self.capacity(num_routed)
+        if capacity is None:
+            return uniform
+        if self.pad_to_capacity:
+            return float(capacity)
+        return min(uniform, float(capacity))
+
+    def expert_flops_per_row(self, etp: int) -> float:
+        """Forward flops of one row through fc1 and fc2 with H split over `etp` ranks."""
+        fc1_outputs = (2 if self.gated_linear_unit else 1) * self.ffn_hidden_size / etp
+        fc2_inputs = self.ffn_hidden_size / etp
+        return 2.0 * self.hidden_size * fc1_outputs + 2.0 * fc2_inputs * self.hidden_size

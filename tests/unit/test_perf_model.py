@@ -1,0 +1,475 @@
+"""Unit tests of the alpha-beta performance model (pure Python, no process groups).
+
+Small case used throughout (hand-computed below): tp = ep = etp = 2 on 2 nodes x 2 ranks
+(TP/ETP inside a node, EP across), n = 8 tokens per rank, M = 4, H = 8, E = 4, k = 2, fp32.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from megatron_parm.perf_model import (COLLECTIVE_KINDS, LayerShape, Layout, Profile,  # noqa
+                                      build_plan, choose_schedule, comm_volumes,
+                                      fit_alpha_beta, load_profile, predict, save_profile)
+
+PROFILE_DIR = os.path.join(REPO_ROOT, "configs", "profiles")
+SHIPPED_PROFILES = ("emulated_pcie.yaml", "emulated_nvlink.yaml", "nvlink_ib_estimate.yaml")
+PLAN_SCHEDULE = os.path.join(REPO_ROOT, "tools", "plan_schedule.py")
+
+SMALL_LAYOUT = Layout(tp=2, ep=2, etp=2, nodes=2, ranks_per_node=2)
+
+
+def small_shape(**overrides):
+    fields = dict(num_tokens=8, hidden_size=4, ffn_hidden_size=8, num_experts=4, topk=2,
+                  dtype_bytes=4, prob_bytes=0)
+    fields.update(overrides)
+    return LayerShape(**fields)
+
+
+def uniform_profile(alpha_intra=1e-3, alpha_inter=1e-3, beta_intra=1e-6, beta_inter=2e-6,
+                    compute_alpha=0.0, compute_beta=1e-9, name="test"):
+    return Profile(
+        name=name,
+        alpha={kind: {"intra": alpha_intra, "inter": alpha_inter} for kind in COLLECTIVE_KINDS},
+        beta={kind: {"intra": beta_intra, "inter": beta_inter} for kind in COLLECTIVE_KINDS},
+        compute_alpha=compute_alpha, compute_beta=compute_beta, provenance="estimate")
+
+
+def profile_dict():
+    return uniform_profile().to_dict()
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_groups_follow_megatron_rank_order():
+    layout = Layout(tp=2, ep=4, etp=2, nodes=2, ranks_per_node=8)
+    assert layout.group_ranks("tp", 5) == [4, 5]
+    assert layout.group_ranks("expt_tp", 5) == [4, 5]
+    # rank = edp_idx * ep * etp + ep_idx * etp + etp_idx: EP strides by etp
+    assert layout.group_ranks("ep", 5) == [1, 3, 5, 7]
+    assert layout.group_ranks("ep", 10) == [8, 10, 12, 14]
+    assert layout.is_intra("ep") and layout.is_intra("tp")
+
+
+def test_peer_counts_and_worst_rank():
+    layout = Layout(tp=1, ep=4, etp=1, nodes=2, ranks_per_node=2)
+    assert layout.peer_counts("ep", 0) == (1, 2)
+    assert layout.peer_counts("ep") == (1, 2)
+    assert not layout.is_intra("ep")
+    # groups that straddle a node boundary for some ranks only: the worst rank counts
+    straddling = Layout(tp=2, ep=1, etp=1, nodes=2, ranks_per_node=3)
+    assert straddling.peer_counts("tp", 0) == (1, 0)
+    assert straddling.peer_counts("tp", 2) == (0, 1)
+    assert straddling.peer_counts("tp") == (0, 1)
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="tp"):
+        Layout(tp=3, ep=1, etp=1, nodes=1, ranks_per_node=4)
+    with pytest.raises(ValueError, match="ep \\* etp"):
+        Layout(tp=1, ep=4, etp=2, nodes=1, ranks_per_node=4)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Layout(tp=1, ep=1, etp=1, nodes=1, ranks_per_node=0)
+
+
+# ---------------------------------------------------------------- volumes
+
+
+def test_hand_computed_volumes_small_case():
+    # Row = M*b = 16 B. S1: rows per expert k*n/E = 4, rows to the EP peer 4 * 2 = 8 -> 128 B
+    # per A2A; 4 A2As (dispatch, combine, both directions) -> 512 B, all inter-node.
+    # R = E * 4 = 16 rows received; AG(ESP) 16 * 16 = 256 B to the one ESP peer, forward AG
+    # plus backward AG (dual of RS) = 512 B; RS likewise.
+    assert comm_volumes("parm_s1", small_shape(), SMALL_LAYOUT) == {
+        ("all_to_all", "ep"): {"intra": 0.0, "inter": 512.0},
+        ("all_gather", "expt_tp"): {"intra": 512.0, "inter": 0.0},
+        ("reduce_scatter", "expt_tp"): {"intra": 512.0, "inter": 0.0},
+    }
+    assert comm_volumes("parm_s2", small_shape(), SMALL_LAYOUT) == comm_volumes(
+        "parm_s1", small_shape(), SMALL_LAYOUT)
+    # ds_baseline: AG(TP) of n*M*b = 128 B, backward RS 128 B. The gate sees N = 16 tokens:
+    # rows per expert 8, to the peer 16 rows = 256 B per A2A -> 1024 B. R = 32 rows,
+    # AR(ESP) of 32 * 16 = 512 B: 2 * (2-1)/2 * 512 = 512 B, forward and backward -> 1024 B.
+    assert comm_volumes("ds_baseline", small_shape(), SMALL_LAYOUT) == {
+        ("all_gather", "tp"): {"intra": 128.0, "inter": 0.0},
+        ("all_to_all", "ep"): {"intra": 0.0, "inter": 1024.0},
+        ("all_reduce", "expt_tp"): {"intra": 1024.0, "inter": 0.0},
+        ("reduce_scatter", "tp"): {"intra": 128.0, "inter": 0.0},
+    }
+
+
+def test_probabilities_travel_on_the_dispatch_path():
+    shape = small_shape(prob_bytes=4)
+    volumes = comm_volumes("parm_s1", shape, SMALL_LAYOUT)
+    # dispatch A2A rows carry 4 more bytes (both directions), combine A2A does not:
+    # 2 * 8 * 20 + 2 * 8 * 16 = 576
+    assert volumes[("all_to_all", "ep")] == {"intra": 0.0, "inter": 576.0}
+    # forward AG of 16 rows * 20 B + backward AG (grad of RS) of 16 rows * 16 B
+    assert volumes[("all_gather", "expt_tp")] == {"intra": 576.0, "inter": 0.0}
+    assert volumes[("reduce_scatter", "expt_tp")] == {"intra": 576.0, "inter": 0.0}
+
+
+def test_restore_without_sequence_parallel():
+    s1 = comm_volumes("parm_s1", small_shape(), SMALL_LAYOUT, sequence_parallel=False)
+    assert s1[("all_gather", "tp")] == {"intra": 128.0, "inter": 0.0}  # n*M*b, forward only
+    s2 = comm_volumes("parm_s2", small_shape(prob_bytes=4), SMALL_LAYOUT,
+                      sequence_parallel=False)
+    assert s2[("all_gather", "tp")] == {"intra": 16 * 20.0, "inter": 0.0}  # R rows + probs
+    ds = comm_volumes("ds_baseline", small_shape(), SMALL_LAYOUT, sequence_parallel=False)
+    assert ("all_gather", "tp") not in ds and ("reduce_scatter", "tp") not in ds
+
+
+def test_mixed_ep_group_splits_bytes_per_peer():
+    layout = Layout(tp=1, ep=4, etp=1, nodes=2, ranks_per_node=2)
+    # k*n/E = 4 rows per expert, 1 expert per EP rank -> 4 rows = 64 B per peer per A2A;
+    # 1 peer on the node, 2 off it; 4 A2As.
+    volumes = comm_volumes("parm_s1", small_shape(), layout)
+    assert volumes == {("all_to_all", "ep"): {"intra": 4 * 64.0, "inter": 4 * 2 * 64.0}}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_ds_baseline_inter_a2a_is_t_times_s1(tp, nodes):
+    layout = Layout(tp=tp, ep=nodes, etp=tp, nodes=nodes, ranks_per_node=tp)
+    shape = LayerShape(num_tokens=64, hidden_size=32, ffn_hidden_size=16, num_experts=8,
+                       topk=2, dtype_bytes=2)
+    ds = comm_volumes("ds_baseline", shape, layout)[("all_to_all", "ep")]
+    s1 = comm_volumes("parm_s1", shape, layout)[("all_to_all", "ep")]
+    assert s1["inter"] > 0
+    assert ds["inter"] == tp * s1["inter"]
+    assert ds["intra"] == tp * s1["intra"]
+
+
+def test_capacity_factor():
+    shape = small_shape(capacity_factor=0.5)
+    assert shape.capacity(8) == 2  # ceil(2 * 8 * 0.5 / 4)
+    assert shape.rows_per_expert(8) == 2.0  # dropped from 4
+    assert small_shape(capacity_factor=1.1).capacity(8) == 5  # ceil(4.4)
+    assert small_shape(capacity_factor=1.0).capacity(8) == 4  # no float round-up
+    assert small_shape(capacity_factor=1.1).rows_per_expert(8) == 4.0  # no drop, no pad
+    assert small_shape(capacity_factor=1.1, pad_to_capacity=True).rows_per_expert(8) == 5.0
+    padded = comm_volumes("parm_s1", small_shape(capacity_factor=1.1, pad_to_capacity=True),
+                          SMALL_LAYOUT)
+    assert padded[("all_to_all", "ep")]["inter"] == 4 * (5 * 2) * 16.0
+    with pytest.raises(ValueError, match="pad_to_capacity"):
+        small_shape(pad_to_capacity=True)
+
+
+def test_expert_flops_match_between_s1_and_ds_when_etp_equals_tp():
+    def flops(dispatcher):
+        return sum(step.flops for step in build_plan(dispatcher, small_shape(), SMALL_LAYOUT))
+
+    # S1: s * R rows with H/s; ds: t * R rows (duplicated over TP) with H/s
+    per_row = 2 * 4 * (8 / 2) * 2  # fc1 + fc2, H split over etp = 2
+    assert flops("parm_s1") == 3 * 2 * 16 * per_row  # forward + 2x backward
+    assert flops("ds_baseline") == flops("parm_s1")
+    assert small_shape(gated_linear_unit=True).expert_flops_per_row(2) == 1.5 * per_row
+
+
+def test_unknown_dispatcher_and_bad_experts():
+    with pytest.raises(ValueError, match="unknown dispatcher"):
+        comm_volumes("alltoall", small_shape(), SMALL_LAYOUT)
+    with pytest.raises(ValueError, match="num_experts"):
+        comm_volumes("parm_s1", small_shape(num_experts=3, topk=2), SMALL_LAYOUT)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def test_s1_time_hand_computed():
+    profile = uniform_profile()
+    a2a = 1e-3 + 2e-6 * 128  # inter
+    gather = 1e-3 + 1e-6 * 256  # intra (AG and RS alike)
+    compute = 1e-9 * 2 * 16 * 64  # s * R rows, 4*M*H/s = 64 flops per row
+    prediction = predict("parm_s1", small_shape(), SMALL_LAYOUT, profile)
+    assert prediction.forward_s == pytest.approx(2 * a2a + 2 * gather + compute)
+    assert prediction.backward_s == pytest.approx(2 * a2a + 2 * gather + 2 * compute)
+    assert prediction.total_s == pytest.approx(prediction.forward_s + prediction.backward_s)
+    assert sum(prediction.stage_seconds().values()) == pytest.approx(prediction.total_s)
+    assert [stage.name for stage in prediction.stages if stage.direction == "forward"] == [
+        "dispatch_a2a", "dispatch_ag", "experts", "combine_rs", "combine_a2a"]
+
+
+def test_s2_time_hand_computed():
+    profile = uniform_profile()
+    a2a = 1e-3 + 2e-6 * 64  # half the bytes per chunk, full alpha
+    gather = 1e-3 + 1e-6 * 128
+    compute = 1e-9 * 2 * 16 * 64 / 2
+    prediction = predict("parm_s2", small_shape(), SMALL_LAYOUT, profile, num_chunks=2)
+    one_chunk = 2 * a2a + 2 * gather + compute
+    busiest = max(2 * a2a, 2 * gather, compute)
+    assert prediction.forward_s == pytest.approx(one_chunk + busiest)
+    assert prediction.resources["forward"]["inter"] == pytest.approx(2 * a2a)
+    assert prediction.resources["forward"]["intra"] == pytest.approx(2 * gather)
+
+
+@pytest.mark.parametrize("profile_file", SHIPPED_PROFILES)
+@pytest.mark.parametrize("num_tokens", [4, 256, 4096])
+def test_s2_with_one_chunk_equals_s1(profile_file, num_tokens):
+    profile = load_profile(os.path.join(PROFILE_DIR, profile_file))
+    shape = small_shape(num_tokens=num_tokens, hidden_size=256, ffn_hidden_size=512,
+                        prob_bytes=4)
+    s1 = predict("parm_s1", shape, SMALL_LAYOUT, profile)
+    s2 = predict("parm_s2", shape, SMALL_LAYOUT, profile, num_chunks=1)
+    assert s2.total_s == s1.total_s
+    assert s2.forward_s == s1.forward_s and s2.backward_s == s1.backward_s
+
+
+def test_s2_with_one_chunk_differs_from_s1_only_by_restore():
+    profile = uniform_profile()
+    s1 = predict("parm_s1", small_shape(), SMALL_LAYOUT, profile, sequence_parallel=False)
+    s2 = predict("parm_s2", small_shape(), SMALL_LAYOUT, profile, num_chunks=1,
+                 sequence_parallel=False)
+
+    def restore(prediction):
+        return sum(stage.seconds for stage in prediction.stages if stage.name == "restore_ag")
+
+    assert restore(s1) == pytest.approx(1e-3 + 1e-6 * 128)
+    assert restore(s2) == pytest.approx(1e-3 + 1e-6 * 256)
+    assert s2.total_s - restore(s2) == pytest.approx(s1.total_s - restore(s1))
+
+
+@pytest.mark.parametrize("dispatcher,num_chunks",
+                         [("ds_baseline", None), ("parm_s1", None), ("parm_s2", 4)])
+@pytest.mark.parametrize("field", ["num_tokens", "hidden_size", "ffn_hidden_size"])
+def test_time_is_monotonic_in_message_size(dispatcher, num_chunks, field):
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie.yaml"))
+    times = []
+    for value in (8, 16, 64, 256, 1024):
+        shape = small_shape(**{field: value})
+        times.append(predict(dispatcher, shape, SMALL_LAYOUT, profile, num_chunks).total_s)
+    assert all(later > earlier for earlier, later in zip(times, times[1:]))
+
+
+def test_s2_is_bounded_below_by_its_busiest_resource():
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_nvlink.yaml"))
+    shape = small_shape(num_tokens=1024, hidden_size=512, ffn_hidden_size=256)
+    for chunks in (2, 4, 8, 16):
+        prediction = predict("parm_s2", shape, SMALL_LAYOUT, profile, num_chunks=chunks)
+        for direction, busy in prediction.resources.items():
+            seconds = prediction.forward_s if direction == "forward" else prediction.backward_s
+            assert seconds >= chunks * max(busy.values()) - 1e-12
+
+
+def test_predict_checks_num_chunks():
+    with pytest.raises(ValueError, match="num_chunks"):
+        predict("parm_s2", small_shape(), SMALL_LAYOUT, uniform_profile())
+    with pytest.raises(ValueError, match="num_chunks"):
+        predict("parm_s1", small_shape(), SMALL_LAYOUT, uniform_profile(), num_chunks=4)
+
+
+def test_single_rank_groups_cost_nothing():
+    layout = Layout(tp=1, ep=1, etp=1, nodes=1, ranks_per_node=1)
+    assert comm_volumes("parm_s1", small_shape(), layout) == {}
+    prediction = predict("parm_s1", small_shape(), layout, uniform_profile())
+    assert [stage.kind for stage in prediction.stages] == ["compute", "compute"]
+
+
+# ---------------------------------------------------------------- choice
+
+
+def test_choice_prefers_s1_for_tiny_layers_and_s2_for_large_ones():
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie.yaml"))
+    tiny = small_shape(num_tokens=8, hidden_size=16, ffn_hidden_size=16)
+    choice = choose_schedule(tiny, SMALL_LAYOUT, profile)
+    assert choice.schedule == "parm_s1"
+    assert choice.dispatcher == "parm_s1" and choice.num_chunks == 1
+    assert set(choice.times) == {"parm_s1", ("parm_s2", 2), ("parm_s2", 4), ("parm_s2", 8)}
+
+    large = small_shape(num_tokens=4096, hidden_size=1024, ffn_hidden_size=1024)
+    choice = choose_schedule(large, SMALL_LAYOUT, profile)
+    assert choice.dispatcher == "parm_s2" and choice.num_chunks in (2, 4, 8)
+    assert choice.times[choice.schedule] == min(choice.times.values())
+    assert choice.times[choice.schedule] < choice.times["parm_s1"]
+
+
+def test_choice_matches_the_prototype_direction_on_gpu_estimates():
+    profile = load_profile(os.path.join(PROFILE_DIR, "nvlink_ib_estimate.yaml"))
+    layout = Layout(tp=8, ep=4, etp=8, nodes=4, ranks_per_node=8)
+    shape = LayerShape(num_tokens=4096, hidden_size=4096, ffn_hidden_size=14336,
+                       num_experts=8, topk=2, dtype_bytes=2)
+    assert choose_schedule(shape, layout, profile).dispatcher == "parm_s2"
+    tiny = LayerShape(num_tokens=2, hidden_size=64, ffn_hidden_size=64, num_experts=8,
+                      topk=2, dtype_bytes=2)
+    assert choose_schedule(tiny, layout, profile).schedule == "parm_s1"
+
+
+def test_choice_is_deterministic_and_breaks_ties_towards_s1():
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_nvlink.yaml"))
+    shape = small_shape(num_tokens=512, hidden_size=256, ffn_hidden_size=256)
+    first = choose_schedule(shape, SMALL_LAYOUT, profile, chunk_candidates=(8, 2, 4, 4))
+    second = choose_schedule(shape, SMALL_LAYOUT, profile, chunk_candidates=(2, 4, 8))
+    assert first.schedule == second.schedule and first.times == second.times
+    free = uniform_profile(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert choose_schedule(shape, SMALL_LAYOUT, free).schedule == "parm_s1"
+    # min_gain: S2 must beat S1 by more than that fraction
+    best = first.times[first.schedule] / first.times["parm_s1"]
+    assert choose_schedule(shape, SMALL_LAYOUT, profile,
+                           min_gain=1.0 - best + 0.01).schedule == "parm_s1"
+
+
+def test_choice_skips_chunk_counts_above_token_count_and_rejects_bad_ones():
+    choice = choose_schedule(small_shape(num_tokens=4), SMALL_LAYOUT, uniform_profile())
+    assert set(choice.times) == {"parm_s1", ("parm_s2", 2), ("parm_s2", 4)}
+    with pytest.raises(ValueError, match="chunk_candidates"):
+        choose_schedule(small_shape(), SMALL_LAYOUT, uniform_profile(), chunk_candidates=(1,))
+
+
+# ---------------------------------------------------------------- profiles
+
+
+@pytest.mark.parametrize("profile_file", SHIPPED_PROFILES)
+def test_shipped_profiles_load(profile_file):
+    profile = load_profile(os.path.join(PROFILE_DIR, profile_file))
+    assert profile.provenance == "estimate"
+    assert "estimate" in profile.note.lower()
+    for kind in COLLECTIVE_KINDS:
+        # intra-node links are faster than inter-node ones in every shipped profile
+        assert profile.beta[kind]["intra"] < profile.beta[kind]["inter"]
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_profile_round_trip(tmp_path, suffix):
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie.yaml"))
+    path = tmp_path / f"copy{suffix}"
+    save_profile(profile, path)
+    assert load_profile(path) == profile
+
+
+def _write(tmp_path, data, name="bad.yaml"):
+    path = tmp_path / name
+    if name.endswith(".json"):
+        path.write_text(json.dumps(data))
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_profile_missing_field_names_path_and_field(tmp_path):
+    data = profile_dict()
+    del data["alpha"]["all_to_all"]["inter"]
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError) as error:
+        load_profile(path)
+    assert str(error.value) == f"profile {path}: field alpha.all_to_all.inter missing"
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda data: data["beta"]["all_gather"].update(intra=-1.0), "beta.all_gather.intra"),
+    (lambda data: data["beta"]["all_gather"].update(intra="fast"), "beta.all_gather.intra"),
+    (lambda data: data["compute"].pop("beta"), "compute.beta"),
+    (lambda data: data.pop("alpha"), "alpha"),
+    (lambda data: data["alpha"].update(broadcast={"intra": 1, "inter": 1}), "alpha.broadcast"),
+    (lambda data: data.update(provenance="guess"), "provenance"),
+    (lambda data: data.update(bandwidth=1), "bandwidth"),
+])
+@pytest.mark.parametrize("name", ["bad.yaml", "bad.json"])
+def test_profile_errors_name_path_and_field(tmp_path, mutate, field, name):
+    data = profile_dict()
+    mutate(data)
+    path = _write(tmp_path, data, name)
+    with pytest.raises(ValueError) as error:
+        load_profile(path)
+    message = str(error.value)
+    assert message.startswith(f"profile {path}: field {field}")
+
+
+def test_profile_unreadable_or_malformed(tmp_path):
+    with pytest.raises(ValueError, match="profile .*missing.yaml: cannot read"):
+        load_profile(tmp_path / "missing.yaml")
+    path = tmp_path / "broken.yaml"
+    path.write_text("alpha: [unclosed\n")
+    with pytest.raises(ValueError, match=f"profile {path}: not valid YAML"):
+        load_profile(path)
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    samples = [(size, 2e-4 + 3e-9 * size) for size in (1e3, 1e5, 1e6, 4e6)]
+    alpha, beta = fit_alpha_beta(samples)
+    assert alpha == pytest.approx(2e-4)
+    assert beta == pytest.approx(3e-9)
+    with pytest.raises(ValueError):
+        fit_alpha_beta([(1.0, 1.0)])
+
+
+def test_package_imports_without_torch_or_megatron():
+    code = ("import sys; import megatron_parm.perf_model; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'megatron', 'yaml', 'numpy')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+# ---------------------------------------------------------------- tools/plan_schedule.py
+
+_PLAN_FLAGS = [
+    "--hidden-size", "512", "--moe-ffn-hidden-size", "256", "--num-experts", "4",
+    "--moe-router-topk", "2", "--seq-length", "2048", "--micro-batch-size", "1",
+    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+    "--expert-tensor-parallel-size", "2", "--sequence-parallel", "--nnodes", "2",
+    "--nproc-per-node", "2",
+]
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, PLAN_SCHEDULE, *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_plan_schedule_prints_a_table():
+    result = _plan("--parm-profile", os.path.join(PROFILE_DIR, "emulated_pcie.yaml"),
+                   *_PLAN_FLAGS)
+    assert result.returncode == 0, result.stderr
+    for label in ("ds_baseline", "parm_s1", "parm_s2(c=2)", "parm_s2(c=4)", "parm_s2(c=8)",
+                  "choice:", "<- choice"):
+        assert label in result.stdout
+
+
+def test_plan_schedule_reads_a_config(tmp_path):
+    config = tmp_path / "model.yaml"
+    config.write_text(
+        "num_layers: 4\nhidden_size: 64\nmoe_ffn_hidden_size: 64\nnum_experts: 8\n"
+        "moe_router_topk: 2\nseq_length: 8\nmicro_batch_size: 1\ntp: 2\nep: 2\netp: 2\n"
+        "sequence_parallel: true\nnodes: 2\nranks_per_node: 2\nlr: 1.0e-4\n")
+    result = _plan("--config", str(config), "--parm-profile", "emulated_pcie", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["choice"] == "parm_s1"  # 4 tokens per rank: latency-bound
+    assert report["num_moe_layers"] == 4
+    assert set(report["times_s"]) == {"ds_baseline", "parm_s1", "parm_s2(c=2)",
+                                      "parm_s2(c=4)"}
+    assert "lr" in result.stderr  # unused keys are reported, not silently dropped
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--hidden-size", "x"], "--hidden-size"),
+    (["--num-experts", "3"], "--num-experts"),
+    (["--moe-expert-capacity-factor", "-1"], "--moe-expert-capacity-factor"),
+    (["--parm-chunk-candidates", "1,2"], "--parm-chunk-candidates"),
+    (["--nproc-per-node", "3"], "--nproc-per-node"),
+])
+def test_plan_schedule_bad_flags_name_the_flag(args, flag):
+    result = _plan("--parm-profile", "emulated_pcie", *_PLAN_FLAGS, *args)
+    assert result.returncode == 2
+    assert flag in result.stderr.splitlines()[-1]
+
+
+def test_plan_schedule_bad_profile_names_the_flag(tmp_path):
+    result = _plan("--parm-profile", str(tmp_path / "none.yaml"), *_PLAN_FLAGS)
+    assert result.returncode == 2
+    assert "--parm-profile" in result.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nprovenance: measured\n")
+    result = _plan("--parm-profile", str(bad), *_PLAN_FLAGS)
+    assert result.returncode == 2
+    assert f"profile {bad}: field alpha missing" in result.stderr
