@@ -1,0 +1,153 @@
+"""One MoE layer, built alone and timed: what tools/bench_moe_layer.py and the tests share.
+
+Notation: S sequence length, B micro-batch, M hidden, F expert FFN hidden, E experts,
+k top-k; (t, e, s) the layout (TP, EP, ETP).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_parm.comm.accounting import track_comm
+from megatron_parm.config import ParmTransformerConfig
+from megatron_parm.layer import ParmMoELayer
+from megatron_parm.specs import get_gpt_layer_parm_spec
+
+
+@dataclass
+class MoELayerSpec:
+    seq_length: int = 256
+    micro_batch_size: int = 2
+    hidden_size: int = 256
+    ffn_hidden_size: int = 512
+    num_experts: int = 8
+    topk: int = 2
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = True
+    num_chunks: int = 4
+    aux_loss_coeff: float = 0.0
+    params_dtype: torch.dtype = torch.float32
+    extra: Dict = field(default_factory=dict)
+
+    def config(self, dispatcher: str) -> ParmTransformerConfig:
+        return ParmTransformerConfig(
+            num_layers=1, hidden_size=self.hidden_size, num_attention_heads=4,
+            ffn_hidden_size=self.ffn_hidden_size, moe_ffn_hidden_size=self.ffn_hidden_size,
+            num_moe_experts=self.num_experts, moe_router_topk=self.topk,
+            moe_router_pre_softmax=self.topk == 1, moe_token_dispatcher_type=dispatcher,
+            tensor_model_parallel_size=self.tp, expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            sequence_parallel=self.sequence_parallel and self.tp > 1,
+            moe_aux_loss_coeff=self.aux_loss_coeff, moe_expert_capacity_factor=self.capacity_factor,
+            moe_pad_expert_input_to_capacity=self.pad_to_capacity, use_cpu_initialization=True,
+            add_bias_linear=False, params_dtype=self.params_dtype,
+            bf16=self.params_dtype == torch.bfloat16, parm_num_chunks=self.num_chunks, **self.extra)
+
+    def local_input_shape(self):
+        """This rank's layer input [S/t, B, M] (or [S, B, M] replicated without SP)."""
+        rows = self.seq_length // self.tp if (self.sequence_parallel or self.tp == 1) else self.seq_length
+        return (rows, self.micro_batch_size, self.hidden_size)
+
+
+def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
+    layer = ParmMoELayer(spec.config(dispatcher), get_gpt_layer_parm_spec(num_experts=spec.num_experts)
+                         .submodules.mlp.submodules)
+    return layer.train()
+
+
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Same router and expert weights (both layers built on this rank with one layout)."""
+    dst.load_state_dict(src.state_dict())
+
+
+def step(layer: ParmMoELayer, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Forward + backward; returns the output."""
+    x = x.detach().requires_grad_()
+    out, _ = layer(x)
+    out.backward(grad)
+    return out.detach()
+
+
+@dataclass
+class Timing:
+    dispatcher: str
+    times_ms: List[float]
+    bytes: Dict[str, Dict[str, int]]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+
+def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2, iters: int = 5,
+                     seed: int = 1234) -> Dict[str, Timing]:
+    """Forward+backward time of one layer per dispatcher, interleaved so drift hits all alike.
+
+    A step's time is the slowest rank's. Bytes are summed over ranks for one step.
+    """
+    layers = {name: build_layer(spec, name) for name in dispatchers}
+    first = layers[dispatchers[0]]
+    for name in dispatchers[1:]:
+        copy_weights(first, layers[name])
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
+    grad = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
+
+    results = {name: Timing(name, [], {}) for name in dispatchers}
+    for name in dispatchers:  # one accounted step each (also a warm-up)
+        with track_comm() as stats:
+            step(layers[name], x, grad)
+        results[name].bytes = _world_bytes(stats)
+    for it in range(warmup + iters):
+        for name in dispatchers:
+            dist.barrier()
+            start = time.perf_counter()
+            step(layers[name], x, grad)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if it >= warmup:
+                results[name].times_ms.append(1e3 * elapsed.item())
+            layers[name].zero_grad(set_to_none=True)
+    return results
+
+
+def _world_bytes(stats) -> Dict[str, Dict[str, int]]:
+    """Every rank's accounted bytes, summed, as {"kind/group": {"intra": .., "inter": ..}}."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stats.totals())
+    out: Dict[str, Dict[str, int]] = {}
+    for totals in gathered:
+        for (kind, group), v in totals.items():
+            entry = out.setdefault(f"{kind}/{group}", {"intra": 0, "inter": 0})
+            entry["intra"] += v["intra"]
+            entry["inter"] += v["inter"]
+    return out
+
+
+def max_output_diff(spec: MoELayerSpec, dispatchers: List[str], reference: str = "alltoall",
+                    seed: int = 99) -> Dict[str, float]:
+    """Max |out - out_reference| over ranks for each dispatcher, same weights and input."""
+    layers = {name: build_layer(spec, name) for name in set(dispatchers) | {reference}}
+    for name in layers:
+        if name != reference:
+            copy_weights(layers[reference], layers[name])
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
+    grad = torch.ones_like(x)
+    ref = step(layers[reference], x, grad)
+    diffs = {}
+    for name in dispatchers:
+        d = torch.tensor([(step(layers[name], x, grad) - ref).abs().max().item()])
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        diffs[name] = d.item()
+    return diffs

@@ -1,0 +1,133 @@
+"""Time forward+backward of one MoE layer with each dispatcher, side by side.
+
+    # 4 ranks on one machine (CPU/gloo or GPUs/NCCL)
+    torchrun --nproc-per-node 4 tools/bench_moe_layer.py \\
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 2 \\
+        --expert-tensor-parallel-size 2 --sequence-parallel
+    # on the emulated cluster (2 nodes x 2 ranks, shaped links)
+    python tools/emulate_cluster.py --nnodes 2 --nproc-per-node 2 --preset pcie -- \\
+        python tools/bench_moe_layer.py ...
+
+Dispatchers run interleaved (each iteration runs all of them once), so machine drift hits
+all alike; each step's time is the slowest rank's, and the table shows medians, ratios to
+ds_baseline and alltoall, the bytes sent intra- and inter-node per step (summed over ranks,
+from the dispatchers' byte accounting; Megatron's own dispatchers are not accounted), and
+the largest output difference to alltoall. --output appends one JSON line per dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_parm import platform  # noqa: E402
+from megatron_parm.dispatchers import VALID_DISPATCHERS  # noqa: E402
+
+DEFAULT_DISPATCHERS = "alltoall,allgather,ds_baseline,parm_s1,parm_s2"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="default: the tensor-parallel size, as in Megatron")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=512)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    p.add_argument("--parm-num-chunks", type=int, default=4)
+    p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
+                   help=f"comma-separated, from {', '.join(VALID_DISPATCHERS)}")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--output", default=None, help="append JSON lines here (rank 0)")
+    args = p.parse_args(argv)
+    args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
+    for name in args.dispatchers:
+        if name not in VALID_DISPATCHERS:
+            p.error(f"--dispatchers: unknown dispatcher {name!r}; valid: {', '.join(VALID_DISPATCHERS)}")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.iters < 1:
+        p.error("--iters must be >= 1")
+    return args
+
+
+def spec_from_args(args):
+    from megatron_parm.bench.moe_layer import MoELayerSpec
+
+    return MoELayerSpec(
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.moe_ffn_hidden_size, num_experts=args.num_experts, topk=args.moe_router_topk,
+        capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+        tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
+        num_chunks=args.parm_num_chunks)
+
+
+def format_table(spec, results, diffs) -> str:
+    base = results.get("ds_baseline")
+    a2a = results.get("alltoall")
+    lines = [
+        f"MoE layer: S={spec.seq_length} B={spec.micro_batch_size} M={spec.hidden_size} "
+        f"F={spec.ffn_hidden_size} E={spec.num_experts} k={spec.topk} | tp={spec.tp} ep={spec.ep} "
+        f"etp={spec.etp} sp={spec.sequence_parallel} | world={dist.get_world_size()}",
+        f"{'dispatcher':<12} {'median ms':>10} {'x ds_base':>10} {'x alltoall':>11} "
+        f"{'intra MB':>9} {'inter MB':>9} {'max |diff|':>11}",
+    ]
+    for name, timing in results.items():
+        intra = sum(v["intra"] for v in timing.bytes.values()) / 1e6
+        inter = sum(v["inter"] for v in timing.bytes.values()) / 1e6
+        accounted = bool(timing.bytes) or name not in ("alltoall", "allgather")
+        vs_base = f"{base.median_ms / timing.median_ms:.2f}" if base else "-"
+        vs_a2a = f"{a2a.median_ms / timing.median_ms:.2f}" if a2a else "-"
+        lines.append(
+            f"{name:<12} {timing.median_ms:>10.1f} {vs_base:>10} {vs_a2a:>11} "
+            f"{(f'{intra:.2f}' if accounted else 'n/a'):>9} {(f'{inter:.2f}' if accounted else 'n/a'):>9} "
+            f"{diffs.get(name, float('nan')):>11.2e}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    platform.setup()
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
+    from megatron_parm.parallel import initialize_model_parallel
+
+    spec = spec_from_args(args)
+    for name in args.dispatchers:
+        initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts, dispatcher=name)
+    model_parallel_cuda_manual_seed(1234)
+    results = time_dispatchers(spec, args.dispatchers, warmup=args.warmup, iters=args.iters)
+    diffs = max_output_diff(spec, args.dispatchers)
+    if dist.get_rank() == 0:
+        print(format_table(spec, results, diffs), flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                for name, timing in results.items():
+                    f.write(json.dumps(dict(
+                        dispatcher=name, median_ms=timing.median_ms, times_ms=timing.times_ms,
+                        bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
+                        world_size=dist.get_world_size(), **{k: v for k, v in vars(spec).items()
+                                                              if k not in ("extra", "params_dtype")})) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
