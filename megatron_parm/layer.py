@@ -26,8 +26,8 @@ class ParmMoELayer(MoELayer):
     """A drop-in MoELayer (same constructor) that also accepts Parm's dispatchers.
 
     config.moe_token_dispatcher_type picks the dispatcher: ``allgather`` and ``alltoall``
-    are Megatron's own (the layer is then exactly MoELayer), ``ds_baseline``, ``parm_s1``
-    and ``parm_s2`` are Parm's. With a Parm dispatcher and TP > 1 without sequence
+    are Megatron's own (the layer is then exactly MoELayer), ``ds_baseline``, ``parm_s1``,
+    ``parm_s2`` and ``parm`` (the performance model's choice of S1 or S2) are Parm's. With a Parm dispatcher and TP > 1 without sequence
     parallelism, the input is replicated over TP: the layer routes only this rank's
     sequence shard and restores the full output with one AG [TP], so no TP rank repeats
     another's work.
@@ -55,9 +55,15 @@ class ParmMoELayer(MoELayer):
         self.token_dispatcher = PARM_DISPATCHERS[name](
             self.num_local_experts, self.local_expert_indices, config=config,
             pg_collection=pg_collection)
+        self.token_dispatcher.layer_number = layer_number
         if self.use_shared_expert and self.shared_expert_overlap:
             raise ValueError("--moe-shared-expert-overlap is not supported with "
                              f"--moe-token-dispatcher-type {name}")
+
+    def set_layer_number(self, layer_number: int):
+        super().set_layer_number(layer_number)
+        if self.uses_parm_dispatcher:
+            self.token_dispatcher.layer_number = layer_number
 
     @property
     def uses_parm_dispatcher(self) -> bool:

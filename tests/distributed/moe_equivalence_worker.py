@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_parm import platform  # noqa: E402
 
 S, B, M, F, E = 8, 2, 16, 32, 8
-DISPATCHERS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2")
+DISPATCHERS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm")
 # name -> (top-k, capacity factor, pad to capacity, aux-loss coefficient); top-1 routing
 # takes the softmax over all experts before top-k (Megatron requires that for k = 1).
 CASES = {
@@ -56,7 +56,25 @@ def global_tensors(seed: int, num_replicas: int):
     }
 
 
-def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False):
+def latency_free_profile(path: str) -> str:
+    """The emulated profile with every alpha zeroed: pipelining always pays, so parm picks S2."""
+    import dataclasses
+
+    from megatron_parm.dispatchers.parm_auto import default_profile_path
+    from megatron_parm.perf_model import load_profile, save_profile
+
+    base = load_profile(default_profile_path())
+    zero = {kind: {link: 0.0 for link in links} for kind, links in base.alpha.items()}
+    save_profile(dataclasses.replace(base, alpha=zero, compute_alpha=0.0, name="latency-free"), path)
+    return path
+
+
+# Profiles parm decides with, per case: the default estimate (tiny layers: S1) or a
+# latency-free one (S2), so that both of its branches run.
+PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free", "top1": None}
+
+
+def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part."""
     from megatron.core import parallel_state as ps
 
@@ -73,7 +91,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         sequence_parallel=sequence_parallel, moe_aux_loss_coeff=aux, moe_expert_capacity_factor=capacity,
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
-        params_dtype=torch.float32, parm_num_chunks=3)
+        params_dtype=torch.float32, parm_num_chunks=3, parm_profile=profile)
     spec = get_gpt_layer_parm_spec(num_experts=E)
     layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules)
     layer.train()
@@ -118,6 +136,8 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     for t in full.values():
         dist.all_reduce(t)
     totals = stats.totals() if track else None
+    choice = getattr(layer.token_dispatcher, "choice", None)
+    full["choice"] = str(choice.schedule) if choice is not None else None
     return full, totals, x.detach()
 
 
@@ -217,9 +237,15 @@ def check_layout(tp, ep, etp, records):
         data = global_tensors(7 + len(records), num_replicas)
         results = {}
         for name in DISPATCHERS:
+            profile = PROFILE_PATHS.get(PARM_PROFILE[case_name]) if name == "parm" else None
             results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
-                                                       track=(case_name == "dropless"))
-            if totals is not None and name != "alltoall":
+                                                       track=(case_name == "dropless"), profile=profile)
+            if name == "parm":
+                records.append(dict(layout=layout, case=case_name, dispatcher="parm", against="choice",
+                                    quantity="schedule", choice=results[name].pop("choice")))
+            else:
+                results[name].pop("choice")
+            if totals is not None and name not in ("alltoall", "parm"):
                 check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records)
         ref = reference(case, data, tp)
         for name in DISPATCHERS[1:]:
@@ -239,6 +265,7 @@ def check_layout(tp, ep, etp, records):
         ref = reference(case, data, tp)
         for name in ("parm_s1", "parm_s2", "ds_baseline"):
             full, _, _ = run_layer(name, case, tp, ep, etp, False, data)
+            full.pop("choice")
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
                                     against="reference", quantity=key, err=rel_err(full[key], ref[key])))
@@ -267,10 +294,14 @@ def check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records):
                         quantity="bytes", mismatch=mismatch, a2a_world=a2a.item()))
 
 
+PROFILE_PATHS = {}
+
+
 def main():
     out_path, layouts = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     platform.setup()
+    PROFILE_PATHS["latency-free"] = latency_free_profile(out_path + f".rank{dist.get_rank()}.profile.yaml")
     torch.manual_seed(0)
     records = []
     for spec in layouts:
