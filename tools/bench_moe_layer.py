@@ -11,7 +11,7 @@
 Dispatchers run interleaved (each iteration runs all of them once), so machine drift hits
 all alike; each step's time is the slowest rank's, and the table shows medians, ratios to
 ds_baseline and alltoall, the bytes sent intra- and inter-node per step (summed over ranks,
-from the dispatchers' byte accounting; Megatron's own dispatchers are not accounted), and
+from the byte accounting, which covers Megatron's own dispatchers too), and
 the largest output difference to alltoall. --output appends one JSON line per dispatcher.
 """
 
@@ -91,12 +91,11 @@ def format_table(spec, results, diffs) -> str:
     for name, timing in results.items():
         intra = sum(v["intra"] for v in timing.bytes.values()) / 1e6
         inter = sum(v["inter"] for v in timing.bytes.values()) / 1e6
-        accounted = bool(timing.bytes) or name not in ("alltoall", "allgather")
         vs_base = f"{base.median_ms / timing.median_ms:.2f}" if base else "-"
         vs_a2a = f"{a2a.median_ms / timing.median_ms:.2f}" if a2a else "-"
         lines.append(
             f"{name:<12} {timing.median_ms:>10.1f} {vs_base:>10} {vs_a2a:>11} "
-            f"{(f'{intra:.2f}' if accounted else 'n/a'):>9} {(f'{inter:.2f}' if accounted else 'n/a'):>9} "
+            f"{intra:>9.2f} {inter:>9.2f} "
             f"{diffs.get(name, float('nan')):>11.2e}")
     return "\n".join(lines)
 

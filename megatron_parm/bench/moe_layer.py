@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_parm.bench.native_accounting import account_native_dispatchers
 from megatron_parm.comm.accounting import track_comm
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
@@ -93,7 +94,8 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
                      seed: int = 1234) -> Dict[str, Timing]:
     """Forward+backward time of one layer per dispatcher, interleaved so drift hits all alike.
 
-    A step's time is the slowest rank's. Bytes are summed over ranks for one step.
+    A step's time is the slowest rank's. Bytes are summed over ranks for one step
+    (Megatron's own dispatchers included, through account_native_dispatchers).
     """
     layers = {name: build_layer(spec, name) for name in dispatchers}
     first = layers[dispatchers[0]]
@@ -105,7 +107,7 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
 
     results = {name: Timing(name, [], {}) for name in dispatchers}
     for name in dispatchers:  # one accounted step each (also a warm-up)
-        with track_comm() as stats:
+        with track_comm() as stats, account_native_dispatchers():
             step(layers[name], x, grad)
         results[name].bytes = _world_bytes(stats)
     for it in range(warmup + iters):

@@ -39,7 +39,7 @@ def _row_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
-def _record(kind: str, name: Optional[str], group, bytes_per_peer: Sequence[int]) -> None:
+def record_bytes(kind: str, name: Optional[str], group, bytes_per_peer: Sequence[int]) -> None:
     if name is None:  # unaccounted traffic (the platform's redirect of Megatron's own calls)
         return
     ranks = _group_ranks(group)
@@ -86,7 +86,7 @@ def start_all_to_all(tensor: torch.Tensor, group, name: str,
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
     row = _row_bytes(tensor)
-    _record("all_to_all", name, group, [s * row for s in input_splits])
+    record_bytes("all_to_all", name, group, [s * row for s in input_splits])
     work = dist.all_to_all_single(out, tensor, output_splits, input_splits, group=group,
                                   async_op=True)
     return Pending(work, lambda: out)
@@ -99,7 +99,7 @@ def start_all_gather(tensor: torch.Tensor, group, name: str,
     if size == 1:
         return _done(tensor)
     rows = tensor.shape[0]
-    _record("all_gather", name, group, [rows * _row_bytes(tensor)] * size)
+    record_bytes("all_gather", name, group, [rows * _row_bytes(tensor)] * size)
     tail = tuple(tensor.shape[1:])
     if split_sizes is None or len(set(int(s) for s in split_sizes)) == 1:
         out = tensor.new_empty((rows * size,) + tail)
@@ -124,7 +124,7 @@ def start_reduce_scatter(tensor: torch.Tensor, group, name: str,
         split_sizes = [tensor.shape[0] // size] * size
     split_sizes = [int(s) for s in split_sizes]
     row = _row_bytes(tensor)
-    _record("reduce_scatter", name, group, [s * row for s in split_sizes])
+    record_bytes("reduce_scatter", name, group, [s * row for s in split_sizes])
     me = group.rank()
     if len(set(split_sizes)) == 1:
         out = tensor.new_empty((split_sizes[0],) + tail)
@@ -143,7 +143,7 @@ def start_all_reduce(tensor: torch.Tensor, group, name: str) -> Pending:
         return _done(tensor)
     total = tensor.numel() * tensor.element_size()
     # reduce-scatter + all-gather: one g-th of the tensor to each peer, twice.
-    _record("all_reduce", name, group, [2 * total // size] * size)
+    record_bytes("all_reduce", name, group, [2 * total // size] * size)
     out = tensor.clone()
     work = dist.all_reduce(out, group=group, async_op=True)
     return Pending(work, lambda: out)

@@ -78,6 +78,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     """Forward + backward on this rank; returns full-size tensors holding this rank's part."""
     from megatron.core import parallel_state as ps
 
+    from megatron_parm.bench.native_accounting import account_native_dispatchers
     from megatron_parm.comm.accounting import track_comm
     from megatron_parm.config import ParmTransformerConfig
     from megatron_parm.layer import ParmMoELayer
@@ -116,7 +117,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         x = data["x"][dp_rank].clone().requires_grad_()
         dy = data["dy"][dp_rank]
 
-    with track_comm() as stats:
+    with track_comm() as stats, account_native_dispatchers():
         out, _ = layer(x)
         out.backward(dy)
     full = {k: torch.zeros_like(data[k]) for k in ("x", "router", "fc1", "fc2")}
@@ -179,15 +180,15 @@ def expected_bytes(dispatcher, counts, me, tp, ep, etp, n_tokens):
         return slice(j * num_local, (j + 1) * num_local)
 
     out = {}
-    if dispatcher in ("parm_s1", "parm_s2"):
+    if dispatcher in ("parm_s1", "parm_s2", "alltoall"):
         sent = sum(int(counts[me, experts_of(p)].sum()) for p in ep_group if p != me)
         my_ep = ep_group.index(me)
         local = slice(my_ep * num_local, (my_ep + 1) * num_local)
         recv = sum(int(counts[p, local].sum()) for p in ep_group if p != me)
         if ep > 1:
             out[("all_to_all", "ep")] = (sent + recv) * (2 * row + prob)
-        if etp * ep > 1:
-            out[("all_gather", "tp_ep_counts")] = (etp * ep - 1) * E * 8
+        if etp * ep > 1:  # the routing counts (Megatron's alltoall gathers them on tp_ep)
+            out[("all_gather", "tp_ep" if dispatcher == "alltoall" else "tp_ep_counts")] = (etp * ep - 1) * E * 8
         if etp > 1:
             def held(rank):  # rows an ESP peer holds after its A2A
                 grp = [r for r in range(dist.get_world_size())
@@ -245,7 +246,7 @@ def check_layout(tp, ep, etp, records):
                                     quantity="schedule", choice=results[name].pop("choice")))
             else:
                 results[name].pop("choice")
-            if totals is not None and name not in ("alltoall", "parm"):
+            if totals is not None and name != "parm":
                 check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records)
         ref = reference(case, data, tp)
         for name in DISPATCHERS[1:]:
