@@ -54,6 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--output", default=None, help="append JSON lines here (rank 0)")
+    p.add_argument("--grid", default=None,
+                   help="YAML grid of configurations (configs/bench/*.yaml); flags give the defaults")
+    p.add_argument("--label", default="", help="tag written into every JSON line (e.g. the link class)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the output comparison with alltoall (saves a step per dispatcher)")
     args = p.parse_args(argv)
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     for name in args.dispatchers:
@@ -66,16 +71,53 @@ def parse_args(argv=None):
     return args
 
 
-def spec_from_args(args):
+def spec_from_args(args, **overrides):
     from megatron_parm.bench.moe_layer import MoELayerSpec
 
-    return MoELayerSpec(
+    spec = MoELayerSpec(
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
         ffn_hidden_size=args.moe_ffn_hidden_size, num_experts=args.num_experts, topk=args.moe_router_topk,
         capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=args.moe_pad_expert_input_to_capacity,
         tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         num_chunks=args.parm_num_chunks)
+    for key, value in overrides.items():
+        if not hasattr(spec, key):
+            raise ValueError(f"--grid: unknown field {key!r} (fields of MoELayerSpec: "
+                             f"{', '.join(f for f in vars(spec) if f != 'extra')})")
+        setattr(spec, key, value)
+    return spec
+
+
+def load_grid(path):
+    """Configurations of a grid file: the cartesian product of `grid`, each with `fixed` on top.
+
+    File: {fixed: {field: value}, grid: {field: [values]}, exclude_if: optional python
+    expression over the fields}; fields are those of MoELayerSpec.
+    """
+    import itertools
+
+    import yaml
+
+    if not os.path.exists(path):
+        raise ValueError(f"--grid: no such file: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    unknown = set(data) - {"name", "description", "fixed", "grid", "exclude_if"}
+    if unknown:
+        raise ValueError(f"--grid {path}: unknown keys {sorted(unknown)}")
+    grid = data.get("grid") or {}
+    keys = list(grid)
+    configs = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        config = dict(data.get("fixed") or {})
+        config.update(zip(keys, values))
+        if data.get("exclude_if") and eval(data["exclude_if"], {}, dict(config)):  # noqa: S307
+            continue
+        configs.append(config)
+    if not configs:
+        raise ValueError(f"--grid {path}: no configuration left")
+    return configs
 
 
 def format_table(spec, results, diffs) -> str:
@@ -109,22 +151,31 @@ def main(argv=None):
     from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
     from megatron_parm.parallel import initialize_model_parallel
 
-    spec = spec_from_args(args)
-    for name in args.dispatchers:
-        initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts, dispatcher=name)
-    model_parallel_cuda_manual_seed(1234)
-    results = time_dispatchers(spec, args.dispatchers, warmup=args.warmup, iters=args.iters)
-    diffs = max_output_diff(spec, args.dispatchers)
-    if dist.get_rank() == 0:
-        print(format_table(spec, results, diffs), flush=True)
+    configs = load_grid(args.grid) if args.grid else [{}]
+    specs = [spec_from_args(args, **overrides) for overrides in configs]
+    layout = None
+    for index, spec in enumerate(specs):
+        if (spec.tp, spec.ep, spec.etp) != layout:
+            for name in args.dispatchers:
+                initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts,
+                                          dispatcher=name)
+            model_parallel_cuda_manual_seed(1234)
+            layout = (spec.tp, spec.ep, spec.etp)
+        results = time_dispatchers(spec, args.dispatchers, warmup=args.warmup, iters=args.iters)
+        diffs = {} if args.no_check else max_output_diff(spec, args.dispatchers)
+        if dist.get_rank() != 0:
+            continue
+        print(f"[{index + 1}/{len(specs)}] " + format_table(spec, results, diffs), flush=True)
         if args.output:
             with open(args.output, "a") as f:
                 for name, timing in results.items():
-                    f.write(json.dumps(dict(
-                        dispatcher=name, median_ms=timing.median_ms, times_ms=timing.times_ms,
-                        bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
-                        world_size=dist.get_world_size(), **{k: v for k, v in vars(spec).items()
-                                                              if k not in ("extra", "params_dtype")})) + "\n")
+                    record = dict(label=args.label, config=index, dispatcher=name,
+                                  median_ms=timing.median_ms, times_ms=timing.times_ms,
+                                  bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
+                                  world_size=dist.get_world_size(),
+                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+                    record.update({k: v for k, v in vars(spec).items() if k not in ("extra", "params_dtype")})
+                    f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
 
 

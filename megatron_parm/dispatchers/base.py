@@ -127,6 +127,34 @@ def unsort_by_local_expert(rows: torch.Tensor, chunk_sizes: torch.Tensor, num_lo
     return sort_chunks_by_idxs(rows, expert_major_sizes, order)[0]
 
 
+def can_pack(rows: torch.Tensor, probs: torch.Tensor, summed: bool = False) -> bool:
+    """Whether probs can ride in rows' message as extra columns.
+
+    Same dtype: one more column (fine for sums too). Otherwise the probs' bytes are
+    reinterpreted as columns of rows' dtype, which only pure data movement may carry.
+    """
+    if rows.dtype == probs.dtype:
+        return True
+    return not summed and probs.element_size() % rows.element_size() == 0
+
+
+def pack_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[R, M] rows and [R] probs -> one [R, M + p] message (one collective instead of two)."""
+    if rows.dtype == probs.dtype:
+        tail = probs.unsqueeze(-1)
+    else:
+        tail = probs.contiguous().view(rows.dtype).view(rows.shape[0], -1)
+    return torch.cat([rows, tail], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int, probs_dtype: torch.dtype):
+    """Inverse of pack_rows."""
+    rows, tail = packed[:, :hidden], packed[:, hidden:]
+    if tail.dtype == probs_dtype:
+        return rows, tail.squeeze(-1)
+    return rows, tail.contiguous().view(probs_dtype).view(-1)
+
+
 class ParmTokenDispatcher(MoETokenDispatcher):
     """Base of ds_baseline, parm_s1 and parm_s2: groups, permutation and the counts exchange.
 

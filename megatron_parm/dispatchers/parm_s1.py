@@ -7,6 +7,8 @@ import torch
 from megatron_parm.comm.collectives import all_gather, all_to_all, reduce_scatter
 from megatron_parm.dispatchers.base import (
     ParmTokenDispatcher,
+    pack_rows,
+    unpack_rows,
     sort_by_local_expert,
     unsort_by_local_expert,
 )
@@ -36,16 +38,19 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
         self.plan = self.build_plan(counts)
         return rows, row_probs
 
+    def _both(self, collective, rows, row_probs, *args):
+        """Run a collective on rows and probs: as one message where their dtypes match."""
+        if rows.dtype != row_probs.dtype:
+            return collective(rows, *args), collective(row_probs, *args)
+        return unpack_rows(collective(pack_rows(rows, row_probs), *args), rows.shape[1], row_probs.dtype)
+
     def token_dispatch(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        out_splits, in_splits = self.plan.a2a_output_splits(), self.plan.a2a_input_splits()
-        rows = all_to_all(rows, self.ep_group, "ep", out_splits, in_splits)
-        row_probs = all_to_all(row_probs, self.ep_group, "ep", out_splits, in_splits)
-        return rows, row_probs
+        return self._both(all_to_all, rows, row_probs, self.ep_group, "ep",
+                          self.plan.a2a_output_splits(), self.plan.a2a_input_splits())
 
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        sizes = self.plan.etp_split_sizes()
-        rows = all_gather(rows, self.etp_group, "expt_tp", sizes)
-        row_probs = all_gather(row_probs, self.etp_group, "expt_tp", sizes)
+        rows, row_probs = self._both(all_gather, rows, row_probs, self.etp_group, "expt_tp",
+                                     self.plan.etp_split_sizes())
         self.chunk_sizes = self.plan.gathered_chunk_sizes()
         rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes,
                                                self.num_local_experts)

@@ -25,6 +25,9 @@ from megatron_parm.comm.collectives import Pending, start_all_gather, start_all_
 from megatron_parm.dispatchers.base import (
     ParmTokenDispatcher,
     RoutingPlan,
+    can_pack,
+    pack_rows,
+    unpack_rows,
     chunk_row_index,
     sort_by_local_expert,
     unsort_by_local_expert,
@@ -100,12 +103,15 @@ class _ChunkedExperts:
                               for t in tensors])
 
     def forward(self, rows: torch.Tensor, probs: torch.Tensor, build_graph: bool) -> torch.Tensor:
+        # Probs ride in the rows' messages (pure data movement: any dtypes pack).
+        hidden, probs_dtype = rows.shape[1], probs.dtype
+
         def first(i):
             idx = self.rows[i]
-            return self._a2a_out(i, (rows.index_select(0, idx), probs.index_select(0, idx)))
+            return self._a2a_out(i, (pack_rows(rows.index_select(0, idx), probs.index_select(0, idx)),))
 
         def compute(i, gathered):
-            chunk_rows, chunk_probs = gathered
+            chunk_rows, chunk_probs = unpack_rows(gathered[0], hidden, probs_dtype)
             plan = self.plans[i]
             sizes = plan.gathered_chunk_sizes()
             with torch.enable_grad() if build_graph else torch.no_grad():
@@ -138,12 +144,16 @@ class _ChunkedExperts:
             grad_rows = chunk_rows.grad if chunk_rows.grad is not None else torch.zeros_like(chunk_rows)
             grad_probs = chunk_probs.grad if chunk_probs.grad is not None else torch.zeros_like(chunk_probs)
             self.saved[i] = None  # free the chunk's graph as soon as it is used
+            # The RS sums: grads share a message only where their dtypes match.
+            if can_pack(grad_rows, grad_probs, summed=True):
+                return (pack_rows(grad_rows, grad_probs),)
             return grad_rows, grad_probs
 
         outputs = run_pipeline(self.num_chunks, first, self._gather, compute, self._scatter, self._a2a_back)
         grad_rows = torch.zeros(rows_meta[0], dtype=rows_meta[1], device=rows_meta[2])
         grad_probs = torch.zeros(probs_meta[0], dtype=probs_meta[1], device=probs_meta[2])
-        for idx, (g_rows, g_probs) in zip(self.rows, outputs):
+        for idx, chunk in zip(self.rows, outputs):
+            g_rows, g_probs = unpack_rows(chunk[0], rows_meta[0][1], probs_meta[1]) if len(chunk) == 1 else chunk
             grad_rows.index_copy_(0, idx, g_rows)
             grad_probs.index_copy_(0, idx, g_probs)
         return grad_rows, grad_probs
