@@ -1,0 +1,49 @@
+"""Turn benchmark JSON lines into a table, a summary against Parm's targets and a plot.
+
+    python tools/bench_report.py docs/bench/small_pcie.jsonl docs/bench/small_nvlink.jsonl \\
+        --markdown docs/bench/table.md --plot docs/bench/speedup.png
+
+No process groups needed: it reads what tools/bench_moe_layer.py wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_parm.bench.report import group_results, load_records, markdown_table, plot_speedups, summarize  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("inputs", nargs="+", help="JSON-lines files from bench_moe_layer.py --output")
+    p.add_argument("--markdown", help="write the per-configuration table here")
+    p.add_argument("--plot", help="write the speedup plot (PNG) here")
+    p.add_argument("--summary", help="write the summary (JSON) here")
+    args = p.parse_args(argv)
+    for path in args.inputs:
+        if not os.path.exists(path):
+            p.error(f"input not found: {path}")
+    results = group_results(load_records(args.inputs))
+    dispatchers = [d for d in ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm")
+                   if any(d in r.median_ms for r in results)]
+    table = markdown_table(results, dispatchers)
+    summary = summarize(results)
+    print(table)
+    print(json.dumps(summary, indent=2))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary, f, indent=2)
+    if args.plot:
+        plot_speedups(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
