@@ -24,6 +24,8 @@ def main(argv=None):
     p.add_argument("--markdown", help="write the per-configuration table here")
     p.add_argument("--plot", help="write the speedup plot (PNG) here")
     p.add_argument("--summary", help="write the summary (JSON) here")
+    p.add_argument("--parm-profile", help="also compare the performance model's predictions with "
+                                          "the measured times, using this profile")
     args = p.parse_args(argv)
     for path in args.inputs:
         if not os.path.exists(path):
@@ -33,6 +35,14 @@ def main(argv=None):
                    if any(d in r.median_ms for r in results)]
     table = markdown_table(results, dispatchers)
     summary = summarize(results)
+    if args.parm_profile:
+        from megatron_parm.bench.report import model_accuracy
+        from megatron_parm.perf_model import load_profile
+
+        accuracy = model_accuracy(results, load_profile(args.parm_profile))
+        for label, entry in accuracy.items():
+            summary.setdefault(label, {})["model_within_25pct"] = entry["within_25pct"]
+            summary[label]["model_pairs"] = entry["pairs"]
     print(table)
     print(json.dumps(summary, indent=2))
     if args.markdown:

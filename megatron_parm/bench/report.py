@@ -87,11 +87,26 @@ def group_results(records: List[dict]) -> List[ConfigResult]:
     return [grouped[k] for k in sorted(grouped)]
 
 
+def comm_share(shaped: ConfigResult, unshaped: ConfigResult, dispatcher: str = "alltoall") -> Optional[float]:
+    """Share of a dispatcher's layer time that the shaped links add: 1 - T(unshaped) / T(shaped)."""
+    if dispatcher not in shaped.median_ms or dispatcher not in unshaped.median_ms:
+        return None
+    return 1.0 - unshaped.median_ms[dispatcher] / shaped.median_ms[dispatcher]
+
+
+UNSHAPED = "unshaped"
+
+
 def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
-    """Per label: medians of the best Parm schedule's speedups and the targets' checks."""
+    """Per label: medians of the best Parm schedule's speedups and the targets' checks.
+
+    A run labelled "unshaped" (same grid, links not shaped) gives each other label the
+    share of alltoall's time spent on communication.
+    """
     by_label: Dict[str, List[ConfigResult]] = defaultdict(list)
     for res in results:
         by_label[res.label].append(res)
+    baseline = {r.config: r for r in by_label.get(UNSHAPED, [])}
     summary = {}
     for label, rows in by_label.items():
         vs_ds = [r.ratio("ds_baseline") for r in rows if r.ratio("ds_baseline")]
@@ -109,6 +124,16 @@ def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
             slower_than_alltoall_beyond_noise=slower,
             inter_bytes_within_targets=bytes_ok,
         )
+        shares = [comm_share(r, baseline[r.config]) for r in rows if r.config in baseline and label != UNSHAPED]
+        shares = [x for x in shares if x is not None]
+        if shares:
+            summary[label]["alltoall_comm_share_min_median_max"] = [
+                min(shares), statistics.median(shares), max(shares)]
+        choices = [r for r in rows if "parm" in r.median_ms]
+        if choices:
+            # parm's pick is right if it runs within 5% of the faster of S1 and S2 as measured
+            summary[label]["parm_within_5pct_of_best"] = sum(
+                r.median_ms["parm"] <= 1.05 * r.best_parm[1] for r in choices) / len(choices)
     return summary
 
 
@@ -157,3 +182,39 @@ def plot_speedups(results: List[ConfigResult], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
+    """Predicted vs measured times per label, for the dispatchers the model covers.
+
+    Returns per label: the share of (config, dispatcher) pairs predicted within 25%, and
+    per config the predicted/measured pairs, so a report can say where the model is wrong.
+    """
+    from megatron_parm.perf_model import LayerShape, Layout, predict
+
+    out: Dict[str, dict] = {}
+    for r in results:
+        if r.label == UNSHAPED:
+            continue
+        f = r.fields
+        per_node = f.get("local_world_size") or f["world_size"]
+        layout = Layout(tp=f["tp"], ep=f["ep"], etp=f["etp"], nodes=f["world_size"] // per_node,
+                        ranks_per_node=per_node)
+        sp = f.get("sequence_parallel", True) and f["tp"] > 1
+        tokens = f["seq_length"] * f["micro_batch_size"] // (f["tp"] if sp or f["tp"] == 1 else 1)
+        shape = LayerShape(num_tokens=tokens, hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
+                           num_experts=f["num_experts"], topk=f["topk"], capacity_factor=f.get("capacity_factor"),
+                           pad_to_capacity=bool(f.get("pad_to_capacity")), dtype_bytes=4)
+        entry = out.setdefault(r.label, {"pairs": [], "within_25pct": 0.0})
+        for name in ("ds_baseline", "parm_s1", "parm_s2"):
+            if name not in r.median_ms:
+                continue
+            chunks = f.get("num_chunks") if name == "parm_s2" else None
+            predicted = 1e3 * predict(name, shape, layout, profile, chunks, sp).total_s
+            entry["pairs"].append(dict(config=r.config, dispatcher=name, predicted_ms=predicted,
+                                       measured_ms=r.median_ms[name],
+                                       rel_err=abs(predicted - r.median_ms[name]) / r.median_ms[name]))
+    for entry in out.values():
+        pairs = entry["pairs"]
+        entry["within_25pct"] = sum(p["rel_err"] <= 0.25 for p in pairs) / len(pairs) if pairs else 0.0
+    return out
