@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo layer-demo test clean
 
 $(STAMP): setup.py requirements.txt
 	python3 -m venv $(VENV)
@@ -16,8 +16,13 @@ $(STAMP): setup.py requirements.txt
 
 install: $(STAMP)
 
-# A 4-rank forward/backward of one MoE layer with every dispatcher, side by side.
+# The main job: a short GPT-2 MoE pretraining on CPU, 4 ranks (tp=2, ep=2), dispatcher `parm`,
+# on the shipped corpus; prints falling loss, ends with where the checkpoint and logs are.
 demo: install
+	PYTHON=$(PY) pretrain_scripts/run_local.sh
+
+# A 4-rank forward/backward of one MoE layer with every dispatcher, side by side.
+layer-demo: install
 	$(PY) -m torch.distributed.run --nproc-per-node 4 tools/bench_moe_layer.py \
 		--tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
 		--expert-tensor-parallel-size 2 --sequence-parallel

@@ -38,3 +38,16 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return with_parm_moe(get_gpt_layer_with_transformer_engine_spec(*args, **kwargs))
+
+
+def get_bert_layer_parm_spec(num_experts: int, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """Megatron's local BERT layer spec (padding attention mask) with a ParmMoELayer MLP.
+
+    Megatron-Core has no MoE spec for BERT; the MoE MLP is the one of the GPT local spec.
+    """
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+
+    moe_mlp = get_gpt_layer_parm_spec(num_experts=num_experts,
+                                      moe_grouped_gemm=moe_grouped_gemm).submodules.mlp
+    submodules = dataclasses.replace(bert_layer_local_spec.submodules, mlp=moe_mlp)
+    return dataclasses.replace(bert_layer_local_spec, submodules=submodules)

@@ -63,6 +63,20 @@ REDIRECTS: Dict[str, str] = {
         "exists when transformer-engine imports; it is bound to None when TE is absent. "
         "This one is about TE, not CUDA, so setup() applies it wherever TE is missing."
     ),
+    "cuda_device_literals": (
+        "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
+        "buffers), clip_grads and the pipeline schedules create small tensors with a literal "
+        "device='cuda'. Those three modules see a `torch` whose tensor factories read "
+        "'cuda' as the CPU; every other name is torch's own."
+    ),
+    "clip_grads": (
+        "get_grad_norm_fp32 computes the 2-norm through Megatron's local multi-tensor "
+        "applier, which allocates on 'cuda', and clip_grad_by_total_norm_fp32 asserts "
+        "grad.type() == 'torch.cuda.FloatTensor'. The optimizer module gets the same two "
+        "functions on the CPU: sum of squares all-reduced over grad_stats_parallel_group "
+        "(other norms: max or p-th powers, as Megatron does), then grads *= "
+        "max_norm / (norm + 1e-6) when that is below 1."
+    ),
 }
 
 
@@ -294,6 +308,81 @@ def _patch_missing_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+# ----------------------------------------------------------------------------------------
+# device='cuda' literals in the optimizer and schedules
+# ----------------------------------------------------------------------------------------
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+
+def _host_device(device):
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _HostDeviceTorch:
+    """torch as seen by one Megatron module: factories map device='cuda' to the CPU."""
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _host_device(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _patch_cuda_device_literals() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (optimizer, clip_grads, schedules):
+        module.torch = _HostDeviceTorch()
+
+
+# ----------------------------------------------------------------------------------------
+# gradient clipping without the CUDA type check
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_clip_grads() -> None:
+    from megatron.core.optimizer import optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if isinstance(grads_for_norm, torch.Tensor):
+            grads_for_norm = [grads_for_norm]
+        grads = [to_local_if_dtensor(grad).float() for grad in grads_for_norm]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            total = torch.tensor([max((g.abs().max().item() for g in grads), default=0.0)])
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX,
+                                         group=grad_stats_parallel_group)
+            return total.item()
+        total = torch.zeros(1)
+        for grad in grads:
+            total += grad.norm(norm_type) ** norm_type
+        torch.distributed.all_reduce(total, group=grad_stats_parallel_group)
+        return total.item() ** (1.0 / norm_type)
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [to_local_if_dtensor(getattr(p, attr)).detach() for p in parameters
+                 if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 _PATCHES: Dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
     "streams": _patch_streams,
@@ -302,4 +391,6 @@ _PATCHES: Dict[str, Callable[[], None]] = {
     "sp_layernorm": _patch_sp_layernorm,
     "host_split_sizes": _patch_host_split_sizes,
     "missing_te": _patch_missing_te,
+    "cuda_device_literals": _patch_cuda_device_literals,
+    "clip_grads": _patch_clip_grads,
 }

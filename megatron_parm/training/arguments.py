@@ -1,0 +1,248 @@
+"""Command-line arguments for GPT / BERT MoE pretraining, with Megatron-LM's flag names.
+
+    parse_args(argv, model_type)   argparse + optional --config YAML, then validate()
+
+A YAML config holds flag names with underscores as keys (`num_layers: 12`); flags given on
+the command line override it. validate() checks everything a user can get wrong before any
+process group exists, raising ValueError with a message that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+import yaml
+
+from megatron_parm.data.datasets import add_data_args
+from megatron_parm.data.tokenizers import add_tokenizer_args
+from megatron_parm.dispatchers import VALID_DISPATCHERS
+from megatron_parm.parallel import validate_layout
+
+MODEL_TYPES = ("gpt", "bert")
+
+
+def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=f"{model_type.upper()} MoE pretraining on Megatron-Core with Parm's dispatchers",
+        allow_abbrev=False)
+    parser.add_argument("--config", default=None,
+                        help="YAML file of flag values (keys: flag names with underscores); "
+                             "command-line flags override it.")
+
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, default=None)
+    group.add_argument("--hidden-size", type=int, default=None)
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Default: 4 x --hidden-size.")
+    group.add_argument("--num-attention-heads", type=int, default=None)
+    group.add_argument("--seq-length", type=int, default=None)
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Default: --seq-length.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--disable-bias-linear", action="store_true",
+                       help="No bias in linear layers (needed with MoE on Megatron-Core 0.16.1).")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--init-method-std", type=float, default=0.02)
+
+    group = parser.add_argument_group("mixture of experts")
+    group.add_argument("--num-experts", type=int, default=None)
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="Default: --ffn-hidden-size.")
+    group.add_argument("--moe-router-topk", type=int, default=2)
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    group.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                       choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="Default: no capacity limit (dropless).")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    group.add_argument("--moe-token-dispatcher-type", default="alltoall",
+                       choices=VALID_DISPATCHERS)
+    group.add_argument("--parm-num-chunks", type=int, default=4,
+                       help="Pipeline chunks of parm_s2 (1 = S1's volumes in one chunk).")
+    group.add_argument("--parm-profile", default=None,
+                       help="Performance-model profile (YAML) for the automatic dispatcher.")
+
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--expert-model-parallel-size", type=int, default=1)
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="Default: --tensor-model-parallel-size.")
+    group.add_argument("--sequence-parallel", action="store_true")
+
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=None)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Default: micro-batch size x data-parallel size.")
+    group.add_argument("--train-iters", type=int, default=None)
+    group.add_argument("--lr", type=float, default=None)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", default="cosine",
+                       choices=("constant", "linear", "cosine", "inverse-square-root"))
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Default: --train-iters.")
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--seed", type=int, default=1234)
+
+    group = parser.add_argument_group("checkpoints and logging")
+    group.add_argument("--save", default=None, help="Checkpoint folder (torch_dist format).")
+    group.add_argument("--load", default=None, help="Checkpoint folder to start from.")
+    group.add_argument("--save-interval", type=int, default=None,
+                       help="Also save every this many iterations (always at the end).")
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=10)
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--tensorboard-dir", default=None)
+
+    add_data_args(parser)
+    add_tokenizer_args(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse flags (config file first, command line on top) and validate them.
+
+    world_size: the number of ranks; by default $WORLD_SIZE (set by torchrun, srun + torchrun
+    and tools/emulate_cluster.py), else 1.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    parser = build_parser(model_type)
+    args = parser.parse_args(argv)
+    if args.config is not None:
+        parser.set_defaults(**load_config(args.config, parser))
+        args = parser.parse_args(argv)
+    args.model_type = model_type
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args, world_size)
+    return args
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"--config: file not found: {path}")
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of flag names to values")
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--config: {path}: unknown keys {', '.join(unknown)} "
+                         f"(keys are flag names with underscores, e.g. num_layers)")
+    if isinstance(values.get("data_path"), str):
+        values["data_path"] = values["data_path"].split()
+    return values
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Fill defaults that depend on other flags, and refuse anything inconsistent."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "lr", "tokenizer_type"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} is required (on the command line "
+                             f"or in --config)")
+    if not args.data_path:
+        raise ValueError("--data-path is required (an indexed dataset prefix from "
+                         "tools/preprocess_data.py)")
+    for prefix in args.data_path:
+        try:
+            float(prefix)
+            continue  # a blend weight
+        except ValueError:
+            pass
+        if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+            raise ValueError(f"--data-path: no indexed dataset at {prefix} ({prefix}.bin / "
+                             f"{prefix}.idx not found; build it with tools/preprocess_data.py)")
+    if args.tokenizer_type == "SentencePieceTokenizer":
+        if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
+            raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
+    for flag in ("vocab_file", "merge_file"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: file not found: {path}")
+
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length ({args.seq_length}) must not exceed "
+                         f"--max-position-embeddings ({args.max_position_embeddings})")
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                         f"--num-attention-heads ({args.num_attention_heads})")
+
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
+                    args.moe_token_dispatcher_type)
+    if args.num_attention_heads % tp != 0:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
+                         f"by --tensor-model-parallel-size ({tp})")
+    if args.num_experts is None:
+        raise ValueError("--num-experts is required: this trainer builds MoE models")
+    if args.moe_router_topk < 1 or args.moe_router_topk > args.num_experts:
+        raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
+                         f"[1, --num-experts ({args.num_experts})]")
+    if not args.disable_bias_linear:
+        raise ValueError("--disable-bias-linear is required with --num-experts: Megatron-Core "
+                         "0.16.1's experts add their bias in place on a view, which autograd refuses")
+    if tp > 1 and not args.sequence_parallel and args.moe_token_dispatcher_type in ("alltoall", "allgather"):
+        raise ValueError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} with "
+                         f"--tensor-model-parallel-size {tp} needs --sequence-parallel")
+    if args.sequence_parallel and args.seq_length % tp != 0:
+        raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
+
+    data_parallel_size = world_size // tp
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * data_parallel_size) != 0:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+            f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
+            f"{data_parallel_size} = {args.micro_batch_size * data_parallel_size})")
+    args.data_parallel_size = data_parallel_size
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
+
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below "
+                         f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    for flag in ("train_iters", "log_interval", "eval_interval"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.parm_num_chunks < 1:
+        raise ValueError(f"--parm-num-chunks must be >= 1, got {args.parm_num_chunks}")
+    if args.parm_profile is not None and not os.path.isfile(args.parm_profile):
+        raise ValueError(f"--parm-profile: file not found: {args.parm_profile}")
+    if args.use_distributed_optimizer and not _cuda_available():
+        raise ValueError("--use-distributed-optimizer needs CUDA: Megatron-Core 0.16.1's "
+                         "distributed optimizer only wraps CUDA parameters")
+    if args.model_type == "bert" and args.untie_embeddings_and_output_weights:
+        raise ValueError("--untie-embeddings-and-output-weights is not supported for BERT")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

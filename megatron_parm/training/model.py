@@ -1,0 +1,155 @@
+"""GPT and BERT MoE models from Megatron-Core with ParmMoELayer, and their forward steps.
+
+    build_model(args)               GPTModel or BertModel (args.model_type), on this rank
+    FORWARD_STEPS[args.model_type]  forward_step(data_iterator, model) for Megatron's schedules
+
+Notation: b micro-batch size, s sequence length, V padded vocabulary size.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.gpt import GPTModel
+
+from megatron_parm.config import ParmTransformerConfig
+from megatron_parm.specs import get_bert_layer_parm_spec, get_gpt_layer_parm_spec
+
+# Megatron-LM pads the vocabulary so every TP shard of the output layer has the same size.
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_config(args) -> ParmTransformerConfig:
+    return ParmTransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        # Megatron takes the softmax over all experts before top-1 (it refuses top-1 otherwise).
+        moe_router_pre_softmax=args.moe_router_topk == 1,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+        parm_num_chunks=args.parm_num_chunks,
+        parm_profile=args.parm_profile,
+    )
+
+
+def build_model(args, vocab_size: int) -> torch.nn.Module:
+    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any."""
+    config = build_config(args)
+    vocab = padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+    if args.model_type == "gpt":
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_parm_spec(num_experts=args.num_experts),
+            vocab_size=vocab,
+            max_sequence_length=args.max_position_embeddings,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+        )
+    else:
+        model = BertModel(
+            config=config,
+            num_tokentypes=2 if args.bert_binary_head else 0,
+            transformer_layer_spec=get_bert_layer_parm_spec(num_experts=args.num_experts),
+            vocab_size=vocab,
+            max_sequence_length=args.max_position_embeddings,
+            parallel_output=True,
+            share_embeddings_and_output_weights=True,
+            add_binary_head=args.bert_binary_head,
+        )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def moe_layers(model: torch.nn.Module):
+    """The MoE layers of a model (unwrapped or DDP-wrapped), in depth order."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward steps: (data_iterator, model) -> (output, loss_func), as Megatron's schedules expect
+# ---------------------------------------------------------------------------------------------
+
+def _to_device(batch):
+    if not torch.cuda.is_available():
+        return batch
+    return {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:
+    loss_mask_bs = loss_mask_bs.float()
+    return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
+
+
+# The reported values are clones: Megatron's schedule divides the returned loss in place by
+# the number of micro-batches, and a detached view would follow it.
+
+def gpt_loss(loss_mask_bs, losses_bs):
+    lm_loss = _masked_mean(losses_bs, loss_mask_bs)
+    return lm_loss, {"lm loss": lm_loss.detach().clone()}
+
+
+def gpt_forward_step(data_iterator, model):
+    batch = _to_device(next(data_iterator))
+    # losses [b, s]: per-token cross entropy (the model computes it from labels)
+    losses_bs = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                      labels=batch["labels"])
+    return losses_bs, partial(gpt_loss, batch["loss_mask"])
+
+
+def bert_loss(loss_mask_bs, is_random_b, output):
+    losses_bs, binary_logits_b2 = output
+    lm_loss = _masked_mean(losses_bs, loss_mask_bs)
+    if binary_logits_b2 is None:
+        return lm_loss, {"lm loss": lm_loss.detach().clone()}
+    # BERT's second objective here is next-sentence prediction (is B random?).
+    sop_loss = torch.nn.functional.cross_entropy(binary_logits_b2.view(-1, 2).float(),
+                                                 is_random_b.view(-1), ignore_index=-1)
+    return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(),
+                                "sop loss": sop_loss.detach().clone()}
+
+
+def bert_forward_step(data_iterator, model):
+    batch = _to_device(next(data_iterator))
+    output = model(batch["text"], batch["padding_mask"],
+                   tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
+                   lm_labels=batch["labels"])
+    return output, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+
+
+def model_has_tokentypes(model) -> bool:
+    module = getattr(model, "module", model)
+    embedding = getattr(module, "embedding", None)
+    return getattr(embedding, "tokentype_embeddings", None) is not None
+
+
+FORWARD_STEPS = {"gpt": gpt_forward_step, "bert": bert_forward_step}

@@ -1,0 +1,336 @@
+"""The pretraining loop: Megatron-Core's model, DDP, optimizer and schedules, in one function.
+
+    pretrain(args)   args from megatron_parm.training.arguments.parse_args
+
+Each iteration runs --global-batch-size samples as num_microbatches micro-batches per
+data-parallel rank (gradients accumulate in DDP's buffers, Megatron's schedule scales the
+loss and the MoE auxiliary loss), then one optimizer step with gradient clipping and the
+learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import timedelta
+
+import numpy
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+from megatron_parm import platform
+from megatron_parm.checkpointing import load_checkpoint, save_checkpoint
+from megatron_parm.data.datasets import (
+    build_data_iterator,
+    build_datasets_from_args,
+    train_valid_test_num_samples,
+)
+from megatron_parm.data.tokenizers import build_tokenizer
+from megatron_parm.parallel import initialize_model_parallel
+from megatron_parm.training.log import (
+    Progress,
+    TensorBoard,
+    expert_load_line,
+    iteration_line,
+    print_rank_0,
+    validation_block,
+)
+from megatron_parm.training.model import FORWARD_STEPS, build_model, moe_layers
+
+
+def initialize_distributed() -> None:
+    """Join the job's process group (env:// from torchrun, srun + torchrun or the emulator)
+    and apply the CPU redirects when there is no GPU. Safe to call more than once."""
+    if not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group("nccl", timeout=timedelta(minutes=10))
+        else:
+            torch.distributed.init_process_group("gloo", timeout=timedelta(minutes=10))
+    platform.setup()
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class ExpertLoad:
+    """Counts the tokens each expert receives, per MoE layer, from the routers' outputs."""
+
+    def __init__(self, model):
+        self.layers = moe_layers(model)
+        self.counts = [torch.zeros(layer.config.num_moe_experts) for layer in self.layers]
+        for index, layer in enumerate(self.layers):
+            layer.router.register_forward_hook(self._hook(index))
+
+    def _hook(self, index):
+        def count(router, inputs, outputs):
+            if router.training:
+                _, routing_map = outputs  # [tokens, E] bool
+                self.counts[index] += routing_map.sum(dim=0).float().cpu()
+        return count
+
+    def shares(self):
+        """Per layer, the share of all routed tokens (every rank's) each expert got; resets."""
+        total = torch.stack(self.counts)
+        torch.distributed.all_reduce(total)
+        for count in self.counts:
+            count.zero_()
+        return (total / total.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
+
+
+def mean_over_data_parallel(values: dict) -> dict:
+    """Average loss values over the data-parallel group (gloo has no AVG: sum and divide)."""
+    if not values:
+        return {}
+    names = sorted(values)
+    stacked = torch.tensor([float(values[name]) for name in names])
+    torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+    stacked /= parallel_state.get_data_parallel_world_size()
+    return dict(zip(names, stacked.tolist()))
+
+
+def average_microbatch_losses(losses_reduced) -> dict:
+    """[{'lm loss': t, ...} per micro-batch] -> {'lm loss': mean, ...}."""
+    totals = {}
+    for losses in losses_reduced:
+        for name, value in losses.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return {name: total / len(losses_reduced) for name, total in totals.items()}
+
+
+def load_balancing_loss(num_steps: int) -> float:
+    """Mean over MoE layers of the aux loss (before its coefficient) per micro-batch since the
+    last call, reduced as Megatron-LM does: summed over the router's reduce group (the TP
+    ranks that share the token counts), averaged over the others."""
+    tracker = get_moe_layer_wise_logging_tracker()
+    if "load_balancing_loss" not in tracker:
+        return float("nan")
+    entry = tracker["load_balancing_loss"]
+    values = entry["values"].detach().float().cpu().clone()
+    entry["values"].zero_()
+    if entry.get("reduce_group") is not None:
+        torch.distributed.all_reduce(values, group=entry["reduce_group"])
+    torch.distributed.all_reduce(values)
+    values /= torch.distributed.get_world_size() * max(num_steps, 1)
+    moe = values[values != 0]
+    return moe.mean().item() if moe.numel() else 0.0
+
+
+def describe_choice(choice) -> str:
+    """One line for a dispatcher's choice: the schedule and the predicted times (ms)."""
+    schedule = getattr(choice, "schedule", None)
+    times = getattr(choice, "times", None)
+    if schedule is None or not isinstance(times, dict):
+        text = str(choice)
+        return text if len(text) <= 200 else text[:197] + "..."
+
+    def name(key):
+        return key if isinstance(key, str) else "x".join(str(part) for part in key)
+
+    predicted = ", ".join(f"{name(key)} {seconds * 1e3:.2f}"
+                          for key, seconds in sorted(times.items(), key=lambda kv: kv[1]))
+    return f"{schedule} (predicted ms per layer step: {predicted})"
+
+
+def dispatcher_choices(model) -> list:
+    """The schedule each MoE layer's dispatcher chose (dispatchers that choose expose
+    `choice`); None for the others."""
+    return [getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
+
+
+def evaluate(forward_step, data_iterator, model, args) -> dict:
+    model.eval()
+    forward_backward = get_forward_backward_func()
+    totals, num_batches = {}, 0
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses_reduced = forward_backward(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+            for name, value in average_microbatch_losses(losses_reduced).items():
+                totals[name] = totals.get(name, 0.0) + value
+            num_batches += 1
+    # Evaluation also went through the routers: drop its aux losses from the training log.
+    get_moe_layer_wise_logging_tracker().get("load_balancing_loss", {}).get(
+        "values", torch.zeros(0)).zero_()
+    model.train()
+    return mean_over_data_parallel({k: v / max(num_batches, 1) for k, v in totals.items()})
+
+
+def pretrain(args) -> dict:
+    """Train args.model_type ('gpt' or 'bert') as the flags say; returns a summary:
+    {'losses': [lm loss per iteration], 'eval': [...], 'checkpoint': path or None, ...}."""
+    initialize_distributed()
+    initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                              args.expert_tensor_parallel_size, args.num_experts,
+                              args.moe_token_dispatcher_type)
+    set_seed(args.seed)
+    get_moe_layer_wise_logging_tracker().clear()  # a previous pretrain() in this process
+    rank = torch.distributed.get_rank()
+    world_size = torch.distributed.get_world_size()
+    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
+                 f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
+                 f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
+                 f"dispatcher {args.moe_token_dispatcher_type}, "
+                 f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}")
+    print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
+                 f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
+
+    # Model, DDP, optimizer, learning-rate schedule.
+    tokenizer = build_tokenizer(args)
+    model = build_model(args, tokenizer.vocab_size)
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+    ), [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant")
+    # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    num_params = sum(p.numel() for p in model.parameters())
+    print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
+                 f"{tokenizer.vocab_size} padded to {model.module.vocab_size}; "
+                 f"{args.num_microbatches} micro-batches of {args.micro_batch_size} per "
+                 f"data-parallel rank per iteration")
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = load_checkpoint(args.load, model, optimizer, scheduler)
+        print_rank_0(f"> loaded checkpoint from {args.load} at iteration {iteration}"
+                     if iteration else f"> no checkpoint in {args.load}: starting from scratch")
+
+    # Data: every rank reads the samples of its data-parallel rank (TP peers read the same).
+    num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
+                                               args.eval_interval, args.eval_iters)
+    train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
+    train_iter = build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
+                                     dp_rank, dp_size, args.num_workers, cyclic=True)
+    valid_iter = build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
+                                     args.num_workers, cyclic=True)
+
+    forward_step = FORWARD_STEPS[args.model_type]
+    forward_backward = get_forward_backward_func()
+    expert_load = ExpertLoad(model)
+    tensorboard = TensorBoard(args.tensorboard_dir, rank == 0)
+    if tensorboard.notice:
+        print_rank_0(f"> {tensorboard.notice}")
+    progress = Progress(args.train_iters, iteration, enabled=rank == 0)
+    summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
+    interval_losses, interval_steps, interval_start = {}, 0, time.time()
+    choices = None
+    model.train()
+    print_rank_0(f"> training for {args.train_iters - iteration} iterations")
+
+    while iteration < args.train_iters:
+        step_start = time.time()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses_reduced = forward_backward(
+            forward_step_func=forward_step, data_iterator=train_iter, model=[model],
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False)
+        update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        summary["iteration_times"].append(time.time() - step_start)
+
+        losses = mean_over_data_parallel(average_microbatch_losses(losses_reduced))
+        summary["losses"].append(losses["lm loss"])
+        for name, value in losses.items():
+            interval_losses[name] = interval_losses.get(name, 0.0) + value
+        interval_steps += 1
+        progress.update(iteration)
+
+        if choices is None or iteration % args.log_interval == 0:
+            new_choices = dispatcher_choices(model)
+            if new_choices != choices and any(c is not None for c in new_choices):
+                progress.clear()
+                for layer_number, choice in enumerate(new_choices, start=1):
+                    print_rank_0(f"> MoE layer {layer_number}: {args.moe_token_dispatcher_type} "
+                                 f"chose {describe_choice(choice)}")
+            choices = new_choices
+
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            elapsed = (time.time() - interval_start) / interval_steps
+            learning_rate = optimizer.param_groups[0]["lr"]
+            logged = {name: value / interval_steps for name, value in interval_losses.items()}
+            logged["load balancing loss"] = load_balancing_loss(
+                interval_steps * args.num_microbatches)
+            tokens_per_second = args.global_batch_size * args.seq_length / elapsed
+            shares = expert_load.shares()
+            progress.clear()
+            print_rank_0(iteration_line(iteration, args.train_iters, consumed_samples,
+                                        elapsed * 1000.0, learning_rate, args.global_batch_size,
+                                        logged, tokens_per_second, grad_norm))
+            for layer_number, fractions in enumerate(shares, start=1):
+                print_rank_0(expert_load_line(layer_number, fractions))
+            tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
+                                 "train/learning-rate": learning_rate,
+                                 "train/tokens-per-second": tokens_per_second,
+                                 "train/grad-norm": grad_norm or 0.0,
+                                 **{f"expert-load/layer-{l}-max-over-mean": max(f) * len(f)
+                                    for l, f in enumerate(shares, start=1)}},
+                                iteration)
+            interval_losses, interval_steps, interval_start = {}, 0, time.time()
+
+        if args.eval_iters > 0 and (iteration % args.eval_interval == 0
+                                    or iteration == args.train_iters):
+            eval_losses = evaluate(forward_step, valid_iter, model, args)
+            summary["eval"].append((iteration, eval_losses))
+            progress.clear()
+            print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
+            tensorboard.scalars({f"valid/{k}": v for k, v in eval_losses.items()}, iteration)
+            interval_start = time.time()  # evaluation time is not training time
+
+        if args.save and args.save_interval and iteration % args.save_interval == 0 \
+                and iteration < args.train_iters:
+            path = save_checkpoint(args.save, iteration, model, optimizer, scheduler,
+                                   consumed_samples, args)
+            print_rank_0(f"> saved checkpoint at iteration {iteration} to {path}")
+            interval_start = time.time()
+
+    if args.save:
+        summary["checkpoint"] = save_checkpoint(args.save, iteration, model, optimizer,
+                                                scheduler, consumed_samples, args)
+        print_rank_0(f"> saved checkpoint at iteration {iteration} to {summary['checkpoint']}")
+    tensorboard.close()
+    print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
+                 if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
+    print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
+    print_rank_0(f"> TensorBoard logs: "
+                 f"{args.tensorboard_dir if tensorboard.writer else '(none)'}"
+                 + (f"  (tensorboard --logdir {args.tensorboard_dir})" if tensorboard.writer else ""))
+    summary["dispatcher_choices"] = choices
+    return summary

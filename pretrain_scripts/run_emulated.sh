@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPT-2 MoE (tiny) on the emulated multi-node cluster (tools/emulate_cluster.py: network
+# namespaces with shaped links; root only), once per dispatcher, then tokens/s side by side.
+#
+#   sudo pretrain_scripts/run_emulated.sh                         # 2 nodes x 2 ranks, pcie preset
+#   sudo NNODES=2 NPROC_PER_NODE=2 PRESET=nvlink DISPATCHERS="parm alltoall" \
+#        pretrain_scripts/run_emulated.sh --train-iters 30
+#
+# Environment: NNODES, NPROC_PER_NODE (default 2, 2), PRESET (pcie|nvlink), TP, EP (default
+# 2, 2), DISPATCHERS (default: parm or parm_s2, alltoall, ds_baseline), CONFIG, MODEL
+# (gpt|bert), RUN_DIR. Extra arguments go to the training script.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$REPO/.venv/bin/python" || echo python3 )}"
+
+NNODES="${NNODES:-2}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+PRESET="${PRESET:-pcie}"
+TP="${TP:-2}"
+EP="${EP:-2}"
+MODEL="${MODEL:-gpt}"
+AUTO="$("$PYTHON" -c 'from megatron_parm.dispatchers import VALID_DISPATCHERS as v; print("parm" if "parm" in v else "parm_s2")' 2>/dev/null)"
+DISPATCHERS="${DISPATCHERS:-$AUTO alltoall ds_baseline}"
+case "$MODEL" in
+    gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
+          DATA_PATH="data/cache/gpt_text_document" ;;
+    bert) SCRIPT=pretrain_scripts/pretrain_bert_moe.py; CONFIG="${CONFIG:-configs/bert_tiny_moe.yaml}"
+          DATA_PATH="data/cache/bert_text_sentence" ;;
+    *) echo "MODEL must be gpt or bert, got $MODEL" >&2; exit 2 ;;
+esac
+RUN_DIR="${RUN_DIR:-runs/emulated-${MODEL}-$(date +%Y%m%d-%H%M%S)}"
+
+pretrain_scripts/prepare_data.sh
+mkdir -p "$RUN_DIR"
+
+MODEL_ARGS=(--config "$CONFIG")
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP")
+[ "$TP" -gt 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+DATA_ARGS=(--data-path "$DATA_PATH")
+CLUSTER_ARGS=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --preset "$PRESET")
+
+for DISPATCHER in $DISPATCHERS; do
+    echo "=== $DISPATCHER on $NNODES x $NPROC_PER_NODE emulated ranks ($PRESET) ==="
+    MOE_ARGS=(--moe-token-dispatcher-type "$DISPATCHER")
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" tools/emulate_cluster.py "${CLUSTER_ARGS[@]}" -- \
+        "$PYTHON" "$SCRIPT" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
+        "${DATA_ARGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/$DISPATCHER.log" | grep -E "^ iteration|^>"
+done
+
+# tokens/s: mean over the logged intervals after the first (which includes warm-up).
+echo
+printf "%-14s %14s %14s\n" dispatcher "tokens/s" "final lm loss"
+for DISPATCHER in $DISPATCHERS; do
+    awk -v name="$DISPATCHER" '
+        /^ iteration/ { n++; match($0, /tokens per second: [0-9.]+/);
+                        t = substr($0, RSTART + 19, RLENGTH - 19); if (n > 1) { sum += t; m++ }
+                        match($0, /lm loss: [0-9.E+-]+/); loss = substr($0, RSTART + 9, RLENGTH - 9) }
+        END { printf "%-14s %14.1f %14s\n", name, (m ? sum / m : t), loss }' "$RUN_DIR/$DISPATCHER.log"
+done | tee "$RUN_DIR/summary.txt"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPT-2 MoE (or BERT MoE) pretraining on one node with torchrun; gloo on CPU, NCCL on GPUs.
+#
+#   pretrain_scripts/run_local.sh                                # GPT-2 MoE tiny, 4 ranks, parm
+#   NPROC=4 DISPATCHER=alltoall pretrain_scripts/run_local.sh --train-iters 100
+#   MODEL=bert CONFIG=configs/bert_tiny_moe.yaml pretrain_scripts/run_local.sh
+#   NPROC=8 TP=2 EP=4 CONFIG=configs/gpt2_small_moe.yaml pretrain_scripts/run_local.sh
+#
+# Environment: MODEL (gpt|bert), CONFIG, NPROC (ranks, default 4), TP, EP (default 2, 2),
+# DISPATCHER (default parm where available, else parm_s2), RUN_DIR (default runs/<name>-<time>).
+# Extra arguments are passed to the training script and override everything else.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+
+MODEL="${MODEL:-gpt}"
+NPROC="${NPROC:-4}"
+TP="${TP:-2}"
+EP="${EP:-2}"
+DISPATCHER="${DISPATCHER:-$("$PYTHON" -c 'from megatron_parm.dispatchers import VALID_DISPATCHERS as v; print("parm" if "parm" in v else "parm_s2")' 2>/dev/null)}"
+case "$MODEL" in
+    gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
+          DATA_PATH="data/cache/gpt_text_document" ;;
+    bert) SCRIPT=pretrain_scripts/pretrain_bert_moe.py; CONFIG="${CONFIG:-configs/bert_tiny_moe.yaml}"
+          DATA_PATH="data/cache/bert_text_sentence" ;;
+    *) echo "MODEL must be gpt or bert, got $MODEL" >&2; exit 2 ;;
+esac
+RUN_DIR="${RUN_DIR:-runs/${MODEL}_moe-${DISPATCHER}-$(date +%Y%m%d-%H%M%S)}"
+
+pretrain_scripts/prepare_data.sh   # offline; skipped when the .bin/.idx exist
+
+MODEL_ARGS=(--config "$CONFIG")
+MOE_ARGS=(--moe-token-dispatcher-type "$DISPATCHER")
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP")
+[ "$TP" -gt 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+DATA_ARGS=(--data-path "$DATA_PATH")
+OUTPUT_ARGS=(--save "$RUN_DIR/checkpoints" --tensorboard-dir "$RUN_DIR/tensorboard")
+
+mkdir -p "$RUN_DIR"
+echo "run folder: $RUN_DIR (log: $RUN_DIR/train.log)"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run \
+    --nproc-per-node "$NPROC" --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
+    "$SCRIPT" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \
+    "${OUTPUT_ARGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"

@@ -1,0 +1,96 @@
+"""Start-up checks of the pretraining flags (in-process, no process group) and log formats."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_parm.training.arguments import parse_args
+from megatron_parm.training.log import iteration_line, validation_block
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_GPT = ["--config", str(REPO / "configs/gpt2_tiny_moe.yaml")]
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    # The configs name data and tokenizer paths relative to the repository root.
+    monkeypatch.chdir(REPO)
+    for prefix in ("data/cache/gpt_text_document", "data/cache/bert_text_sentence"):
+        for ext in (".bin", ".idx"):
+            if not (REPO / (prefix + ext)).is_file():
+                pytest.skip(f"{prefix}{ext} missing: run pretrain_scripts/prepare_data.sh")
+
+
+def error(argv, world_size=4, model_type="gpt") -> str:
+    with pytest.raises(ValueError) as info:
+        parse_args(argv, model_type=model_type, world_size=world_size)
+    return str(info.value)
+
+
+def test_tiny_configs_parse():
+    args = parse_args(TINY_GPT, world_size=1)
+    assert (args.num_layers, args.hidden_size, args.num_experts) == (2, 64, 4)
+    assert args.num_microbatches == args.global_batch_size // args.micro_batch_size
+    bert = parse_args(["--config", "configs/bert_tiny_moe.yaml"], model_type="bert", world_size=1)
+    assert bert.data_path == ["data/cache/bert_text_sentence"]
+
+
+def test_command_line_overrides_config():
+    args = parse_args(TINY_GPT + ["--hidden-size", "128", "--moe-token-dispatcher-type",
+                                  "parm_s1"], world_size=1)
+    assert args.hidden_size == 128 and args.moe_token_dispatcher_type == "parm_s1"
+    assert args.num_layers == 2  # still from the config
+
+
+def test_missing_data_prefix_names_flag():
+    assert "--data-path" in error(TINY_GPT + ["--data-path", "data/cache/nope_text_document"])
+
+
+def test_missing_tokenizer_model_names_flag():
+    assert "--tokenizer-model" in error(TINY_GPT + ["--tokenizer-model", "nope.model"])
+
+
+def test_global_batch_not_divisible_names_flags():
+    message = error(TINY_GPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--expert-model-parallel-size", "2",
+                                "--micro-batch-size", "4", "--global-batch-size", "12"])
+    assert "--global-batch-size" in message and "--micro-batch-size" in message
+
+
+def test_seq_length_over_max_positions_names_flags():
+    message = error(TINY_GPT + ["--seq-length", "128"])
+    assert "--seq-length" in message and "--max-position-embeddings" in message
+
+
+def test_bad_layout_names_flag():
+    assert "--expert-model-parallel-size" in error(TINY_GPT + ["--expert-model-parallel-size", "3"])
+    assert "--sequence-parallel" in error(TINY_GPT + ["--tensor-model-parallel-size", "2",
+                                                      "--moe-token-dispatcher-type", "alltoall"])
+
+
+def test_unknown_config_key_and_dispatcher():
+    assert "--config" in error(["--config", "nope.yaml"])
+    with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
+        parse_args(TINY_GPT + ["--moe-token-dispatcher-type", "nope"], world_size=1)
+
+
+def test_checks_run_before_any_process_group():
+    import torch
+
+    error(TINY_GPT + ["--seq-length", "128"])
+    assert not torch.distributed.is_initialized()
+
+
+def test_iteration_line_matches_megatron_lm():
+    line = iteration_line(10, 100, 640, 123.44, 1e-4, 64,
+                          {"lm loss": 6.123456, "load balancing loss": 1.01}, 2048.0, 0.5)
+    assert line.startswith(" iteration       10/     100 | consumed samples:          640 | "
+                           "elapsed time per iteration (ms): 123.4 | learning rate: 1.000000E-04 | "
+                           "global batch size:    64 | lm loss: 6.123456E+00 | "
+                           "load balancing loss: 1.010000E+00 |")
+    assert re.search(r"tokens per second: 2048\.0 \|$", line)
+    block = validation_block("iteration 10", {"lm loss": 2.0})
+    assert " validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL:" in block
