@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     p.add_argument("--parm-num-chunks", type=int, default=4)
+    p.add_argument("--parm-profile", default=None,
+                   help="performance-model profile for the automatic dispatcher `parm`")
     p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
                    help=f"comma-separated, from {', '.join(VALID_DISPATCHERS)}")
     p.add_argument("--warmup", type=int, default=2)
@@ -80,7 +82,7 @@ def spec_from_args(args, **overrides):
         capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=args.moe_pad_expert_input_to_capacity,
         tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
-        num_chunks=args.parm_num_chunks)
+        num_chunks=args.parm_num_chunks, parm_profile=args.parm_profile)
     for key, value in overrides.items():
         if not hasattr(spec, key):
             raise ValueError(f"--grid: unknown field {key!r} (fields of MoELayerSpec: "
