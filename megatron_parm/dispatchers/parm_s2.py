@@ -48,19 +48,24 @@ class PendingTuple:
 
 
 def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: Stage,
-                 compute: Callable[[int, Tensors], Tensors], third: Stage, fourth: Stage) -> List[Tensors]:
+                 compute: Callable[[int, Tensors], Tensors], third: Stage, fourth: Stage,
+                 prefetch: int = 1) -> List[Tensors]:
     """Run num_chunks chunks through first -> second -> compute -> third -> fourth.
 
-    first/fourth run on one group, second/third on another; the order in which collectives
-    are issued depends only on num_chunks, so every rank issues them identically.
+    first/fourth run on one group, second/third on another. ``prefetch`` first-stage
+    collectives are kept in flight ahead of the chunk being worked on (1: chunk i+1's while
+    chunk i is gathered and computed; more was no faster on the emulated cluster, since the
+    first and fourth stages share one link). The order in which collectives are issued
+    depends only on num_chunks and prefetch, so every rank issues them identically.
     """
-    in_first: Dict[int, PendingTuple] = {0: first(0)}
+    ahead = max(1, prefetch)
+    in_first: Dict[int, PendingTuple] = {i: first(i) for i in range(min(ahead, num_chunks))}
     in_third: Dict[int, PendingTuple] = {}
     in_fourth: Dict[int, PendingTuple] = {}
     for i in range(num_chunks):
         in_second = second(i, in_first.pop(i).wait())
-        if i + 1 < num_chunks:
-            in_first[i + 1] = first(i + 1)  # overlaps second(i) and compute(i)
+        if i + ahead < num_chunks:
+            in_first[i + ahead] = first(i + ahead)  # overlaps second(i) and compute(i)
         if i >= 1:
             in_fourth[i - 1] = fourth(i - 1, in_third.pop(i - 1).wait())
         in_third[i] = third(i, compute(i, in_second.wait()))
