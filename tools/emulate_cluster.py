@@ -10,7 +10,7 @@ WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, MASTER_ADDR, MA
 GLOO_SOCKET_IFNAME=eth0, so torch.distributed.init_process_group("gloo") with the default
 env:// init works unchanged.
 
-    # 2 nodes x 2 ranks, default preset (pcie: inter 1gbit, intra 2gbit)
+    # 2 nodes x 2 ranks, default preset (pcie: inter 500mbit, intra 1gbit)
     sudo python tools/emulate_cluster.py --nnodes 2 --nproc-per-node 2 -- python train.py --args
 
     # explicit shaping; latency needs the kernel's sch_netem
@@ -25,7 +25,7 @@ env:// init works unchanged.
     sudo python tools/emulate_cluster.py --cleanup-stale
 
 Presets (flags override them):
-    pcie    inter 1gbit,   intra 2gbit  (intra/inter 2x: PCIe servers, the paper's testbed)
+    pcie    inter 500mbit, intra 1gbit  (intra/inter 2x: PCIe servers, the paper's testbed)
     nvlink  inter 500mbit, intra 6gbit  (12x: NVLink inside a node + InfiniBand between nodes)
 Default: preset pcie, latency 0 (no netem), mtu 1500 on veth and loopback, master port 29500.
 Bandwidths take tc bit units (kbit, mbit, gbit) or 'none' for an unshaped link.

@@ -31,6 +31,11 @@ from megatron_parm.comm.accounting import get_comm_stats
 
 
 @lru_cache(maxsize=None)
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+@lru_cache(maxsize=None)
 def _group_ranks(group) -> tuple:
     return tuple(dist.get_process_group_ranks(group))
 
@@ -126,6 +131,14 @@ def start_reduce_scatter(tensor: torch.Tensor, group, name: str,
     row = _row_bytes(tensor)
     record_bytes("reduce_scatter", name, group, [s * row for s in split_sizes])
     me = group.rank()
+    if _is_gloo(group):
+        # gloo's reduce_scatter costs as much as an all_reduce of the whole tensor; sending
+        # chunk j to rank j and summing what arrives moves (g-1)/g of it, as a ring would.
+        mine = split_sizes[me]
+        received = tensor.new_empty((size * mine,) + tail)
+        work = dist.all_to_all_single(received, tensor.contiguous(), [mine] * size, split_sizes,
+                                      group=group, async_op=True)
+        return Pending(work, lambda: received.view((size, mine) + tail).sum(dim=0))
     if len(set(split_sizes)) == 1:
         out = tensor.new_empty((split_sizes[0],) + tail)
         work = dist.reduce_scatter_tensor(out, tensor.contiguous(), group=group, async_op=True)

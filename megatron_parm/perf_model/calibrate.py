@@ -1,0 +1,437 @@
+"""Calibration: measure a cluster's alpha-beta profile on its real process groups.
+
+tools/calibrate.py is the entry point; this module holds its logic. The pure half (size
+parsing, link classes, fitting, tables) needs no process group; the measuring half imports
+torch lazily, so ``megatron_parm.perf_model`` stays importable without torch (and does not
+import this module).
+
+Notation:
+    g     ranks in the group being timed
+    S     a message size from --sizes: bytes of the whole tensor of one rank, i.e. the A2A
+          input, the AG output (each rank contributes S/g), the RS input, the AR tensor
+    x     bytes one rank sends, by the project's accounting convention (comm/accounting.py,
+          perf_model/volumes.py): A2A, AG, RS: S*(g-1)/g; AR: 2*S*(g-1)/g. This is the x of
+          every fit, read from the accounting itself, so it is exactly the model's bytes.
+    rows  rows through one expert (compute), M hidden size, H FFN hidden size over ETP
+
+How a number is measured (the same for collectives and compute):
+    every rank runs the operation at once on its own group (all groups of a kind together,
+    as in a layer, so links are shared as they are there), after a world barrier; each
+    repetition's time is the slowest rank's; a point's time is the median repetition.
+    Fits are perf_model.fit_alpha_beta (least squares on the medians) per (kind, link).
+
+Link class of a group kind (the model's rule, perf_model.Layout): rank r is on node
+r // ranks_per_node; "intra" when no rank has a peer on another node, "inter" when no rank
+has a peer on its own node, "mixed" otherwise. Mixed groups are not timed: their time is the
+max of two links, which has no single x axis. Where a layout has no group of a link class,
+its entries are copied from the other link class, per kind, and the note says so (a
+one-node cluster's profile never reads its inter entries); with neither, it is an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+import shlex
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.profile import LINKS, Profile, fit_alpha_beta
+from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
+          "mib": 1024 ** 2, "g": 1024 ** 3, "gb": 1024 ** 3, "gib": 1024 ** 3}
+
+
+# ----------------------------------------------------------------------------------------
+# pure: flags, layout, fitting, tables
+# ----------------------------------------------------------------------------------------
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'16KiB' -> 16384 (K/KB/KiB are all 1024; plain numbers are bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{flag}: cannot read {text!r} as a size (e.g. 4096, 16KiB, 8MiB)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"{flag}: sizes must be at least 1 byte, got {text!r}")
+    return value
+
+
+def parse_range(text: str, flag: str, parse=None) -> List[int]:
+    """'LO..HI' (doubling), 'LO..HI:N' (N points, geometric) or 'A,B,C' -> sorted values."""
+    parse = parse or (lambda item: parse_bytes(item, flag))
+    text = text.strip()
+    if ".." in text:
+        points = None
+        if ":" in text:
+            text, count = text.rsplit(":", 1)
+            if not count.strip().isdigit() or int(count) < 2:
+                raise ValueError(f"{flag}: the point count after ':' must be an integer >= 2, "
+                                 f"got {count!r}")
+            points = int(count)
+        low_text, high_text = text.split("..", 1)
+        low, high = parse(low_text), parse(high_text)
+        if high <= low:
+            raise ValueError(f"{flag}: range {low_text}..{high_text} must go up")
+        if points is None:
+            values, value = [], low
+            while value < high:
+                values.append(value)
+                value *= 2
+            values.append(high)
+        else:
+            ratio = (high / low) ** (1.0 / (points - 1))
+            values = [int(round(low * ratio ** i)) for i in range(points)]
+    else:
+        values = [parse(item) for item in text.split(",") if item.strip()]
+    values = sorted(set(values))
+    if len(values) < 2:
+        raise ValueError(f"{flag}: need at least two different values to fit a line, got {text!r}")
+    return values
+
+
+def parse_int(text: str, flag: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{flag}: expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def default_layout_sizes(world_size: int, ranks_per_node: int) -> Tuple[int, int, int]:
+    """(tp, ep, etp) with TP = ETP = one node and EP across nodes: one intra and one inter group."""
+    if ranks_per_node < 1 or world_size % ranks_per_node != 0:
+        return 1, world_size, 1
+    return ranks_per_node, world_size // ranks_per_node, ranks_per_node
+
+
+def link_class(layout: Layout, group_name: str) -> str:
+    """'intra', 'inter', 'mixed' (peers on both), or 'none' (a group of one rank)."""
+    if layout.group_size(group_name) == 1:
+        return "none"
+    counts = [layout.peer_counts(group_name, rank) for rank in range(layout.world_size)]
+    if all(inter == 0 for _, inter in counts):
+        return "intra"
+    if all(intra == 0 for intra, _ in counts):
+        return "inter"
+    return "mixed"
+
+
+def groups_to_time(layout: Layout) -> List[Tuple[str, str]]:
+    """[(group name, link class)] of the group kinds worth timing: distinct rank sets only
+    (TP and ETP are the same groups when tp == etp), mixed and one-rank groups left out."""
+    chosen, seen = [], set()
+    for name in ("expt_tp", "tp", "ep"):
+        link = link_class(layout, name)
+        if link not in LINKS:
+            continue
+        ranks = tuple(tuple(layout.group_ranks(name, rank)) for rank in range(layout.world_size))
+        if ranks in seen:
+            continue
+        seen.add(ranks)
+        chosen.append((name, link))
+    return chosen
+
+
+@dataclass
+class Point:
+    """One measured point: a collective (or compute) at one size, over its repetitions."""
+
+    kind: str  # a collective kind or "compute"
+    link: str  # "intra", "inter"; "" for compute
+    group: str  # group name ("ep", ...) or a compute label ("forward", "backward")
+    size: int  # S (collectives) or rows (compute)
+    x: float  # bytes sent per rank, or flops
+    times: List[float] = field(default_factory=list)  # slowest rank's seconds, per repetition
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class Fit:
+    kind: str
+    link: str
+    alpha: float
+    beta: float
+    points: List[Point]
+    copied_from: Optional[str] = None  # link class the numbers were copied from
+
+    def predict(self, x: float) -> float:
+        return self.alpha + self.beta * x
+
+    def residuals(self) -> List[float]:
+        """(predicted - measured) / measured per point."""
+        return [(self.predict(p.x) - p.seconds) / p.seconds for p in self.points]
+
+
+def fit_points(points: Sequence[Point]) -> Dict[Tuple[str, str], Fit]:
+    """One least-squares fit per (kind, link) over the points' medians; compute under
+    ("compute", "")."""
+    grouped: Dict[Tuple[str, str], List[Point]] = {}
+    for point in points:
+        grouped.setdefault((point.kind, point.link), []).append(point)
+    fits = {}
+    for key, members in grouped.items():
+        alpha, beta = fit_alpha_beta((p.x, p.seconds) for p in members)
+        fits[key] = Fit(key[0], key[1], alpha, beta, list(members))
+    return fits
+
+
+def fill_missing(fits: Dict[Tuple[str, str], Fit]) -> List[str]:
+    """Copy each kind's missing link class from the other one; returns what was copied.
+
+    Raises ValueError when a kind was measured on neither link class.
+    """
+    copied = []
+    for kind in COLLECTIVE_KINDS:
+        have = [link for link in LINKS if (kind, link) in fits]
+        if not have:
+            raise ValueError(
+                f"no {kind} measurement on any link class: every group of the layout has one "
+                f"rank (or mixes intra- and inter-node peers); choose "
+                f"--tensor-model-parallel-size / --expert-model-parallel-size / "
+                f"--expert-tensor-parallel-size so a group spans 2+ ranks of one node or of "
+                f"different nodes")
+        for link in LINKS:
+            if (kind, link) not in fits:
+                source = fits[(kind, have[0])]
+                fits[(kind, link)] = Fit(kind, link, source.alpha, source.beta, [],
+                                         copied_from=have[0])
+                copied.append(f"{kind}.{link} <- {kind}.{have[0]}")
+    if ("compute", "") not in fits:
+        raise ValueError("no compute measurement")
+    return copied
+
+
+def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str) -> Profile:
+    return Profile(
+        name=name,
+        provenance="measured",
+        note=note,
+        alpha={kind: {link: fits[(kind, link)].alpha for link in LINKS}
+               for kind in COLLECTIVE_KINDS},
+        beta={kind: {link: fits[(kind, link)].beta for link in LINKS}
+              for kind in COLLECTIVE_KINDS},
+        compute_alpha=fits[("compute", "")].alpha,
+        compute_beta=fits[("compute", "")].beta,
+    )
+
+
+def _human_bytes(value: float) -> str:
+    for unit, scale in (("MiB", 1024 ** 2), ("KiB", 1024)):
+        if value >= scale:
+            return f"{value / scale:.4g} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_fit_table(fits: Dict[Tuple[str, str], Fit]) -> str:
+    """The fitted numbers, one line per (kind, link), with the effective per-rank bandwidth."""
+    lines = [f"{'kind':<15} {'link':<6} {'alpha (ms)':>10} {'beta (s/B)':>11} "
+             f"{'per-rank Mbit/s':>15} {'max |resid|':>11}  source"]
+    for kind in COLLECTIVE_KINDS:
+        for link in LINKS:
+            fit = fits[(kind, link)]
+            rate = 8.0 / fit.beta / 1e6 if fit.beta > 0 else float("inf")
+            if fit.copied_from:
+                worst, source = f"{'-':>11}", f"copied from {fit.copied_from}"
+            else:
+                worst = f"{max(abs(r) for r in fit.residuals()):>10.1%}"
+                source = f"{len(fit.points)} sizes"
+            lines.append(f"{kind:<15} {link:<6} {fit.alpha * 1e3:>10.3f} {fit.beta:>11.3e} "
+                         f"{rate:>15.1f} {worst}  {source}")
+    fit = fits[("compute", "")]
+    worst = max(abs(r) for r in fit.residuals())
+    gflops = 1e-9 / fit.beta if fit.beta > 0 else float("inf")
+    lines.append(f"{'compute':<15} {'':<6} {fit.alpha * 1e3:>10.3f} {fit.beta:>11.3e} "
+                 f"{'':>15} {worst:>10.1%}  s/flop = {gflops:.2f} GFLOP/s, "
+                 f"{len(fit.points)} points")
+    # The model has one compute line for both directions; show how far apart they are.
+    for label in ("forward", "backward"):
+        members = [p for p in fit.points if p.group == label]
+        if len({p.x for p in members}) >= 2:
+            alpha, beta = fit_alpha_beta((p.x, p.seconds) for p in members)
+            lines.append(f"{'  ' + label + ' only':<22} {alpha * 1e3:>10.3f} {beta:>11.3e}"
+                         f"{'':>28}  (for comparison; not written)")
+    return "\n".join(lines)
+
+
+def format_residual_table(fits: Dict[Tuple[str, str], Fit]) -> str:
+    """Every measured point against its fit: (predicted - measured) / measured."""
+    lines = [f"{'kind':<15} {'link':<6} {'group':<8} {'size':>10} {'x':>12} "
+             f"{'measured ms':>11} {'fit ms':>9} {'resid':>7}"]
+    for key in sorted(fits, key=lambda k: (k[0] == "compute", k)):
+        fit = fits[key]
+        for point, resid in zip(fit.points, fit.residuals()):
+            if point.kind == "compute":
+                size, x = f"{point.size} rows", f"{point.x / 1e6:.4g} MFLOP"
+            else:
+                size, x = _human_bytes(point.size), _human_bytes(point.x)
+            lines.append(f"{point.kind:<15} {point.link:<6} {point.group:<8} {size:>10} "
+                         f"{x:>12} {point.seconds * 1e3:>11.3f} {fit.predict(point.x) * 1e3:>9.3f} "
+                         f"{resid:>+7.1%}")
+    return "\n".join(lines)
+
+
+def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
+    """Best effort, for the profile's note: the tc rate limit on each interface, if any
+    (the emulated cluster shapes eth0 and lo with tbf). Empty where tc is unavailable."""
+    rates = {}
+    for interface in interfaces:
+        try:
+            result = subprocess.run(["tc", "qdisc", "show", "dev", interface],
+                                    capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        match = re.search(r"\brate (\S+)", result.stdout)
+        if result.returncode == 0 and match:
+            rates[interface] = match.group(1)
+    return rates
+
+
+def describe_run(argv: Sequence[str], layout: Layout, timed: Sequence[Tuple[str, str]],
+                 copied: Sequence[str], rates: Dict[str, str], extra: str,
+                 compute_shape: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    groups = ", ".join(f"{name}={layout.group_size(name)} ({link})" for name, link in timed)
+    parts = [
+        f"Measured by tools/calibrate.py on {now}.",
+        f"World {layout.world_size} = {layout.nodes} nodes x {layout.ranks_per_node} ranks; "
+        f"tp={layout.tp} ep={layout.ep} etp={layout.etp}; timed groups: {groups}.",
+    ]
+    if rates:
+        parts.append("tc rate limits seen on rank 0: "
+                     + ", ".join(f"{dev} {rate}" for dev, rate in rates.items()) + ".")
+    if copied:
+        parts.append("NOT measured (no group of that link class on this layout), copied: "
+                     + "; ".join(copied) + ".")
+    parts.append(f"Compute: {compute_shape}.")
+    if extra:
+        parts.append(extra.rstrip(".") + ".")
+    parts.append("Command: " + shlex.join(argv))
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------
+# measuring (torch)
+# ----------------------------------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(local_times: List[float], device) -> List[float]:
+    """Per repetition, the largest time over all ranks of the world."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(local_times, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()
+
+
+def _start(kind: str, tensor, group, name: str):
+    from megatron_parm.comm import collectives
+
+    size = group.size()
+    if kind == "all_to_all":
+        rows = tensor.shape[0] // size
+        return collectives.start_all_to_all(tensor, group, name, [rows] * size, [rows] * size)
+    if kind == "all_gather":
+        return collectives.start_all_gather(tensor, group, name)
+    if kind == "reduce_scatter":
+        return collectives.start_reduce_scatter(tensor, group, name)
+    if kind == "all_reduce":
+        return collectives.start_all_reduce(tensor, group, name)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def time_collective(kind: str, group, group_name: str, link: str, size: int, *, warmup: int,
+                    reps: int, ranks_per_node: int, device, row_elems: int = 64) -> Point:
+    """Time one collective of message size `size` (see S in the notation) on this rank's
+    `group`, every rank at once. Bytes sent come from the accounting of the timed calls."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_parm.comm.accounting import track_comm
+
+    g = group.size()
+    row_bytes = row_elems * 4
+    rows = max(1, round(size / (g * row_bytes))) * g  # whole tensor: rows divisible by g
+    input_rows = rows // g if kind == "all_gather" else rows
+    tensor = torch.ones(input_rows, row_elems, dtype=torch.float32, device=device)
+    local, sent = [], set()
+    for rep in range(warmup + reps):
+        _sync(device)
+        dist.barrier()
+        with track_comm(ranks_per_node) as stats:
+            start = time.perf_counter()
+            _start(kind, tensor, group, group_name).wait()
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            bytes_sent = stats.sum(kind=kind, group=group_name)
+        if rep >= warmup:
+            local.append(elapsed)
+            sent.add(bytes_sent.intra if link == "intra" else bytes_sent.inter)
+        other = bytes_sent.inter if link == "intra" else bytes_sent.intra
+        assert other == 0, f"{kind} on {group_name} ({link}) sent {other} bytes on the other link"
+    assert len(sent) == 1, f"{kind} on {group_name}: bytes differ between repetitions: {sent}"
+    return Point(kind, link, group_name, rows * row_bytes, float(sent.pop()),
+                 _slowest(local, device))
+
+
+def expert_flops(rows: int, hidden: int, ffn_local: int) -> float:
+    """Forward flops of `rows` rows through fc1 [M, H_local] and fc2 [H_local, M], as
+    LayerShape.expert_flops_per_row counts them (2 per multiply-add; the activation is free).
+    The backward is twice this (grads of input and of both weights)."""
+    return rows * (2.0 * hidden * ffn_local + 2.0 * ffn_local * hidden)
+
+
+def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmup: int,
+                 reps: int, device) -> List[Point]:
+    """Forward and backward of an expert-like MLP (fc1, GeLU, fc2) on every rank at once:
+    points (flops, seconds) with x = F forward and 2F backward."""
+    import torch
+    import torch.distributed as dist
+
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    fc1 = (torch.randn(hidden, ffn_local, generator=generator) / math.sqrt(hidden)).to(device)
+    fc2 = (torch.randn(ffn_local, hidden, generator=generator) / math.sqrt(ffn_local)).to(device)
+    fc1.requires_grad_(True)
+    fc2.requires_grad_(True)
+    points = []
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, generator=generator).to(device).requires_grad_(True)
+        grad_out = torch.randn(rows, hidden, generator=generator).to(device)
+        forward, backward = [], []
+        for rep in range(warmup + reps):
+            x.grad = fc1.grad = fc2.grad = None
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            out = torch.nn.functional.gelu(x @ fc1) @ fc2
+            _sync(device)
+            middle = time.perf_counter()
+            dist.barrier()  # the backward, too, starts on every rank at once
+            middle_start = time.perf_counter()
+            out.backward(grad_out)
+            _sync(device)
+            end = time.perf_counter()
+            if rep >= warmup:
+                forward.append(middle - start)
+                backward.append(end - middle_start)
+        flops = expert_flops(rows, hidden, ffn_local)
+        points.append(Point("compute", "", "forward", rows, flops, _slowest(forward, device)))
+        points.append(Point("compute", "", "backward", rows, 2 * flops,
+                            _slowest(backward, device)))
+    return points

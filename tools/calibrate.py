@@ -1,0 +1,208 @@
+"""Measure this cluster's alpha-beta profile for the performance model; write a profile file.
+
+    # one node, 4 ranks (only intra-node groups: inter entries are copied, see below)
+    torchrun --nproc-per-node 4 tools/calibrate.py --output configs/profiles/mine.yaml
+    # the emulated cluster, 2 nodes x 2 ranks
+    python tools/emulate_cluster.py --nnodes 2 --nproc-per-node 2 --preset pcie -- \\
+        python tools/calibrate.py --output configs/profiles/emulated_pcie_measured.yaml
+    # Slurm, several nodes (one torchrun per node)
+    srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 tools/calibrate.py --output prof.yaml
+
+Times all_to_all, all_gather, reduce_scatter and all_reduce over --sizes on the real groups
+of the layout (Megatron's TP, EP and ETP groups; by default TP = ETP = one node, EP across
+nodes, so there is one intra-node and one inter-node group), and expert-like matmuls
+forward and backward for the compute term; fits alpha + beta * x per (kind, link) by least
+squares, prints the fit and every point's residual, and writes the profile (provenance:
+measured). Method, link classes and what is done when a link class cannot be measured:
+megatron_parm/perf_model/calibrate.py. A default run takes 30-45 s on the emulated cluster
+(2 nodes x 2 ranks, either preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_parm.perf_model import Layout, save_profile  # noqa: E402
+from megatron_parm.perf_model import calibrate as cal  # noqa: E402
+
+DEFAULT_SIZES = "16KiB..8MiB"
+DEFAULT_COMPUTE_ROWS = "64..2048"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="calibrate.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                        help="default: ranks per node (TP groups inside a node)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=None,
+                        help="default: number of nodes (EP groups across nodes)")
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="default: the tensor-parallel size, as in Megatron")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help="message sizes S (bytes of one rank's whole tensor): LO..HI "
+                             "(doubling), LO..HI:N (N geometric points) or a comma list; "
+                             f"units B, KiB, MiB (default {DEFAULT_SIZES})")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed repetitions per point (default 2)")
+    parser.add_argument("--reps", type=int, default=10,
+                        help="timed repetitions per point; the median is fitted (default 10)")
+    parser.add_argument("--hidden-size", type=int, default=512,
+                        help="M of the timed expert matmuls (default 512)")
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=256,
+                        help="H of the timed expert matmuls, split over ETP (default 256)")
+    parser.add_argument("--compute-rows", default=DEFAULT_COMPUTE_ROWS,
+                        help=f"rows through the timed expert, same forms as --sizes "
+                             f"(default {DEFAULT_COMPUTE_ROWS})")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per node for the intra/inter rule (default: "
+                             "LOCAL_WORLD_SIZE, as the model and the accounting use)")
+    parser.add_argument("--output", default="calibrated_profile.yaml",
+                        help="profile file to write, .yaml or .json (default "
+                             "calibrated_profile.yaml)")
+    parser.add_argument("--name", default=None,
+                        help="profile name (default: the output file's name without suffix)")
+    parser.add_argument("--note", default="",
+                        help="free text for the profile's note, e.g. the links' bandwidths")
+    return parser
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> Layout:
+    """Raise ValueError naming the flag; returns the layout to calibrate."""
+    args.sizes = cal.parse_range(args.sizes, "--sizes")
+    args.compute_rows = cal.parse_range(args.compute_rows, "--compute-rows",
+                                        parse=lambda item: cal.parse_int(item, "--compute-rows"))
+    for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < (0 if flag == "--warmup" else 1):
+            raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
+    if os.path.splitext(args.output)[1].lower() not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"--output must end in .yaml, .yml or .json, got {args.output!r}")
+    ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    if ranks_per_node is None:
+        raise ValueError("--ranks-per-node not given and LOCAL_WORLD_SIZE not set; launch with "
+                         "torchrun or give --ranks-per-node")
+    if ranks_per_node < 1 or world_size % ranks_per_node != 0:
+        raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide the world size "
+                         f"({world_size})")
+    tp, ep, etp = cal.default_layout_sizes(world_size, ranks_per_node)
+    tp = args.tensor_model_parallel_size or tp
+    etp = args.expert_tensor_parallel_size or (tp if args.tensor_model_parallel_size else etp)
+    ep = args.expert_model_parallel_size or ep
+    if args.expert_model_parallel_size is None and world_size % (ep * etp) != 0:
+        ep = world_size // etp if world_size % etp == 0 else 1
+    from megatron_parm.parallel import validate_layout
+
+    validate_layout(world_size, tp, ep, etp)
+    if args.moe_ffn_hidden_size % etp != 0:
+        raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
+                         f"by --expert-tensor-parallel-size ({etp})")
+    args.ranks_per_node = ranks_per_node
+    layout = Layout(tp=tp, ep=ep, etp=etp, nodes=world_size // ranks_per_node,
+                    ranks_per_node=ranks_per_node)
+    if not cal.groups_to_time(layout):
+        raise ValueError(
+            f"nothing to time with tp={tp} ep={ep} etp={etp} on {layout.nodes} node(s) x "
+            f"{ranks_per_node} ranks: every group has one rank or mixes intra- and inter-node "
+            f"peers; choose --tensor-model-parallel-size / --expert-model-parallel-size / "
+            f"--expert-tensor-parallel-size so a group spans 2+ ranks of one node, or one rank "
+            f"on each of 2+ nodes")
+    return layout
+
+
+def skip_reason(layout: Layout, name: str) -> str:
+    link = cal.link_class(layout, name)
+    if link == "none":
+        return "one rank"
+    if link == "mixed":
+        return "mixes intra- and inter-node peers"
+    return f"{link}, same ranks as a timed group"
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        layout = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as error:
+        parser.error(str(error))  # every rank exits 2 with the same message, before any group
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_parm import platform
+    from megatron_parm.parallel import initialize_model_parallel
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    platform.setup()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    initialize_model_parallel(layout.tp, layout.ep, layout.etp)
+    from megatron.core import parallel_state
+
+    groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
+              "ep": parallel_state.get_expert_model_parallel_group(),
+              "expt_tp": parallel_state.get_expert_tensor_parallel_group()}
+    rank = dist.get_rank()
+    for name, group in groups.items():  # the model's rank rule must describe the real groups
+        assert dist.get_process_group_ranks(group) == layout.group_ranks(name, rank), name
+    timed = cal.groups_to_time(layout)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"calibrate: world {layout.world_size} = {layout.nodes} nodes x {layout.ranks_per_node}; "
+        f"tp={layout.tp} ep={layout.ep} etp={layout.etp}; timing "
+        + (", ".join(f"{n} ({link})" for n, link in timed) or "no group")
+        + "; not timed: " + (", ".join(f"{n} ({skip_reason(layout, n)})"
+                                       for n in ("tp", "ep", "expt_tp")
+                                       if n not in dict(timed)) or "none"), flush=True)
+
+    points = []
+    for name, link in timed:
+        for kind in cal.COLLECTIVE_KINDS:
+            for size in args.sizes:
+                points.append(cal.time_collective(
+                    kind, groups[name], name, link, size, warmup=args.warmup, reps=args.reps,
+                    ranks_per_node=layout.ranks_per_node, device=device))
+            say(f"  timed {kind} on {name} ({link}) at {len(args.sizes)} sizes", flush=True)
+    ffn_local = args.moe_ffn_hidden_size // layout.etp
+    points += cal.time_compute(args.compute_rows, args.hidden_size, ffn_local,
+                               warmup=args.warmup, reps=args.reps, device=device)
+    say(f"  timed expert matmuls at {len(args.compute_rows)} row counts", flush=True)
+
+    status = 0
+    if rank == 0:
+        fits = cal.fit_points(points)
+        try:
+            copied = cal.fill_missing(fits)
+        except ValueError as error:
+            print(f"calibrate.py: error: {error}", file=sys.stderr)
+            copied, status = None, 2
+        if copied is not None:
+            rates = cal.shaped_rates([os.environ.get("GLOO_SOCKET_IFNAME", "eth0"), "lo"])
+            compute_shape = (f"fp32 x[rows, {args.hidden_size}] @ [{args.hidden_size}, "
+                             f"{ffn_local}] -> GeLU -> @ [{ffn_local}, {args.hidden_size}], "
+                             f"forward F and backward 2F flops, {device.type}")
+            note = cal.describe_run(["tools/calibrate.py"] + list(sys.argv[1:] if argv is None
+                                                                  else argv),
+                                    layout, timed, copied, rates, args.note, compute_shape)
+            name = args.name or os.path.splitext(os.path.basename(args.output))[0]
+            save_profile(cal.build_profile(fits, name, note), args.output)
+            print("\nresiduals ((fit - measured) / measured; median of "
+                  f"{args.reps} repetitions, slowest rank):")
+            print(cal.format_residual_table(fits))
+            print("\nfit (T = alpha + beta * bytes sent per rank; compute: per flop):")
+            print(cal.format_fit_table(fits))
+            if copied:
+                print("WARNING: not measured on this layout, copied from the other link "
+                      "class: " + "; ".join(copied))
+            print(f"\nwrote {args.output}", flush=True)
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
