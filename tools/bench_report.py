@@ -24,8 +24,9 @@ def main(argv=None):
     p.add_argument("--markdown", help="write the per-configuration table here")
     p.add_argument("--plot", help="write the speedup plot (PNG) here")
     p.add_argument("--summary", help="write the summary (JSON) here")
-    p.add_argument("--parm-profile", help="also compare the performance model's predictions with "
-                                          "the measured times, using this profile")
+    p.add_argument("--parm-profile", action="append", default=[], metavar="[LABEL=]PATH",
+                   help="also compare the performance model's predictions with the measured "
+                        "times, with this profile (for the runs of LABEL; repeatable)")
     args = p.parse_args(argv)
     for path in args.inputs:
         if not os.path.exists(path):
@@ -35,14 +36,18 @@ def main(argv=None):
                    if any(d in r.median_ms for r in results)]
     table = markdown_table(results, dispatchers)
     summary = summarize(results)
-    if args.parm_profile:
+    for spec in args.parm_profile:
         from megatron_parm.bench.report import model_accuracy
         from megatron_parm.perf_model import load_profile
 
-        accuracy = model_accuracy(results, load_profile(args.parm_profile))
-        for label, entry in accuracy.items():
-            summary.setdefault(label, {})["model_within_25pct"] = entry["within_25pct"]
-            summary[label]["model_pairs"] = entry["pairs"]
+        label, _, path = spec.rpartition("=")
+        rows = [r for r in results if not label or r.label == label]
+        if not rows:
+            p.error(f"--parm-profile {spec}: no runs labelled {label!r}")
+        for name, entry in model_accuracy(rows, load_profile(path)).items():
+            summary.setdefault(name, {})["model_profile"] = path
+            summary[name]["model_within_25pct"] = entry["within_25pct"]
+            summary[name]["model_pairs"] = entry["pairs"]
     print(table)
     print(json.dumps(summary, indent=2))
     if args.markdown:
