@@ -233,8 +233,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.parm_num_chunks < 1:
         raise ValueError(f"--parm-num-chunks must be >= 1, got {args.parm_num_chunks}")
-    if args.parm_profile is not None and not os.path.isfile(args.parm_profile):
-        raise ValueError(f"--parm-profile: file not found: {args.parm_profile}")
+    if args.parm_profile is not None:
+        if not os.path.isfile(args.parm_profile):
+            raise ValueError(f"--parm-profile: file not found: {args.parm_profile}")
+        from megatron_parm.perf_model import load_profile
+
+        try:  # a bad field stops the run here, before any process-group work
+            load_profile(args.parm_profile)
+        except ValueError as err:
+            raise ValueError(f"--parm-profile: {err}") from err
     if args.use_distributed_optimizer and not _cuda_available():
         raise ValueError("--use-distributed-optimizer needs CUDA: Megatron-Core 0.16.1's "
                          "distributed optimizer only wraps CUDA parameters")

@@ -61,13 +61,10 @@ def worker(out_path: str, run_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, prepared_data):
     sys.path.insert(0, str(REPO))
     from launch import torchrun
 
-    for prefix in ("data/cache/gpt_text_document", "data/cache/bert_text_sentence"):
-        if not os.path.isfile(REPO / f"{prefix}.idx"):
-            pytest.skip(f"{prefix}.bin/.idx missing: run pretrain_scripts/prepare_data.sh")
     run_dir = tmp_path_factory.mktemp("pretrain")
     out = run_dir / "results.json"
     proc = torchrun(str(Path(__file__).relative_to(REPO)), 4, "worker", str(out), str(run_dir),

@@ -15,13 +15,9 @@ TINY_GPT = ["--config", str(REPO / "configs/gpt2_tiny_moe.yaml")]
 
 
 @pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
+def in_repo(monkeypatch, prepared_data):
     # The configs name data and tokenizer paths relative to the repository root.
     monkeypatch.chdir(REPO)
-    for prefix in ("data/cache/gpt_text_document", "data/cache/bert_text_sentence"):
-        for ext in (".bin", ".idx"):
-            if not (REPO / (prefix + ext)).is_file():
-                pytest.skip(f"{prefix}{ext} missing: run pretrain_scripts/prepare_data.sh")
 
 
 def error(argv, world_size=4, model_type="gpt") -> str:
