@@ -140,7 +140,7 @@ def format_table(spec, results, diffs) -> str:
         lines.append(
             f"{name:<12} {timing.median_ms:>10.1f} {vs_base:>10} {vs_a2a:>11} "
             f"{intra:>9.2f} {inter:>9.2f} "
-            f"{diffs.get(name, float('nan')):>11.2e}")
+            f"{diffs.get(name, float('nan')):>11.2e}" + (f"  chose {timing.choice}" if timing.choice else ""))
     return "\n".join(lines)
 
 
@@ -172,7 +172,7 @@ def main(argv=None):
             with open(args.output, "a") as f:
                 for name, timing in results.items():
                     record = dict(label=args.label, config=index, dispatcher=name,
-                                  median_ms=timing.median_ms, times_ms=timing.times_ms,
+                                  median_ms=timing.median_ms, times_ms=timing.times_ms, choice=timing.choice,
                                   bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
                                   world_size=dist.get_world_size(),
                                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))

@@ -86,6 +86,7 @@ class Timing:
     dispatcher: str
     times_ms: List[float]
     bytes: Dict[str, Dict[str, int]]
+    choice: Optional[str] = None  # the schedule the automatic dispatcher `parm` picked
 
     @property
     def median_ms(self) -> float:
@@ -122,6 +123,10 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
             if it >= warmup:
                 results[name].times_ms.append(1e3 * elapsed.item())
             layers[name].zero_grad(set_to_none=True)
+    for name, layer in layers.items():
+        choice = getattr(layer.token_dispatcher, "choice", None)
+        if choice is not None:
+            results[name].choice = str(choice.schedule)
     return results
 
 

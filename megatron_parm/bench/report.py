@@ -46,6 +46,7 @@ class ConfigResult:
     inter_bytes: Dict[str, int] = field(default_factory=dict)
     intra_bytes: Dict[str, int] = field(default_factory=dict)
     payload_inter_bytes: Dict[str, int] = field(default_factory=dict)  # without routing metadata
+    parm_choice: Optional[str] = None
 
     @property
     def best_parm(self) -> Tuple[str, float]:
@@ -74,7 +75,7 @@ def group_results(records: List[dict]) -> List[ConfigResult]:
         key = (r.get("label", ""), r["config"])
         if key not in grouped:
             fields = {k: v for k, v in r.items() if k not in (
-                "dispatcher", "median_ms", "times_ms", "bytes", "max_diff_vs_alltoall", "label", "config")}
+                "dispatcher", "median_ms", "times_ms", "bytes", "max_diff_vs_alltoall", "label", "config", "choice")}
             grouped[key] = ConfigResult(key[0], key[1], fields)
         res = grouped[key]
         name = r["dispatcher"]
@@ -83,6 +84,8 @@ def group_results(records: List[dict]) -> List[ConfigResult]:
         res.spread[name] = (max(times) - min(times)) / statistics.median(times)
         res.inter_bytes[name] = sum(v["inter"] for v in r["bytes"].values())
         res.intra_bytes[name] = sum(v["intra"] for v in r["bytes"].values())
+        if r.get("choice"):
+            res.parm_choice = r["choice"]
         res.payload_inter_bytes[name] = sum(v["inter"] for k, v in r["bytes"].items() if not is_metadata(name, k))
     return [grouped[k] for k in sorted(grouped)]
 
@@ -139,14 +142,14 @@ def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
 
 def markdown_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
     head = ["label", "config", "shape | tp,ep,etp"] + [f"{d} ms" for d in dispatchers] + [
-        "best Parm", "x ds_baseline", "x alltoall", "inter MB a2a/S1/ds"]
+        "best Parm", "x ds_baseline", "x alltoall", "parm chose", "inter MB a2a/S1/ds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         best, _ = r.best_parm
         inter = "/".join(f"{r.inter_bytes.get(d, 0) / 1e6:.1f}" for d in ("alltoall", "parm_s1", "ds_baseline"))
         cells = [r.label, str(r.config), r.shape()] + [
             f"{r.median_ms[d]:.0f}" if d in r.median_ms else "-" for d in dispatchers] + [
-            best, _fmt(r.ratio("ds_baseline")), _fmt(r.ratio("alltoall")), inter]
+            best, _fmt(r.ratio("ds_baseline")), _fmt(r.ratio("alltoall")), r.parm_choice or "-", inter]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from megatron.core import utils
 from megatron.core.transformer.moe.moe_utils import get_capacity, permute, sort_chunks_by_idxs, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from megatron_parm.comm.collectives import start_all_gather
+from megatron_parm.comm.collectives import all_to_all, start_all_gather
 
 
 @dataclass
@@ -222,3 +222,33 @@ class ParmTokenDispatcher(MoETokenDispatcher):
         etp_size = utils.get_pg_size(self.etp_group)
         all_counts = self._exchange_counts(counts, self.tp_ep_group, "tp_ep_counts", etp_size)
         return RoutingPlan(all_counts, self.ep_rank, self.etp_rank, self.num_local_experts)
+
+    # -- phases shared by the schedules ---------------------------------------------------
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        """S1/S2: permute this rank's own tokens by expert and plan the dispatch."""
+        self.hidden_shape = hidden_states.shape
+        tokens = hidden_states.view(-1, self.hidden_shape[-1])
+        rows, row_probs, counts = self._permute(tokens, routing_map, probs)
+        self.plan = self.build_plan(counts)
+        return rows, row_probs
+
+    def _sort_for_experts(self, rows: torch.Tensor, row_probs: torch.Tensor):
+        """Rows as received ([source][local expert]) -> expert-major, with tokens per expert."""
+        self.chunk_sizes = self.plan.gathered_chunk_sizes()
+        rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes, self.num_local_experts)
+        return rows, self.plan.tokens_per_local_expert(), row_probs
+
+    def _unsort_from_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return unsort_by_local_expert(hidden_states, self.chunk_sizes, self.num_local_experts)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """A2A [EP] of the expert outputs back to the ranks that sent the rows."""
+        return all_to_all(hidden_states, self.ep_group, "ep", self.plan.a2a_input_splits(),
+                          self.plan.a2a_output_splits())
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """S1/S2: unpermute to this rank's tokens."""
+        self.plan = self.chunk_sizes = None
+        return self._unpermute(hidden_states).view(self.hidden_shape)

@@ -7,12 +7,7 @@ import torch
 from megatron.core import utils
 
 from megatron_parm.comm.collectives import all_gather, all_reduce, all_to_all, start_all_gather
-from megatron_parm.dispatchers.base import (
-    ParmTokenDispatcher,
-    RoutingPlan,
-    sort_by_local_expert,
-    unsort_by_local_expert,
-)
+from megatron_parm.dispatchers.base import ParmTokenDispatcher, RoutingPlan
 
 
 class DSBaselineTokenDispatcher(ParmTokenDispatcher):
@@ -72,18 +67,10 @@ class DSBaselineTokenDispatcher(ParmTokenDispatcher):
         return rows, row_probs
 
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        self.chunk_sizes = self.plan.gathered_chunk_sizes()
-        rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes,
-                                               self.num_local_experts)
-        return rows, self.plan.tokens_per_local_expert(), row_probs
+        return self._sort_for_experts(rows, row_probs)
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        rows = unsort_by_local_expert(hidden_states, self.chunk_sizes, self.num_local_experts)
-        return all_reduce(rows, self.etp_group, "expt_tp")
-
-    def token_combine(self, hidden_states: torch.Tensor):
-        return all_to_all(hidden_states, self.ep_group, "ep", self.plan.a2a_input_splits(),
-                          self.plan.a2a_output_splits())
+        return all_reduce(self._unsort_from_experts(hidden_states), self.etp_group, "expt_tp")
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         self.plan = self.chunk_sizes = None

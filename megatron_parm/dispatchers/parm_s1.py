@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_parm.comm.collectives import all_gather, all_to_all, reduce_scatter
-from megatron_parm.dispatchers.base import (
-    ParmTokenDispatcher,
-    pack_rows,
-    unpack_rows,
-    sort_by_local_expert,
-    unsort_by_local_expert,
-)
+from megatron_parm.dispatchers.base import ParmTokenDispatcher, pack_rows, unpack_rows
 
 
 class ParmS1TokenDispatcher(ParmTokenDispatcher):
@@ -30,14 +24,6 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     hands this dispatcher the rank's shard and restores the full output with one AG [TP].
     """
 
-    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
-                            probs: torch.Tensor):
-        self.hidden_shape = hidden_states.shape
-        tokens = hidden_states.view(-1, self.hidden_shape[-1])
-        rows, row_probs, counts = self._permute(tokens, routing_map, probs)
-        self.plan = self.build_plan(counts)
-        return rows, row_probs
-
     def _both(self, collective, rows, row_probs, *args):
         """Run a collective on rows and probs: as one message where their dtypes match."""
         if rows.dtype != row_probs.dtype:
@@ -51,19 +37,8 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
         rows, row_probs = self._both(all_gather, rows, row_probs, self.etp_group, "expt_tp",
                                      self.plan.etp_split_sizes())
-        self.chunk_sizes = self.plan.gathered_chunk_sizes()
-        rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes,
-                                               self.num_local_experts)
-        return rows, self.plan.tokens_per_local_expert(), row_probs
+        return self._sort_for_experts(rows, row_probs)
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        rows = unsort_by_local_expert(hidden_states, self.chunk_sizes, self.num_local_experts)
-        return reduce_scatter(rows, self.etp_group, "expt_tp", self.plan.etp_split_sizes())
-
-    def token_combine(self, hidden_states: torch.Tensor):
-        return all_to_all(hidden_states, self.ep_group, "ep", self.plan.a2a_input_splits(),
-                          self.plan.a2a_output_splits())
-
-    def combine_postprocess(self, hidden_states: torch.Tensor):
-        self.plan = self.chunk_sizes = None
-        return self._unpermute(hidden_states).view(self.hidden_shape)
+        return reduce_scatter(self._unsort_from_experts(hidden_states), self.etp_group, "expt_tp",
+                              self.plan.etp_split_sizes())

@@ -202,14 +202,6 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
         if self.num_chunks < 1:
             raise ValueError(f"--parm-num-chunks must be >= 1, got {self.num_chunks}")
 
-    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
-                            probs: torch.Tensor):
-        self.hidden_shape = hidden_states.shape
-        tokens = hidden_states.view(-1, self.hidden_shape[-1])
-        rows, row_probs, counts = self._permute(tokens, routing_map, probs)
-        self.plan = self.build_plan(counts)
-        return rows, row_probs
-
     def dispatch_compute_combine(self, rows: torch.Tensor, row_probs: torch.Tensor,
                                  expert_fn: Callable) -> torch.Tensor:
         pipeline = _ChunkedExperts(self, self.plan, self.num_chunks, expert_fn)
@@ -226,6 +218,3 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
         raise RuntimeError("parm_s2 dispatches inside dispatch_compute_combine (see ParmMoELayer)")
 
     dispatch_postprocess = combine_preprocess = token_combine = token_dispatch
-
-    def combine_postprocess(self, hidden_states: torch.Tensor):
-        return self._unpermute(hidden_states).view(self.hidden_shape)

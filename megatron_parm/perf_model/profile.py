@@ -181,20 +181,26 @@ def save_profile(profile: Profile, path) -> None:
             yaml.safe_dump(data, handle, sort_keys=False)
 
 
-def fit_alpha_beta(samples: Iterable[Tuple[float, float]]) -> Tuple[float, float]:
+def fit_alpha_beta(samples: Iterable[Tuple[float, float]], relative: bool = True) -> Tuple[float, float]:
     """Least-squares (alpha, beta) of time = alpha + beta * size from (size, seconds) samples.
 
-    Negative results are clipped to zero (a negative latency or bandwidth cost is noise).
+    relative=True minimises the squared *relative* residuals (weights 1/time^2): message sizes
+    span orders of magnitude, and plain least squares lets the largest sizes decide alone,
+    which leaves alpha (the cost S2 pays per chunk) to noise. Negative results are clipped to
+    zero (a negative latency or bandwidth cost is noise).
     """
     points = [(float(size), float(seconds)) for size, seconds in samples]
     if len(points) < 2:
         raise ValueError("fit_alpha_beta needs at least two (size, seconds) samples")
-    mean_size = sum(size for size, _ in points) / len(points)
-    mean_time = sum(seconds for _, seconds in points) / len(points)
-    spread = sum((size - mean_size) ** 2 for size, _ in points)
+    weights = [1.0 / max(seconds, 1e-12) ** 2 if relative else 1.0 for _, seconds in points]
+    total = sum(weights)
+    mean_size = sum(w * size for w, (size, _) in zip(weights, points)) / total
+    mean_time = sum(w * seconds for w, (_, seconds) in zip(weights, points)) / total
+    spread = sum(w * (size - mean_size) ** 2 for w, (size, _) in zip(weights, points))
     if spread == 0:
         raise ValueError("fit_alpha_beta needs samples of at least two different sizes")
-    beta = sum((size - mean_size) * (seconds - mean_time) for size, seconds in points) / spread
+    beta = sum(w * (size - mean_size) * (seconds - mean_time)
+               for w, (size, seconds) in zip(weights, points)) / spread
     beta = max(beta, 0.0)
     alpha = max(mean_time - beta * mean_size, 0.0)
     return alpha, beta
