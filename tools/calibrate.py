@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-rows", default=DEFAULT_COMPUTE_ROWS,
                         help=f"rows through the timed expert, same forms as --sizes "
                              f"(default {DEFAULT_COMPUTE_ROWS})")
+    parser.add_argument("--chunk-overhead-tokens", type=int, default=256,
+                        help="tokens per rank of the real MoE layer timed with parm_s2 at 1 and "
+                             "8 chunks to measure the per-chunk overhead; 0 skips it (default 256)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per node for the intra/inter rule (default: "
                              "LOCAL_WORLD_SIZE, as the model and the accounting use)")
@@ -172,6 +175,18 @@ def main(argv=None) -> int:
     points += cal.time_compute(args.compute_rows, args.hidden_size, ffn_local,
                                warmup=args.warmup, reps=args.reps, device=device)
     say(f"  timed expert matmuls at {len(args.compute_rows)} row counts", flush=True)
+    layer_spec, s2_times = None, None
+    if args.chunk_overhead_tokens > 0:
+        # The real layer with parm_s2 at 1 and 8 chunks: what the model's collective alphas
+        # miss per extra chunk becomes the profile's chunk_overhead.
+        from megatron_parm.bench.moe_layer import MoELayerSpec, time_s2_chunks
+
+        layer_spec = MoELayerSpec(seq_length=args.chunk_overhead_tokens * layout.tp // 2,
+                                  micro_batch_size=2, hidden_size=args.hidden_size,
+                                  ffn_hidden_size=args.moe_ffn_hidden_size, num_experts=2 * layout.ep,
+                                  topk=2, tp=layout.tp, ep=layout.ep, etp=layout.etp)
+        s2_times = time_s2_chunks(layer_spec, [1, 8], warmup=1, iters=max(3, args.reps // 2))
+        say(f"  timed the MoE layer with parm_s2 at 1 and 8 chunks", flush=True)
 
     status = 0
     if rank == 0:
@@ -190,7 +205,14 @@ def main(argv=None) -> int:
                                                                   else argv),
                                     layout, timed, copied, rates, args.note, compute_shape)
             name = args.name or os.path.splitext(os.path.basename(args.output))[0]
-            save_profile(cal.build_profile(fits, name, note), args.output)
+            profile = cal.build_profile(fits, name, note)
+            if s2_times is not None:
+                profile = cal.with_chunk_overhead(profile, layer_spec, layout,
+                                                  {c: t.median_ms / 1e3 for c, t in s2_times.items()})
+                print(f"chunk overhead: parm_s2 measured {s2_times[1].median_ms:.1f} ms at 1 chunk, "
+                      f"{s2_times[8].median_ms:.1f} ms at 8; beyond the model's alphas "
+                      f"{1e3 * profile.chunk_overhead:.2f} ms per extra chunk")
+            save_profile(profile, args.output)
             print("\nresiduals ((fit - measured) / measured; median of "
                   f"{args.reps} repetitions, slowest rank):")
             print(cal.format_residual_table(fits))

@@ -100,33 +100,48 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
     A step's time is the slowest rank's. Bytes are summed over ranks for one step
     (Megatron's own dispatchers included, through account_native_dispatchers).
     """
-    layers = {name: build_layer(spec, name) for name in dispatchers}
-    first = layers[dispatchers[0]]
-    for name in dispatchers[1:]:
-        copy_weights(first, layers[name])
+    return time_layers({name: build_layer(spec, name) for name in dispatchers}, spec, warmup,
+                       iters, seed)
+
+
+def time_s2_chunks(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
+                   seed: int = 1234) -> Dict[int, Timing]:
+    """parm_s2's forward+backward time for each chunk count (same weights and input)."""
+    layers = {}
+    for count in chunk_counts:
+        spec.num_chunks = count
+        layers[count] = build_layer(spec, "parm_s2")
+    return time_layers(layers, spec, warmup, iters, seed)
+
+
+def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed: int) -> Dict:
+    """Interleaved timing of layers built from one spec; their weights are made equal first."""
+    keys = list(layers)
+    for key in keys[1:]:
+        copy_weights(layers[keys[0]], layers[key])
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     x = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
     grad = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
 
-    results = {name: Timing(name, [], {}) for name in dispatchers}
-    for name in dispatchers:  # one accounted step each (also a warm-up)
+    results = {key: Timing(str(key), [], {}) for key in keys}
+    for key in keys:  # one accounted step each (also a warm-up)
         with track_comm() as stats, account_native_dispatchers():
-            step(layers[name], x, grad)
-        results[name].bytes = _world_bytes(stats)
+            step(layers[key], x, grad)
+        results[key].bytes = _world_bytes(stats)
     for it in range(warmup + iters):
-        for name in dispatchers:
+        for key in keys:
             dist.barrier()
             start = time.perf_counter()
-            step(layers[name], x, grad)
+            step(layers[key], x, grad)
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if it >= warmup:
-                results[name].times_ms.append(1e3 * elapsed.item())
-            layers[name].zero_grad(set_to_none=True)
-    for name, layer in layers.items():
+                results[key].times_ms.append(1e3 * elapsed.item())
+            layers[key].zero_grad(set_to_none=True)
+    for key, layer in layers.items():
         choice = getattr(layer.token_dispatcher, "choice", None)
         if choice is not None:
-            results[name].choice = str(choice.schedule)
+            results[key].choice = str(choice.schedule)
     return results
 
 

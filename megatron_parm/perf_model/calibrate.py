@@ -224,6 +224,29 @@ def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str) -> Pro
     )
 
 
+def with_chunk_overhead(profile: Profile, layer_spec, layout: Layout,
+                        s2_seconds: Dict[int, float]) -> Profile:
+    """The profile plus chunk_overhead, from parm_s2 measured at 1 and c chunks.
+
+    chunk_overhead = (T(c) - T(1) measured - the same difference predicted without it) / (c - 1),
+    clipped at 0: whatever the collectives' alphas do not explain of cutting into chunks.
+    """
+    import dataclasses
+
+    from megatron_parm.perf_model.predict import predict
+    from megatron_parm.perf_model.shape import LayerShape
+
+    low, high = min(s2_seconds), max(s2_seconds)
+    shape = LayerShape(num_tokens=layer_spec.seq_length * layer_spec.micro_batch_size // layer_spec.tp,
+                       hidden_size=layer_spec.hidden_size, ffn_hidden_size=layer_spec.ffn_hidden_size,
+                       num_experts=layer_spec.num_experts, topk=layer_spec.topk, dtype_bytes=4)
+    base = dataclasses.replace(profile, chunk_overhead=0.0)
+    predicted = (predict("parm_s2", shape, layout, base, high).total_s
+                 - predict("parm_s2", shape, layout, base, low).total_s)
+    measured = s2_seconds[high] - s2_seconds[low]
+    return dataclasses.replace(profile, chunk_overhead=max(0.0, (measured - predicted) / (high - low)))
+
+
 def _human_bytes(value: float) -> str:
     for unit, scale in (("MiB", 1024 ** 2), ("KiB", 1024)):
         if value >= scale:

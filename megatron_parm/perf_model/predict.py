@@ -15,7 +15,9 @@ compute units. A chunk occupies each resource for the sum of its stage parts on 
     T(c) = sum over stages of stage_time(chunk) + (c - 1) * max(inter, intra, compute busy
            time per chunk)
 i.e. one chunk goes through the whole pipeline (fill + drain) and the other c-1 follow at the
-rate of the busiest resource. With c = 1 this is exactly the sequential sum of parm_s1.
+rate of the busiest resource, plus (c - 1) times the profile's chunk_overhead (what cutting
+the layer into one more chunk costs beyond the collectives' alphas). With c = 1 this is
+exactly the sequential sum of parm_s1.
 The backward pass is modelled the same way with its own stages.
 """
 
@@ -130,7 +132,9 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
                 busy["inter"] += stage.inter_seconds
         resources[direction] = busy
         one_chunk = sum(stage.seconds for stage in mine)
-        totals[direction] = one_chunk + (chunks - 1) * max(busy.values())
+        # the profile's chunk overhead covers forward and backward together: half each
+        totals[direction] = (one_chunk + (chunks - 1) * max(busy.values())
+                             + (chunks - 1) * profile.chunk_overhead / 2)
     return Prediction(dispatcher=dispatcher, num_chunks=chunks,
                       total_s=totals["forward"] + totals["backward"],
                       forward_s=totals["forward"], backward_s=totals["backward"],

@@ -33,7 +33,7 @@ from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
 
 LINKS = ("intra", "inter")
 PROVENANCES = ("measured", "estimate")
-_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units")
+_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units", "chunk_overhead")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class Profile:
     compute_beta: float  # seconds per flop
     provenance: str = "estimate"
     note: str = ""
+    # Seconds each extra parm_s2 chunk costs (forward + backward) beyond its collectives'
+    # alphas: indexing, packing, small kernels, synchronisation. Measured on the real layer
+    # by tools/calibrate.py; optional in files (0 when absent).
+    chunk_overhead: float = 0.0
     source: str = field(default="<in memory>", compare=False)
 
     def __post_init__(self):
@@ -69,6 +73,7 @@ class Profile:
             "alpha": {kind: _copy(links) for kind, links in self.alpha.items()},
             "beta": {kind: _copy(links) for kind, links in self.beta.items()},
             "compute": {"alpha": self.compute_alpha, "beta": self.compute_beta},
+            "chunk_overhead": self.chunk_overhead,
         }
 
     @classmethod
@@ -84,6 +89,7 @@ class Profile:
                   for kind in COLLECTIVE_KINDS},
             compute_alpha=float(data["compute"]["alpha"]),
             compute_beta=float(data["compute"]["beta"]),
+            chunk_overhead=float(data.get("chunk_overhead", 0.0)),
             source=source,
         )
 
@@ -138,6 +144,8 @@ def _check_profile_dict(data, source: str):
     _check_mapping(source, "compute", data["compute"], ("alpha", "beta"))
     for key in ("alpha", "beta"):
         _check_number(source, f"compute.{key}", data["compute"][key])
+    if "chunk_overhead" in data:
+        _check_number(source, "chunk_overhead", data["chunk_overhead"])
 
 
 def _is_json(path: str) -> bool:
