@@ -195,6 +195,14 @@ def _always() -> bool:
 # Dataset builders
 # ---------------------------------------------------------------------------------------------
 
+def _build(dataset_cls, config, num_samples: NumSamples,
+           is_built_on_rank: Optional[Callable[[], bool]]):
+    """(train, valid, test) through megatron-core's builder (caches built on rank 0 first)."""
+    builder = BlendedMegatronDatasetBuilder(dataset_cls, num_samples, is_built_on_rank or _always, config)
+    with _process_group_for_building():
+        return tuple(builder.build())
+
+
 def build_gpt_datasets(tokenizer, data_path, split: str, seq_length: int, seed: int,
                        num_samples: NumSamples, *, data_cache_path: Optional[str] = None,
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
@@ -226,10 +234,7 @@ def build_gpt_datasets(tokenizer, data_path, split: str, seq_length: int, seed: 
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, num_samples, is_built_on_rank or _always, config)
-    with _process_group_for_building():
-        return tuple(builder.build())
+    return _build(GPTDataset, config, num_samples, is_built_on_rank)
 
 
 def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed: int,
@@ -277,10 +282,7 @@ def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed:
         masking_use_geometric_distribution=False,
         classification_head=binary_head,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        BERTMaskedWordPieceDataset, num_samples, is_built_on_rank or _always, config)
-    with _process_group_for_building():
-        return tuple(builder.build())
+    return _build(BERTMaskedWordPieceDataset, config, num_samples, is_built_on_rank)
 
 
 def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSamples,
