@@ -1,40 +1,84 @@
 """Checkpoints in Megatron-LM's layout, written with Megatron-Core's dist_checkpointing.
 
     SAVE/
-      latest_checkpointed_iteration.txt     "20"
-      iter_0000020/                         torch_dist: metadata.json, common.pt, *.distcp
+      latest_checkpointed_iteration.txt     "20"  (written last)
+      iter_0000020/                         torch_dist: metadata.json, common.pt, .metadata,
+                                            *.distcp, parm_manifest.json
+      iter_0000030.partial/                 a save in progress (or killed): never loaded
 
-A checkpoint holds the model and optimizer as sharded tensors (so it can be loaded in
-another (tp, ep, etp) layout), the learning-rate schedule, the iteration and the consumed
-samples. Every rank calls save_checkpoint / load_checkpoint (they are collective).
+    save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_samples, args)
+    find_checkpoint(load, save)   -> (folder, iteration) or None (fresh start: see paths.resolve_load)
+    read_checkpoint_info(folder)  -> the saved flags and padded vocabulary, before building a model
+    load_checkpoint(folder, model, optimizer, scheduler, args) -> {'iteration', ...}
+
+A checkpoint holds the model and the optimizer state as sharded tensors under global names and
+global shapes (Megatron's sharded_state_dict), so it loads in any (tp, ep, etp) layout and with
+any dispatcher; plus the learning-rate schedule, the iteration, the consumed samples and every
+rank's RNG states (restored when the layout is the same; a new layout reseeds, which is said).
+A save is written to iter_N.partial/ and published by renaming it to iter_N/ once every rank
+has finished, then the tracker file is replaced: a kill during a save leaves the previous
+checkpoint in place and tracked. Loading checks the folder is whole and that every tensor the
+model asks for exists with the same global shape, and raises CheckpointError naming the tensor
+otherwise. Every rank calls save_checkpoint / load_checkpoint (they are collective).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import shutil
+from typing import Callable, Optional
 
 import torch
 
-from megatron.core import dist_checkpointing
+from megatron_parm.checkpointing import rng
+from megatron_parm.checkpointing.paths import (
+    TRACKER_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    partial_dir,
+    publish,
+    read_tracker,
+    resolve_load,
+)
+from megatron_parm.checkpointing.verify import (
+    check_complete,
+    check_request,
+    read_metadata,
+    write_manifest,
+)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+__all__ = [
+    "TRACKER_FILE", "CheckpointError", "checkpoint_dir", "read_latest_iteration",
+    "save_checkpoint", "find_checkpoint", "read_checkpoint_info", "load_checkpoint",
+    "SHAPE_FLAGS", "set_fault_hook",
+]
+
 CHECKPOINT_VERSION = 3.0
+# Flags that change tensor shapes or names: a checkpoint only loads into the same values.
+SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
+               "num_attention_heads", "num_experts", "moe_ffn_hidden_size",
+               "max_position_embeddings", "disable_bias_linear",
+               "untie_embeddings_and_output_weights")
+
+# Tests set this to kill a rank at a given point of a save (see set_fault_hook).
+_fault_hook: Optional[Callable[[str, int], None]] = None
 
 
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+def set_fault_hook(hook: Optional[Callable[[str, int], None]]) -> None:
+    """Call hook(stage, iteration) at each stage of a save ('staged': folder created,
+    'written': all tensors written but not published). For fault-injection tests only."""
+    global _fault_hook
+    _fault_hook = hook
+
+
+def _fault_point(stage: str, iteration: int) -> None:
+    if _fault_hook is not None:
+        _fault_hook(stage, iteration)
 
 
 def read_latest_iteration(root: str) -> Optional[int]:
     """The iteration named by ROOT/latest_checkpointed_iteration.txt, or None."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"--load: {path} should hold an iteration number, got {text!r}")
-    return int(text)
+    return read_tracker(root)
 
 
 def _unwrap(model):
@@ -43,54 +87,244 @@ def _unwrap(model):
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool):
+    """{'model': ..., 'optimizer_state': {key@offset: ShardedTensor}, 'optimizer_step': step},
+    and for loading the map from each optimizer entry to the state tensor it fills."""
     model_state = _unwrap(model).sharded_state_dict()
     state = {"model": model_state, "checkpoint_version": CHECKPOINT_VERSION}
+    targets = {}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
-    return state
+        tensors, step, targets = _optimizer_state(optimizer, model_state, is_loading)
+        state["optimizer_state"] = tensors
+        state["optimizer_step"] = step
+    return state, targets
+
+
+def _optimizer_state(optimizer, model_state, is_loading: bool):
+    """Adam's moments as ShardedTensors named after their parameter's global key
+    ('optimizer.state.exp_avg.decoder.layers...'), in one flat dict for all of Megatron's
+    chained optimizers (dense and expert): unlike optimizer.sharded_state_dict, whose keys
+    carry the index of the chained optimizer and whose non-tensor part has one entry per
+    chained optimizer, nothing here depends on how the layout groups the parameters.
+    The step, common to all parameters, is saved once."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+    )
+
+    tensors, targets, step = {}, {}, None
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(part, "get_parameters") or getattr(part, "is_stub_optimizer", False):
+            continue
+        if hasattr(part, "float16_groups") or hasattr(part, "shard_fp32_from_float16_groups"):
+            raise CheckpointError("checkpoints of mixed-precision or distributed optimizers are "
+                                  "not supported yet (this trainer keeps fp32 parameters)")
+        if is_loading:
+            part.init_state_fn(part.optimizer, part.config)  # creates the moments to load into
+        params = part.get_parameters()
+        sharded_params = get_param_id_to_sharded_param_map(model_state, params)
+        for index, param in enumerate(params):
+            param_state = part.optimizer.state.get(param, {})
+            for name, value in param_state.items():
+                if name == "step":
+                    step = value
+                elif torch.is_tensor(value) and value.shape == param.shape:
+                    sharded = make_sharded_optimizer_tensor(sharded_params[index], value,
+                                                            prefix=f"optimizer.state.{name}")
+                    # One key holds every layer (a layer axis): name the entry by key and offset.
+                    entry = f"{sharded.key}@{','.join(map(str, sharded.global_offset))}"
+                    tensors[entry] = sharded
+                    targets[entry] = value
+    return tensors, step, targets
+
+
+def _load_optimizer_state(optimizer, loaded: dict, targets: dict, step) -> None:
+    with torch.no_grad():
+        for key, target in targets.items():
+            target.copy_(loaded[key])
+    if step is None:
+        return
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param_state in getattr(part, "optimizer", part).state.values():
+            param_state["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+def _layout(args) -> dict:
+    return {"world_size": torch.distributed.get_world_size(),
+            "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),
+            "expert_model_parallel_size": getattr(args, "expert_model_parallel_size", None),
+            "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None)}
+
+
+def _plain_args(args) -> dict:
+    return {k: v for k, v in vars(args).items()
+            if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
-                    consumed_samples: int, args=None) -> str:
-    """Write ROOT/iter_NNNNNNN/ then point the tracker file at it; returns the folder."""
-    path = checkpoint_dir(root, iteration)
+                    consumed_samples: int, args=None, save_rng: bool = True) -> str:
+    """Write ROOT/iter_NNNNNNN.partial/, publish it as ROOT/iter_NNNNNNN/, then point the
+    tracker at it; returns the published folder. Collective. save_rng=False (conversions)
+    leaves the RNG states out, so a resumed run keeps its seed rather than the converter's."""
     rank = torch.distributed.get_rank()
+    staged = partial_dir(root, iteration)
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(staged)
     torch.distributed.barrier()
-    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    _fault_point("staged", iteration)
+    state, _ = _sharded_state_dict(model, optimizer, is_loading=False)
+    if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
+        state.pop("optimizer_state", None)
+        state.pop("optimizer_step", None)
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
+    layout = _layout(args)
+    state["layout"] = layout
+    state["model_info"] = {"padded_vocab_size": getattr(_unwrap(model), "vocab_size", None)}
     if args is not None:
-        state["args"] = {k: v for k, v in vars(args).items()
-                         if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
-    dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
+        state["args"] = _plain_args(args)
+    # Every rank's generators, gathered so that the common part (rank 0's) holds them all.
+    if save_rng:
+        state["rng_state"] = {"layout": layout, "per_rank": rng.gather()}
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1))
+    _fault_point("written", iteration)
     torch.distributed.barrier()
     if rank == 0:
-        # The tracker is written last, so it only ever names a complete checkpoint.
-        tmp = os.path.join(root, TRACKER_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER_FILE))
+        write_manifest(staged, {"iteration": iteration, "layout": layout})
+        publish(root, iteration)
     torch.distributed.barrier()
-    return path
+    return checkpoint_dir(root, iteration)
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler):
-    """Load the latest checkpoint under ROOT into model/optimizer/scheduler.
+def find_checkpoint(load: Optional[str], save: Optional[str] = None):
+    """(folder, iteration) that --load names, or None (no --load, or the documented first run of
+    an auto-resuming job: --load equal to --save and nothing saved yet). Raises CheckpointError."""
+    if not load:
+        return None
+    return resolve_load(load, save)
 
-    Returns (iteration, consumed_samples), or (0, 0) when ROOT holds no checkpoint.
+
+def read_checkpoint_info(path: str) -> dict:
+    """The common (non-tensor) part of a checkpoint, after checking the folder is whole:
+    {'iteration', 'args', 'model_info', 'layout', ...}. No process group needed."""
+    check_complete(path)
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as err:
+        raise CheckpointError(f"{path}/common.pt cannot be read ({type(err).__name__}: {err})") from err
+
+
+def check_model_flags(saved_args: Optional[dict], args, path: str) -> None:
+    """Refuse a checkpoint of another model shape, naming the flag."""
+    if not saved_args or args is None:
+        return
+    current = vars(args)
+    for flag in SHAPE_FLAGS:
+        if flag in saved_args and flag in current and \
+                _effective(saved_args, flag) != _effective(current, flag):
+            raise CheckpointError(
+                f"{path} holds a different model: it was saved with --{flag.replace('_', '-')} "
+                f"{saved_args[flag]!r}, this run has {getattr(args, flag)!r}")
+
+
+def _effective(values: dict, flag: str):
+    if flag == "moe_ffn_hidden_size" and values.get(flag) is None and values.get("num_experts"):
+        return values.get("ffn_hidden_size")  # the default
+    return values.get(flag)
+
+
+def _agree(problems: list) -> list:
+    """Every rank's problems, so that all ranks raise together instead of some hanging."""
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problems)
+    merged = []
+    for rank_problems in gathered:
+        merged.extend(p for p in rank_problems if p not in merged)
+    return merged
+
+
+def _sharded_tensors(state):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            yield value
+        elif isinstance(value, ShardedTensorFactory):
+            for built in nested_values(value.build()):
+                if isinstance(built, ShardedTensor):
+                    yield built
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
+    """Load the checkpoint folder PATH into model / optimizer / scheduler, and this rank's RNG
+    states when the layout is the one it was saved with. Collective.
+
+    Returns {'iteration', 'consumed_samples', 'optimizer_loaded', 'rng_restored', 'notes'}.
+    A checkpoint without optimizer state (converted from a single file or upcycled) leaves
+    the optimizer and the schedule fresh; notes says so.
     """
-    iteration = read_latest_iteration(root)
-    if iteration is None:
-        return 0, 0
-    path = checkpoint_dir(root, iteration)
-    state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), path)
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank()
+    problems = []
+    common = None
+    try:
+        common = read_checkpoint_info(path)
+        check_model_flags(common.get("args"), args, path)
+    except CheckpointError as err:
+        problems.append(str(err))
+    problems = _agree(problems)
+    if problems:
+        raise CheckpointError(problems[0])
+
+    notes = []
+    has_optimizer = common.get("optimizer_step") is not None
+    if optimizer is not None and not has_optimizer:
+        notes.append("the checkpoint holds no optimizer state: the optimizer and the "
+                     "learning-rate schedule start fresh")
+    request, targets = _sharded_state_dict(model, optimizer if has_optimizer else None,
+                                           is_loading=True)
+    metadata = read_metadata(path)
+    problems = _agree(check_request(_sharded_tensors(request), metadata))
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise CheckpointError(f"{path} does not fit this model:\n  {shown}{more}")
+
+    state = dist_checkpointing.load(request, path)
     _unwrap(model).load_state_dict(state["model"])
-    if optimizer is not None and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and "opt_param_scheduler" in state:
+    if optimizer is not None and has_optimizer:
+        _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"])
+    if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    return int(state["iteration"]), int(state.get("consumed_samples", 0))
+
+    rng_restored = False
+    saved_rng = common.get("rng_state")
+    layout = _layout(args)
+    if saved_rng is None:
+        notes.append("the checkpoint holds no RNG states: generators keep this run's seed")
+    elif saved_rng.get("layout") != layout:
+        notes.append(f"saved in another layout ({_describe(saved_rng.get('layout'))}, now "
+                     f"{_describe(layout)}): RNG states are reseeded, not restored")
+    else:
+        rng.restore(saved_rng["per_rank"][rank])
+        rng_restored = True
+    return {"iteration": int(common.get("iteration", 0)),
+            "consumed_samples": int(common.get("consumed_samples", 0)),
+            "optimizer_loaded": optimizer is not None and has_optimizer,
+            "rng_restored": rng_restored, "notes": notes, "layout": common.get("layout")}
+
+
+def _describe(layout: Optional[dict]) -> str:
+    if not layout:
+        return "unknown"
+    return (f"{layout['world_size']} ranks, tp={layout['tensor_model_parallel_size']} "
+            f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}")

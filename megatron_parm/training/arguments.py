@@ -97,6 +97,14 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--load", default=None, help="Checkpoint folder to start from.")
     group.add_argument("--save-interval", type=int, default=None,
                        help="Also save every this many iterations (always at the end).")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Stop (after saving, with --save) once the iteration is a "
+                            "multiple of this.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="On SIGTERM (Slurm's time limit or preemption), finish the "
+                            "iteration, save (with --save) and stop.")
+    group.add_argument("--skip-train", action="store_true",
+                       help="Load --load, evaluate (--eval-iters batches) and stop.")
     group.add_argument("--eval-interval", type=int, default=1000)
     group.add_argument("--eval-iters", type=int, default=10)
     group.add_argument("--log-interval", type=int, default=100)
@@ -191,12 +199,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % tp != 0:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
                          f"by --tensor-model-parallel-size ({tp})")
-    if args.num_experts is None:
-        raise ValueError("--num-experts is required: this trainer builds MoE models")
-    if args.moe_router_topk < 1 or args.moe_router_topk > args.num_experts:
+    if args.num_experts is None and ep > 1:
+        raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts (without it "
+                         f"the model is dense)")
+    # Without --num-experts the model is dense (a plain MLP): the source of an upcycled
+    # MoE checkpoint (tools/convert_checkpoint.py --upcycle).
+    if args.num_experts is not None and (args.moe_router_topk < 1
+                                         or args.moe_router_topk > args.num_experts):
         raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
                          f"[1, --num-experts ({args.num_experts})]")
-    if not args.disable_bias_linear:
+    if args.num_experts is not None and not args.disable_bias_linear:
         raise ValueError("--disable-bias-linear is required with --num-experts: Megatron-Core "
                          "0.16.1's experts add their bias in place on a view, which autograd refuses")
     if tp > 1 and not args.sequence_parallel and args.moe_token_dispatcher_type in ("alltoall", "allgather"):
@@ -226,6 +238,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    for flag in ("save_interval", "exit_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.skip_train and not args.load:
+        raise ValueError("--skip-train needs --load (the checkpoint to evaluate)")
     for flag in ("train_iters", "log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

@@ -9,6 +9,7 @@ Notation: b micro-batch size, s sequence length, V padded vocabulary size.
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -58,10 +59,18 @@ def build_config(args) -> ParmTransformerConfig:
     )
 
 
-def build_model(args, vocab_size: int) -> torch.nn.Module:
-    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any."""
+def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> torch.nn.Module:
+    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any.
+
+    padded_vocab: the padded vocabulary of a checkpoint being resumed (it depends on the TP size
+    it was saved with; keeping it lets the checkpoint load under another TP size).
+    """
     config = build_config(args)
-    vocab = padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+    vocab = padded_vocab or padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+    if vocab < vocab_size or vocab % args.tensor_model_parallel_size != 0:
+        raise ValueError(f"--load: the checkpoint's padded vocabulary ({vocab}) does not fit "
+                         f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+                         f"(must be divisible by it) or the tokenizer ({vocab_size} tokens)")
     if args.model_type == "gpt":
         model = GPTModel(
             config=config,

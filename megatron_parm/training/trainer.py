@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from datetime import timedelta
 
@@ -31,7 +32,13 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 from megatron_parm import platform
-from megatron_parm.checkpointing import load_checkpoint, save_checkpoint
+from megatron_parm.checkpointing import (
+    check_model_flags,
+    find_checkpoint,
+    load_checkpoint,
+    read_checkpoint_info,
+    save_checkpoint,
+)
 from megatron_parm.data.datasets import (
     build_data_iterator,
     build_datasets_from_args,
@@ -73,7 +80,7 @@ class ExpertLoad:
     """Counts the tokens each expert receives, per MoE layer, from the routers' outputs."""
 
     def __init__(self, model):
-        self.layers = moe_layers(model)
+        self.layers = moe_layers(model)  # none in a dense model
         self.counts = [torch.zeros(layer.config.num_moe_experts) for layer in self.layers]
         for index, layer in enumerate(self.layers):
             layer.router.register_forward_hook(self._hook(index))
@@ -87,6 +94,8 @@ class ExpertLoad:
 
     def shares(self):
         """Per layer, the share of all routed tokens (every rank's) each expert got; resets."""
+        if not self.counts:
+            return []
         total = torch.stack(self.counts)
         torch.distributed.all_reduce(total)
         for count in self.counts:
@@ -174,28 +183,9 @@ def evaluate(forward_step, data_iterator, model, args) -> dict:
     return mean_over_data_parallel({k: v / max(num_batches, 1) for k, v in totals.items()})
 
 
-def pretrain(args) -> dict:
-    """Train args.model_type ('gpt' or 'bert') as the flags say; returns a summary:
-    {'losses': [lm loss per iteration], 'eval': [...], 'checkpoint': path or None, ...}."""
-    initialize_distributed()
-    initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                              args.expert_tensor_parallel_size, args.num_experts,
-                              args.moe_token_dispatcher_type)
-    set_seed(args.seed)
-    get_moe_layer_wise_logging_tracker().clear()  # a previous pretrain() in this process
-    rank = torch.distributed.get_rank()
-    world_size = torch.distributed.get_world_size()
-    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
-                 f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
-                 f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
-                 f"dispatcher {args.moe_token_dispatcher_type}, "
-                 f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}")
-    print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
-                 f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
-
-    # Model, DDP, optimizer, learning-rate schedule.
-    tokenizer = build_tokenizer(args)
-    model = build_model(args, tokenizer.vocab_size)
+def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
+    """This rank's model in Megatron's DDP, its Adam and its learning-rate schedule."""
+    model = build_model(args, vocab_size, padded_vocab_size)
     config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
@@ -216,6 +206,69 @@ def pretrain(args) -> dict:
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler
+
+
+class ExitSignal:
+    """--exit-signal-handler: remember a SIGTERM (Slurm's time limit, preemption, or the sbatch
+    script's trap) and let every rank agree at the end of an iteration to save and stop."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        self.enabled = enabled
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def pretrain(args) -> dict:
+    """Train args.model_type ('gpt' or 'bert') as the flags say; returns a summary:
+    {'losses': [lm loss per iteration], 'eval': [...], 'checkpoint': path or None, ...}."""
+    initialize_distributed()
+    initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                              args.expert_tensor_parallel_size, args.num_experts,
+                              args.moe_token_dispatcher_type)
+    set_seed(args.seed)
+    get_moe_layer_wise_logging_tracker().clear()  # a previous pretrain() in this process
+    rank = torch.distributed.get_rank()
+    world_size = torch.distributed.get_world_size()
+    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
+                 f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
+                 f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
+                 f"dispatcher {args.moe_token_dispatcher_type}, "
+                 f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}")
+    print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
+                 f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
+
+    # The checkpoint to resume from, if any, is checked before the model is built: its flags
+    # must describe the same model, and its padded vocabulary is kept (it depends on the TP
+    # size it was saved with).
+    checkpoint = find_checkpoint(args.load, args.save)
+    padded_vocab = None
+    if checkpoint is not None:
+        info = read_checkpoint_info(checkpoint[0])
+        check_model_flags(info.get("args"), args, checkpoint[0])
+        padded_vocab = (info.get("model_info") or {}).get("padded_vocab_size")
+    elif args.load:
+        print_rank_0(f"> no checkpoint in {args.load} yet (it is also --save): starting from "
+                     f"scratch, later runs resume from it")
+
+    tokenizer = build_tokenizer(args)
+    model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
+                                                            padded_vocab)
     num_params = sum(p.numel() for p in model.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
                  f"{tokenizer.vocab_size} padded to {model.module.vocab_size}; "
@@ -223,10 +276,14 @@ def pretrain(args) -> dict:
                  f"data-parallel rank per iteration")
 
     iteration, consumed_samples = 0, 0
-    if args.load:
-        iteration, consumed_samples = load_checkpoint(args.load, model, optimizer, scheduler)
-        print_rank_0(f"> loaded checkpoint from {args.load} at iteration {iteration}"
-                     if iteration else f"> no checkpoint in {args.load}: starting from scratch")
+    if checkpoint is not None:
+        loaded = load_checkpoint(checkpoint[0], model, optimizer, scheduler, args)
+        iteration, consumed_samples = loaded["iteration"], loaded["consumed_samples"]
+        print_rank_0(f"> loaded checkpoint {checkpoint[0]} at iteration {iteration} "
+                     f"(consumed samples {consumed_samples}, RNG states "
+                     f"{'restored' if loaded['rng_restored'] else 'not restored'})")
+        for note in loaded["notes"]:
+            print_rank_0(f"> note: {note}")
 
     # Data: every rank reads the samples of its data-parallel rank (TP peers read the same).
     num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
@@ -240,6 +297,14 @@ def pretrain(args) -> dict:
 
     forward_step = FORWARD_STEPS[args.model_type]
     forward_backward = get_forward_backward_func()
+    if args.skip_train:
+        # Evaluate the loaded model and stop (Megatron-LM's --skip-train).
+        summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
+        if args.eval_iters > 0:
+            eval_losses = evaluate(forward_step, valid_iter, model, args)
+            summary["eval"].append((iteration, eval_losses))
+            print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
+        return summary
     expert_load = ExpertLoad(model)
     tensorboard = TensorBoard(args.tensorboard_dir, rank == 0)
     if tensorboard.notice:
@@ -248,6 +313,8 @@ def pretrain(args) -> dict:
     summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
     interval_losses, interval_steps, interval_start = {}, 0, time.time()
     choices = None
+    exit_signal = ExitSignal(args.exit_signal_handler)
+    start_iteration, saved_at = iteration, None
     model.train()
     print_rank_0(f"> training for {args.train_iters - iteration} iterations")
 
@@ -318,13 +385,29 @@ def pretrain(args) -> dict:
                 and iteration < args.train_iters:
             path = save_checkpoint(args.save, iteration, model, optimizer, scheduler,
                                    consumed_samples, args)
+            saved_at = iteration
             print_rank_0(f"> saved checkpoint at iteration {iteration} to {path}")
             interval_start = time.time()
 
-    if args.save:
+        if exit_signal.any_rank():
+            print_rank_0(f"> exit signal received: stopping after iteration {iteration}")
+            summary["exit_reason"] = "signal"
+            break
+        if args.exit_interval and iteration % args.exit_interval == 0 \
+                and iteration < args.train_iters:
+            print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "
+                         f"{iteration}")
+            summary["exit_reason"] = "exit-interval"
+            break
+
+    exit_signal.close()
+    summary["iteration"] = iteration
+    if args.save and iteration > start_iteration and saved_at != iteration:
         summary["checkpoint"] = save_checkpoint(args.save, iteration, model, optimizer,
                                                 scheduler, consumed_samples, args)
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {summary['checkpoint']}")
+    elif args.save and saved_at == iteration:
+        summary["checkpoint"] = os.path.join(args.save, f"iter_{iteration:07d}")
     tensorboard.close()
     print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
                  if summary["losses"] else f"> done: nothing to train at iteration {iteration}")

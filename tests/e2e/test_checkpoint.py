@@ -1,0 +1,353 @@
+"""Checkpoints that survive faults and move between layouts (GPT-2 MoE tiny, CPU/gloo).
+
+Three torchrun launches (this file run as a script) and a few converter runs, shared by the
+tests through one module fixture:
+  crash (4 ranks)  trains with --save-interval 2; rank 1 SIGKILLs itself at iteration 4, after
+                   writing its shards and before the checkpoint is published.
+  main  (4 ranks)  (2,2,2): 10 iterations uninterrupted (saved at 5 and 10); the same run stopped
+                   at 5 by --exit-interval and resumed; the crashed run resumed; the iteration-10
+                   checkpoint evaluated at (2,2,2), (1,4,1), (4,1,4), (2,2,1) with other
+                   dispatchers; the error cases; a dense model trained and evaluated.
+  converters       to another layout (1,4,1), to one file and back, dense -> MoE upcycling.
+  wide  (8 ranks)  (2,4,2) evaluates the checkpoint, its converted copies and the upcycled one.
+Dropout is on (0.1), so a bitwise resume needs every rank's RNG states back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "10", "--lr-warmup-iters", "1",
+        "--log-interval", "5", "--eval-interval", "1000", "--eval-iters", "2",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+EVAL_LAYOUTS = [((2, 2, 2), "alltoall"), ((1, 4, 1), "parm"), ((4, 1, 4), "ds_baseline"),
+                ((2, 2, 1), "parm_s1")]
+
+
+def layout_flags(tp, ep, etp, dispatcher):
+    flags = ["--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
+             "--expert-tensor-parallel-size", str(etp), "--moe-token-dispatcher-type", dispatcher]
+    return flags + (["--sequence-parallel"] if tp > 1 else [])
+
+
+def dense_config(out_dir: Path) -> str:
+    """The tiny config without experts: the dense model that upcycling starts from."""
+    import yaml
+
+    values = yaml.safe_load((REPO / "configs/gpt2_tiny_moe.yaml").read_text())
+    for key in list(values):
+        if key == "num_experts" or key.startswith("moe_router") or key == "moe_aux_loss_coeff":
+            values.pop(key)
+    path = out_dir / "gpt2_tiny_dense.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def eval_loss(summary):
+    return summary["eval"][-1][1]["lm loss"]
+
+
+def worker(mode: str, run_dir: str) -> None:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from megatron_parm import checkpointing
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import initialize_distributed, pretrain
+
+    initialize_distributed()
+    run = Path(run_dir)
+    L222 = layout_flags(2, 2, 2, "alltoall")
+    results = {}
+
+    def train(*flags, config=None):
+        argv = list(BASE) + list(flags)
+        if config:
+            argv[1] = config
+        return pretrain(parse_args(argv))
+
+    if mode == "crash":
+        def kill_rank_1(stage, iteration):
+            if stage == "written" and iteration == 4 and torch.distributed.get_rank() == 1:
+                os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
+        checkpointing.set_fault_hook(kill_rank_1)
+        train(*L222, "--save", f"{run}/crash", "--save-interval", "2")
+        return  # not reached
+
+    if mode == "main":
+        rank = torch.distributed.get_rank()
+        results["reference"] = train(*L222, "--save", f"{run}/ref", "--save-interval", "5")["losses"]
+        first = train(*L222, "--save", f"{run}/stop", "--exit-interval", "5")
+        results["first_half"] = first["losses"]
+        results["resumed"] = train(*L222, "--save", f"{run}/stop", "--load", f"{run}/stop")["losses"]
+        results["after_crash"] = train(*L222, "--save", f"{run}/crash", "--load", f"{run}/crash")["losses"]
+        results["eval"] = {}
+        for (tp, ep, etp), dispatcher in EVAL_LAYOUTS:
+            summary = train(*layout_flags(tp, ep, etp, dispatcher), "--load",
+                            f"{run}/ref/iter_0000010", "--skip-train")
+            results["eval"][f"{tp},{ep},{etp} {dispatcher}"] = eval_loss(summary)
+
+        errors = {}
+        if rank == 0:  # a copy of the checkpoint with a truncated data file
+            shutil.copytree(f"{run}/ref/iter_0000010", f"{run}/truncated/iter_0000010")
+            Path(f"{run}/truncated/latest_checkpointed_iteration.txt").write_text("10")
+            data_file = sorted(Path(f"{run}/truncated/iter_0000010").glob("*.distcp"))[-1]
+            os.truncate(data_file, data_file.stat().st_size // 2)
+        torch.distributed.barrier()
+        for name, flags in (("nowhere", ["--load", f"{run}/does-not-exist"]),
+                            ("other_shape", ["--load", f"{run}/ref", "--ffn-hidden-size", "128"]),
+                            ("truncated", ["--load", f"{run}/truncated"]),
+                            ("no_checkpoint", ["--load", f"{run}/ref/../empty_dir_that_exists"])):
+            if name == "no_checkpoint" and rank == 0:
+                os.makedirs(f"{run}/empty_dir_that_exists", exist_ok=True)
+            torch.distributed.barrier()
+            try:
+                train(*L222, *flags)
+                errors[name] = None
+            except ValueError as err:  # CheckpointError is a ValueError
+                errors[name] = f"{type(err).__name__}: {err}"
+        results["errors"] = errors
+
+        dense, dense_layout = dense_config(run), layout_flags(2, 1, 2, "alltoall")
+        train(*dense_layout, "--save", f"{run}/dense", "--train-iters", "3", config=dense)
+        results["dense_eval"] = eval_loss(train(*dense_layout, "--load", f"{run}/dense",
+                                                "--skip-train", "--train-iters", "3", config=dense))
+
+    if mode == "wide":
+        flags = layout_flags(2, 4, 2, "parm_s2")
+        results["eval"] = {name: eval_loss(train(*flags, "--load", path, "--skip-train"))
+                           for name, path in (("ref", f"{run}/ref/iter_0000010"),
+                                              ("relayout", f"{run}/relayout"),
+                                              ("from_file", f"{run}/from_file"),
+                                              ("upcycled", f"{run}/upcycled"))}
+
+    if torch.distributed.get_rank() == 0:
+        (run / f"{mode}.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+
+
+def crash_launch(script: str, run: Path) -> str:
+    """The crash run. The killed rank leaves the helper process of Megatron's checkpoint writer
+    (a multiprocessing Manager) orphaned and holding its output open: the log goes to a file,
+    not a pipe, and afterwards every process carrying this launch's marker is ended."""
+    import signal
+    import uuid
+
+    from launch import free_port
+
+    marker = uuid.uuid4().hex
+    log_path = run / "crash.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script,
+             "worker", "crash", str(run)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                     PARM_TEST_LAUNCH=marker))
+        try:
+            returncode = proc.wait(timeout=600)
+        finally:
+            for pid in _pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert returncode != 0, "the crash run should have failed"
+    return log_path.read_text()[-20000:]
+
+
+def _pids_with_marker(marker: str):
+    """Processes whose environment holds MARKER (this test's launch and its descendants)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def convert(*args):
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "tests"))
+    from launch import torchrun
+
+    if not os.path.isfile(REPO / "data/cache/gpt_text_document.idx"):
+        pytest.skip("data/cache/gpt_text_document.bin/.idx missing: run pretrain_scripts/prepare_data.sh")
+    run = tmp_path_factory.mktemp("checkpoints")
+    script = str(Path(__file__).relative_to(REPO))
+    crash_state = {"log": crash_launch(script, run),
+                   "tracker": (run / "crash/latest_checkpointed_iteration.txt").read_text(),
+                   "dirs": sorted(p.name for p in (run / "crash").iterdir())}
+    torchrun(script, 4, "worker", "main", str(run), timeout=900)
+    conversions = {
+        "relayout": convert("--load", f"{run}/ref", "--save", f"{run}/relayout",
+                            "--target-tensor-parallel-size", "1", "--target-expert-parallel-size",
+                            "4", "--target-expert-tensor-parallel-size", "1"),
+        "to_file": convert("--load", f"{run}/ref", "--to-single-file", f"{run}/ref.pt"),
+        "from_file": convert("--from-single-file", f"{run}/ref.pt", "--save", f"{run}/from_file"),
+        "upcycle": convert("--upcycle", "--load", f"{run}/dense", "--save", f"{run}/upcycled",
+                           "--num-experts", "4", "--moe-router-topk", "2"),
+    }
+    for name, proc in conversions.items():
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    torchrun(script, 8, "worker", "wide", str(run), timeout=900)
+    results = {mode: json.loads((run / f"{mode}.json").read_text()) for mode in ("main", "wide")}
+    return run, results, crash_state, conversions
+
+
+def test_resume_reproduces_uninterrupted_run_bitwise(runs):
+    _, results, _, _ = runs
+    main = results["main"]
+    reference = main["reference"]
+    assert len(reference) == 10
+    assert main["first_half"] == reference[:5]
+    assert main["resumed"] == reference[5:], (main["resumed"], reference[5:])
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(runs):
+    run, results, crash, _ = runs
+    assert "Signal 9" in crash["log"] or "SIGKILL" in crash["log"], crash["log"]
+    # Killed while saving iteration 4: the tracker still names 2, iteration 4 never published.
+    assert crash["tracker"].strip() == "2"
+    assert "iter_0000004" not in crash["dirs"] and "iter_0000004.partial" in crash["dirs"]
+    # The resumed run loaded iteration 2 and reproduces iterations 3-10 exactly.
+    assert results["main"]["after_crash"] == results["main"]["reference"][2:]
+    assert (run / "crash/latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert not (run / "crash/iter_0000004.partial").exists()
+
+
+def test_eval_loss_identical_in_every_layout(runs):
+    _, results, _, _ = runs
+    losses = dict(results["main"]["eval"])
+    reference = losses["2,2,2 alltoall"]
+    losses.update({f"2,4,2 parm_s2 ({name})": value
+                   for name, value in results["wide"]["eval"].items() if name != "upcycled"})
+    assert len(losses) == 7
+    for name, value in losses.items():
+        assert abs(value - reference) <= 1e-6, (name, value, reference, losses)
+
+
+def test_clear_errors_never_a_silent_fresh_start(runs):
+    _, results, _, _ = runs
+    errors = results["main"]["errors"]
+    assert "no such directory" in errors["nowhere"], errors
+    assert "--ffn-hidden-size" in errors["other_shape"], errors
+    assert "truncated" in errors["truncated"] and ".weight" in errors["truncated"], errors
+    assert "no checkpoint found" in errors["no_checkpoint"], errors
+
+
+def test_single_file_round_trip_is_bitwise(runs):
+    import torch
+
+    from megatron_parm.checkpointing.full import read_full
+
+    run, _, _, conversions = runs
+    assert "all checksums equal" in conversions["to_file"].stdout
+    source, back = read_full(str(run / "ref/iter_0000010")), read_full(str(run / "from_file/iter_0000010"))
+    assert sorted(source.tensors) == sorted(back.tensors)
+    for key, tensor in source.tensors.items():
+        assert tensor.dtype == back.tensors[key].dtype and torch.equal(tensor, back.tensors[key]), key
+    assert source.objects == back.objects
+    relayout = read_full(str(run / "relayout/iter_0000010"))
+    for key, tensor in source.tensors.items():
+        assert torch.equal(tensor, relayout.tensors[key]), key
+    assert "6 expert tensors holding 48 [layer, expert] slices" in conversions["relayout"].stdout
+
+
+def test_upcycled_model_starts_at_the_dense_loss(runs):
+    _, results, _, conversions = runs
+    assert "4 experts per layer" in conversions["upcycle"].stdout
+    dense, upcycled = results["main"]["dense_eval"], results["wide"]["eval"]["upcycled"]
+    assert abs(dense - upcycled) <= 1e-5, (dense, upcycled)
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt/iter_0000010"
+    shutil.copytree(run / "ref/iter_0000010", target)
+    (tmp_path / "ckpt/latest_checkpointed_iteration.txt").write_text("10")
+    return target
+
+
+def test_missing_expert_chunk_refused_naming_it(runs, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = runs[0]
+    path = _copy(run, tmp_path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    entry = metadata.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if tuple(c.offsets[:2]) != (1, 3)]
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    proc = convert("--load", str(tmp_path / "ckpt"), "--to-single-file", str(tmp_path / "x.pt"))
+    assert proc.returncode == 1
+    assert key in proc.stderr and "layer 1 expert 3" in proc.stderr, proc.stderr
+
+
+def test_truncated_expert_tensor_refused_naming_it(runs, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = runs[0]
+    path = _copy(run, tmp_path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == key)
+    os.truncate(path / info.relative_path, info.offset + info.length // 2)
+    proc = convert("--load", str(tmp_path / "ckpt"), "--to-single-file", str(tmp_path / "x.pt"))
+    assert proc.returncode == 1 and key in proc.stderr and "truncated" in proc.stderr, proc.stderr
+
+
+def test_single_file_with_damaged_expert_refused_naming_it(runs, tmp_path):
+    import torch
+
+    run = runs[0]
+    data = torch.load(run / "ref.pt", weights_only=False)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    data["tensors"][key] = data["tensors"][key][:, :3].clone()  # one expert fewer
+    removed = "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    del data["tensors"][removed]
+    torch.save(data, tmp_path / "bad.pt")
+    proc = convert("--from-single-file", str(tmp_path / "bad.pt"), "--save", str(tmp_path / "out"))
+    assert proc.returncode == 1, proc.stdout
+    assert f"{key}: float32(2, 3, 256, 64), expected float32(2, 4, 256, 64)" in proc.stderr, proc.stderr
+    assert f"{removed}: missing" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out/latest_checkpointed_iteration.txt").exists()
+
+
+def test_inspect_lists_iterations_layout_and_tensors(runs):
+    run = runs[0]
+    proc = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(run / "ref")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 checkpoints, tracker -> 10" in proc.stdout
+    assert "saved on 4 ranks: tp=2 ep=2 etp=2" in proc.stdout
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in proc.stdout
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "worker":
+        sys.exit("usage: torchrun --nproc-per-node N tests/e2e/test_checkpoint.py worker "
+                 "{crash,main,wide} RUN_DIR")
+    worker(sys.argv[2], sys.argv[3])

@@ -1,0 +1,242 @@
+"""Convert checkpoints offline: another (tp, ep, etp) layout, one file and back, upcycling.
+
+Another layout (runs the target layout's ranks as local gloo processes, CPU only):
+    python tools/convert_checkpoint.py --load runs/x/checkpoints --save runs/x/ckpt_tp1_ep4 \
+        --target-tensor-parallel-size 1 --target-expert-parallel-size 4 \
+        --target-expert-tensor-parallel-size 1
+
+One unsharded PyTorch file (for inspection or other frameworks), and back:
+    python tools/convert_checkpoint.py --load runs/x/checkpoints --to-single-file x.pt
+    python tools/convert_checkpoint.py --from-single-file x.pt --save runs/x/from_file
+
+Upcycle a dense GPT checkpoint (this trainer without --num-experts) to MoE:
+    python tools/convert_checkpoint.py --upcycle --load runs/dense/checkpoints \
+        --save runs/moe/checkpoints --num-experts 8 --moe-router-topk 2
+
+--load takes a checkpoint root (its latest checkpoint) or one iter_NNNNNNN folder. Every
+conversion reads the result back and compares every tensor with the source by CRC32 (each
+expert of each layer separately) and exits non-zero naming the tensor when one did not make
+it across. torch_dist checkpoints already load in any layout; converting to the target layout
+rewrites them in the target's shards (and runs the very loader training uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from argparse import Namespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_parm.checkpointing.paths import CheckpointError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("--load", help="Source checkpoint root or iter_NNNNNNN folder.")
+    parser.add_argument("--save", help="Target checkpoint root.")
+    parser.add_argument("--target-tensor-parallel-size", type=int)
+    parser.add_argument("--target-expert-parallel-size", type=int)
+    parser.add_argument("--target-expert-tensor-parallel-size", type=int)
+    parser.add_argument("--target-world-size", type=int, default=None,
+                        help="Ranks of the target layout (default: the smallest that fits it).")
+    parser.add_argument("--to-single-file", metavar="FILE")
+    parser.add_argument("--from-single-file", metavar="FILE")
+    parser.add_argument("--upcycle", action="store_true")
+    parser.add_argument("--num-experts", type=int, help="With --upcycle.")
+    parser.add_argument("--moe-router-topk", type=int, default=2, help="With --upcycle.")
+    parser.add_argument("--router-init-std", type=float, default=0.01,
+                        help="With --upcycle: std of the random router (0: all-zero router).")
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    targets = (args.target_tensor_parallel_size, args.target_expert_parallel_size,
+               args.target_expert_tensor_parallel_size)
+    modes = [name for name, on in (("--to-single-file", args.to_single_file),
+                                   ("--from-single-file", args.from_single_file),
+                                   ("--upcycle", args.upcycle),
+                                   ("--target-*-size", any(t is not None for t in targets))) if on]
+    if len(modes) != 1:
+        raise SystemExit(f"convert_checkpoint: give exactly one of --to-single-file, "
+                         f"--from-single-file, --upcycle, --target-*-size (got {modes or 'none'})")
+    try:
+        if args.from_single_file:
+            return from_single_file(args)
+        source = resolve_source(args.load)
+        if args.to_single_file:
+            return to_single_file(source, args.to_single_file)
+        if not args.save:
+            raise SystemExit("convert_checkpoint: --save is required")
+        if args.upcycle:
+            return upcycle(source, args)
+        return relayout(source, args)
+    except CheckpointError as err:
+        print(f"convert_checkpoint: FAILED: {err}", file=sys.stderr)
+        return 1
+
+
+def resolve_source(load):
+    from megatron_parm.checkpointing.paths import resolve_load
+
+    if not load:
+        raise SystemExit("convert_checkpoint: --load is required")
+    return resolve_load(load)  # (folder, iteration); raises CheckpointError
+
+
+def _summary(sums) -> str:
+    from megatron_parm.checkpointing.verify import count_experts
+
+    experts = [key for key, info in sums.items() if "experts" in info]
+    return (f"{len(sums)} tensors, {len(experts)} expert tensors holding "
+            f"{count_experts(sums)} [layer, expert] slices, all checksums equal")
+
+
+def to_single_file(source, file_path) -> int:
+    from megatron_parm.checkpointing.full import load_single_file, read_full, save_single_file
+    from megatron_parm.checkpointing.verify import tensor_checksums
+
+    full = read_full(source[0])
+    expected = tensor_checksums(full.tensors)
+    save_single_file(full, file_path)
+    load_single_file(file_path)  # reads it back, verifying every checksum
+    print(f"wrote {file_path} from {source[0]}: {_summary(expected)}")
+    return 0
+
+
+def from_single_file(args) -> int:
+    from megatron_parm.checkpointing.full import load_single_file, verify_against, write_full
+    from megatron_parm.checkpointing.verify import tensor_checksums
+
+    if not args.save:
+        raise SystemExit("convert_checkpoint: --save is required")
+    full = load_single_file(args.from_single_file)  # verifies the file's own checksums
+    expected = tensor_checksums(full.tensors)
+    path = write_full(args.save, int(full.common.get("iteration", 0)), full)
+    verify_against(path, expected, "--from-single-file")
+    print(f"wrote {path} from {args.from_single_file}: {_summary(expected)}")
+    return 0
+
+
+def upcycle(source, args) -> int:
+    from megatron_parm.checkpointing.full import read_full, verify_against, write_full
+    from megatron_parm.checkpointing.upcycle import upcycle as upcycle_full
+    from megatron_parm.checkpointing.verify import crc32, tensor_checksums
+
+    if not args.num_experts:
+        raise SystemExit("convert_checkpoint: --upcycle needs --num-experts")
+    dense = read_full(source[0])
+    moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
+                       args.seed)
+    expected = tensor_checksums(moe.tensors)
+    # Every expert of every layer must be the dense MLP of that layer.
+    for name in ("linear_fc1", "linear_fc2"):
+        dense_sums = [crc32(w) for w in dense.tensors[f"decoder.layers.mlp.{name}.weight"]]
+        experts = expected[f"decoder.layers.mlp.experts.experts.{name}.weight"]["experts"]
+        for layer, row in enumerate(experts):
+            bad = [e for e, value in enumerate(row) if value != dense_sums[layer]]
+            if bad:
+                raise CheckpointError(f"decoder.layers.mlp.experts.experts.{name}.weight: layer "
+                                      f"{layer} experts {bad} are not copies of the dense MLP")
+    path = write_full(args.save, 0, moe)
+    verify_against(path, expected, "--upcycle")
+    print(f"wrote {path}: {args.num_experts} experts per layer (top-{args.moe_router_topk}) "
+          f"copied from {source[0]}; {_summary(expected)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# another layout: the target layout's ranks as local gloo processes
+# ---------------------------------------------------------------------------------------------
+
+def relayout(source, args) -> int:
+    import math
+
+    import torch.multiprocessing as mp
+
+    from megatron_parm.checkpointing import read_checkpoint_info
+    from megatron_parm.checkpointing.full import verify_against
+    from megatron_parm.checkpointing.verify import tensor_checksums
+    from megatron_parm.checkpointing.full import read_full
+    from megatron_parm.parallel import validate_layout
+
+    info = read_checkpoint_info(source[0])
+    saved = info.get("args")
+    if not saved:
+        raise CheckpointError(f"{source[0]}: no saved flags (args) in common.pt: cannot build "
+                              f"the model to reshard it")
+    layout = info.get("layout") or {}
+    tp = args.target_tensor_parallel_size or layout.get("tensor_model_parallel_size") or 1
+    ep = args.target_expert_parallel_size or layout.get("expert_model_parallel_size") or 1
+    etp = args.target_expert_tensor_parallel_size or tp
+    world = args.target_world_size or math.lcm(tp, ep * etp)
+    try:
+        validate_layout(world, tp, ep, etp, saved.get("num_experts"))
+    except ValueError as err:
+        raise SystemExit(f"convert_checkpoint: target layout: {err}".replace(
+            "--tensor-model", "--target-tensor-model"))
+    expected = tensor_checksums(read_full(source[0]).tensors)
+    port = _free_port()
+    mp.spawn(_relayout_worker, args=(world, port, source[0], args.save, (tp, ep, etp), saved),
+             nprocs=world, join=True)
+    from megatron_parm.checkpointing.paths import checkpoint_dir
+
+    path = checkpoint_dir(args.save, source[1])
+    verify_against(path, expected, "conversion to the target layout")
+    print(f"wrote {path} for tp={tp} ep={ep} etp={etp} ({world} ranks) from {source[0]}: "
+          f"{_summary(expected)}")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _relayout_worker(rank, world, port, source, target_root, layout, saved):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from megatron_parm.checkpointing import load_checkpoint, read_checkpoint_info, save_checkpoint
+    from megatron_parm.parallel import initialize_model_parallel
+    from megatron_parm.training.trainer import (
+        build_model_and_optimizer,
+        initialize_distributed,
+        set_seed,
+    )
+
+    tp, ep, etp = layout
+    args = Namespace(**saved)
+    args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
+    args.expert_tensor_parallel_size = etp
+    args.sequence_parallel = tp > 1  # no weights depend on it; Megatron's alltoall needs it
+    args.moe_token_dispatcher_type = "alltoall"
+    args.use_distributed_optimizer = False
+    args.data_parallel_size = world // tp
+    initialize_distributed()
+    initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type)
+    set_seed(args.seed)
+    padded_vocab = read_checkpoint_info(source)["model_info"]["padded_vocab_size"]
+    model, optimizer, scheduler = build_model_and_optimizer(args, padded_vocab, padded_vocab)
+    loaded = load_checkpoint(source, model, optimizer, scheduler, args)
+    has_optimizer = loaded["optimizer_loaded"]
+    save_checkpoint(target_root, loaded["iteration"], model, optimizer if has_optimizer else None,
+                    scheduler if has_optimizer else None, loaded["consumed_samples"], args,
+                    save_rng=False)
+    import torch
+
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""List a checkpoint folder: iterations, the layout each was saved in, tensors and sizes.
+
+    python tools/inspect_checkpoint.py runs/x/checkpoints            # every iteration, latest's tensors
+    python tools/inspect_checkpoint.py runs/x/checkpoints/iter_0000020 --verify   # + CRC32 of all
+
+Checks each published checkpoint is whole (files, chunk coverage, data file lengths) and
+exits non-zero naming the tensor when one is not. --verify also reads every tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_parm.checkpointing.paths import (  # noqa: E402
+    CheckpointError,
+    is_checkpoint_dir,
+    list_checkpoints,
+    list_partial,
+    read_tracker,
+)
+
+
+def human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    return ""
+
+
+def describe(path: str, show_tensors: bool, verify: bool) -> None:
+    import torch
+
+    from megatron_parm.checkpointing import read_checkpoint_info
+    from megatron_parm.checkpointing.verify import read_metadata, tensor_entries, is_expert_key
+
+    info = read_checkpoint_info(path)  # checks the folder is whole
+    layout = info.get("layout") or {}
+    args = info.get("args") or {}
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    print(f"{path}: iteration {info.get('iteration')}, consumed samples "
+          f"{info.get('consumed_samples')}, {human(size)} on disk")
+    print(f"  saved on {layout.get('world_size')} ranks: tp={layout.get('tensor_model_parallel_size')} "
+          f"ep={layout.get('expert_model_parallel_size')} etp={layout.get('expert_tensor_parallel_size')}; "
+          f"model {args.get('model_type')} layers={args.get('num_layers')} hidden={args.get('hidden_size')} "
+          f"experts={args.get('num_experts')} top-k={args.get('moe_router_topk')}; padded vocabulary "
+          f"{(info.get('model_info') or {}).get('padded_vocab_size')}")
+    print(f"  optimizer state: {'yes' if 'optimizer_step' in info else 'no'}; LR schedule: "
+          f"{'yes' if 'opt_param_scheduler' in info else 'no'}; RNG states: "
+          f"{len(info['rng_state']['per_rank']) if 'rng_state' in info else 0} ranks"
+          + (f"; upcycled from a dense checkpoint ({info['upcycled_from']})" if "upcycled_from" in info else ""))
+    entries = tensor_entries(read_metadata(path))
+    total = sum(e.size.numel() * torch.empty(0, dtype=e.properties.dtype).element_size()
+                for e in entries.values())
+    experts = [k for k in entries if is_expert_key(k)]
+    print(f"  {len(entries)} tensors ({len(experts)} expert tensors), {human(total)}")
+    if show_tensors:
+        for key, entry in sorted(entries.items()):
+            dtype = str(entry.properties.dtype).replace("torch.", "")
+            print(f"    {key:90s} {dtype:9s} {str(tuple(entry.size)):24s} {len(entry.chunks):3d} chunks")
+    if verify:
+        from megatron_parm.checkpointing.full import read_full
+        from megatron_parm.checkpointing.verify import count_experts, tensor_checksums
+
+        sums = tensor_checksums(read_full(path).tensors)
+        print(f"  read every tensor: {len(sums)} tensors, {count_experts(sums)} [layer, expert] slices")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="A checkpoint root or one iter_NNNNNNN folder.")
+    parser.add_argument("--verify", action="store_true", help="Also read every tensor (CRC32).")
+    parser.add_argument("--no-tensors", action="store_true", help="Do not list the tensors.")
+    args = parser.parse_args(argv)
+    try:
+        if not os.path.isdir(args.path):
+            raise CheckpointError(f"{args.path}: no such directory")
+        if is_checkpoint_dir(args.path):
+            describe(args.path, not args.no_tensors, args.verify)
+            return 0
+        tracked = read_tracker(args.path)
+        found = list_checkpoints(args.path)
+        print(f"{args.path}: {len(found)} checkpoints, tracker -> "
+              f"{tracked if tracked is not None else '(none)'}"
+              + (f"; unfinished saves: {', '.join(list_partial(args.path))}" if list_partial(args.path) else ""))
+        if not found:
+            raise CheckpointError(f"{args.path}: no iter_NNNNNNN checkpoint folders")
+        for index, (_, path) in enumerate(found):
+            last = index == len(found) - 1
+            describe(path, show_tensors=last and not args.no_tensors, verify=args.verify)
+        return 0
+    except CheckpointError as err:
+        print(f"inspect_checkpoint: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
