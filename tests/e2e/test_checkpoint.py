@@ -189,12 +189,10 @@ def convert(*args):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, prepared_data):
     sys.path.insert(0, str(REPO / "tests"))
     from launch import torchrun
 
-    if not os.path.isfile(REPO / "data/cache/gpt_text_document.idx"):
-        pytest.skip("data/cache/gpt_text_document.bin/.idx missing: run pretrain_scripts/prepare_data.sh")
     run = tmp_path_factory.mktemp("checkpoints")
     script = str(Path(__file__).relative_to(REPO))
     crash_state = {"log": crash_launch(script, run),

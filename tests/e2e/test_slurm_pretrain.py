@@ -51,16 +51,18 @@ def local_slurm(tmp_path):
         subprocess.run(["bash", str(HELPER), "stop"], env=env, capture_output=True, timeout=60)
 
 
-def test_gpt2_moe_sbatch_on_local_slurm(local_slurm, tmp_path):
-    env = dict(local_slurm, RUN_DIR=str(tmp_path / "run"), TP="2", EP="2")
-    submit = subprocess.run(
+def submit(env, tmp_path, *args) -> str:
+    proc = subprocess.run(
         ["sbatch", "--parsable", "--cpus-per-task", "4", "--output", str(tmp_path / "%x-%j.out"),
-         "pretrain_scripts/gpt2_moe.sbatch", "--train-iters", str(NUM_ITERS),
-         "--log-interval", "5", "--eval-iters", "1"],
+         "pretrain_scripts/gpt2_moe.sbatch", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
-    deadline = time.time() + 600
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait_for_job(env, tmp_path, job_id, timeout=600) -> str:
+    """Wait until the job leaves the queue; assert it COMPLETED; return its log."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         queued = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True,
                                 text=True)
@@ -73,6 +75,14 @@ def test_gpt2_moe_sbatch_on_local_slurm(local_slurm, tmp_path):
                            text=True).stdout
     assert "JobState=COMPLETED" in state, f"{state}\n{log[-5000:]}\n" + subprocess.run(
         ["bash", str(HELPER), "logs"], env=env, capture_output=True, text=True).stdout
+    return log
+
+
+def test_gpt2_moe_sbatch_on_local_slurm(local_slurm, tmp_path):
+    env = dict(local_slurm, RUN_DIR=str(tmp_path / "run"), TP="2", EP="2")
+    job_id = submit(env, tmp_path, "--train-iters", str(NUM_ITERS), "--log-interval", "5",
+                    "--eval-iters", "1")
+    log = wait_for_job(env, tmp_path, job_id)
 
     losses = [float(x) for x in re.findall(r"^ iteration .*?\| lm loss: (\S+) \|", log, re.M)]
     assert len(losses) == NUM_ITERS // 5, log[-3000:]
@@ -81,3 +91,25 @@ def test_gpt2_moe_sbatch_on_local_slurm(local_slurm, tmp_path):
     ckpt = tmp_path / "run/checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(NUM_ITERS)
     assert (ckpt / f"iter_{NUM_ITERS:07d}/metadata.json").is_file()
+
+
+def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
+    """scontrol requeue mid-run (as a preemption would): the job restarts under the same id,
+    finds the checkpoints it wrote and continues from the latest one to the end."""
+    run_dir = tmp_path / "run"
+    env = dict(local_slurm, RUN_DIR=str(run_dir), TP="2", EP="2", SAVE_INTERVAL="5")
+    job_id = submit(env, tmp_path, "--train-iters", "60", "--log-interval", "5",
+                    "--eval-iters", "1", "--eval-interval", "1000")
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while not tracker.exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert tracker.exists(), "no checkpoint before the requeue"
+    requeue = subprocess.run(["scontrol", "requeue", job_id], env=env, capture_output=True, text=True)
+    assert requeue.returncode == 0, requeue.stderr
+    log = wait_for_job(env, tmp_path, job_id)
+    assert "(start 1)" in log and "(start 2)" in log, log[-3000:]
+    resumed = re.findall(r"> loaded checkpoint .* at iteration (\d+)", log)
+    assert resumed and int(resumed[-1]) >= 5, log[-3000:]
+    assert (run_dir / "checkpoints" / "iter_0000060").is_dir()
+    assert re.search(r"^ iteration +60/ +60 \|", log, re.M), log[-3000:]
