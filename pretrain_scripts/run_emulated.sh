@@ -7,7 +7,7 @@
 #        pretrain_scripts/run_emulated.sh --train-iters 30
 #
 # Environment: NNODES, NPROC_PER_NODE (default 2, 2), PRESET (pcie|nvlink), TP, EP (default
-# 2, 2), DISPATCHERS (default: parm or parm_s2, alltoall, ds_baseline), CONFIG, MODEL
+# 2, 2), DISPATCHERS (default: parm alltoall ds_baseline), CONFIG, MODEL
 # (gpt|bert), RUN_DIR. Extra arguments go to the training script.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +20,7 @@ PRESET="${PRESET:-pcie}"
 TP="${TP:-2}"
 EP="${EP:-2}"
 MODEL="${MODEL:-gpt}"
-AUTO="$("$PYTHON" -c 'from megatron_parm.dispatchers import VALID_DISPATCHERS as v; print("parm" if "parm" in v else "parm_s2")' 2>/dev/null)"
-DISPATCHERS="${DISPATCHERS:-$AUTO alltoall ds_baseline}"
+DISPATCHERS="${DISPATCHERS:-parm alltoall ds_baseline}"
 case "$MODEL" in
     gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
           DATA_PATH="data/cache/gpt_text_document" ;;

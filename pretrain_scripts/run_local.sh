@@ -7,7 +7,7 @@
 #   NPROC=8 TP=2 EP=4 CONFIG=configs/gpt2_small_moe.yaml pretrain_scripts/run_local.sh
 #
 # Environment: MODEL (gpt|bert), CONFIG, NPROC (ranks, default 4), TP, EP (default 2, 2),
-# DISPATCHER (default parm where available, else parm_s2), RUN_DIR (default runs/<name>-<time>).
+# DISPATCHER (default parm), RUN_DIR (default runs/<name>-<time>).
 # Extra arguments are passed to the training script and override everything else.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +18,7 @@ MODEL="${MODEL:-gpt}"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
 EP="${EP:-2}"
-DISPATCHER="${DISPATCHER:-$("$PYTHON" -c 'from megatron_parm.dispatchers import VALID_DISPATCHERS as v; print("parm" if "parm" in v else "parm_s2")' 2>/dev/null)}"
+DISPATCHER="${DISPATCHER:-parm}"
 case "$MODEL" in
     gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
           DATA_PATH="data/cache/gpt_text_document" ;;
