@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -11,11 +12,31 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_parm.layer import ParmMoELayer
 
 
+class _KnownMoESubclass(logging.Filter):
+    """Drops TransformerLayer's "Unknown MLP type" warning, once per layer per build.
+
+    TransformerLayer hands its process groups only to MLP classes it knows by identity, so
+    for a ParmMoELayer it warns and passes none; ParmMoELayer then takes Megatron's
+    default process-group collection, the very groups it would have been handed. The
+    warning says nothing true about our layer and buries real errors in the logs. It
+    names only the spec's type, so this filter is installed once a Parm spec is built.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+_FILTER = _KnownMoESubclass()
+
+
 def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a transformer-layer spec whose MoELayer MLP is a ParmMoELayer."""
     mlp = spec.submodules.mlp
     if not isinstance(mlp, ModuleSpec) or mlp.module is not MoELayer:
         return spec
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
     submodules = dataclasses.replace(spec.submodules, mlp=dataclasses.replace(mlp, module=ParmMoELayer))
     return dataclasses.replace(spec, submodules=submodules)
 

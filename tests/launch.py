@@ -26,5 +26,23 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, env=None) 
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")
+                             f"{proc.stdout[-5000:]}\n{failure_excerpt(proc.stderr)}")
     return proc
+
+
+def failure_excerpt(stderr: str, tail: int = 4000) -> str:
+    """The first Python traceback in a failed launch's stderr, then its tail.
+
+    A bare tail is mostly torchrun's own report and per-rank warnings; the rank's traceback,
+    the one line that says what went wrong, is easily cut off above it.
+    """
+    lines = stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    first = ""
+    if start is not None:
+        end = start + 1
+        while end < len(lines) and (lines[end].startswith((" ", "\t", "[rank")) or end == start + 1):
+            end += 1
+        first = "\n".join(lines[start:min(end + 1, start + 120)])
+        first = f"--- first traceback (stderr line {start + 1}) ---\n{first}\n--- stderr tail ---\n"
+    return first + stderr[-tail:]
