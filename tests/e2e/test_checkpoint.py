@@ -48,8 +48,12 @@ def dense_config(out_dir: Path) -> str:
     for key in list(values):
         if key == "num_experts" or key.startswith("moe_router") or key == "moe_aux_loss_coeff":
             values.pop(key)
+    # Every rank writes it: each to its own file, renamed into place, so that no rank reads
+    # the file half-written by another.
     path = out_dir / "gpt2_tiny_dense.yaml"
-    path.write_text(yaml.safe_dump(values))
+    staged = out_dir / f"gpt2_tiny_dense.yaml.{os.getpid()}"
+    staged.write_text(yaml.safe_dump(values))
+    os.replace(staged, path)
     return str(path)
 
 
