@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -29,6 +30,23 @@ class _KnownMoESubclass(logging.Filter):
 _FILTER = _KnownMoESubclass()
 
 
+class ExpertRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose output an expert may add its bias to in place.
+
+    An expert MLP with a bias adds it to linear_fc2's output in place (scaled by each token's
+    probability). With EP = ETP = 1, Megatron's RowParallelLinear returns its output through
+    an identity "all-reduce" over a group of one, a view autograd refuses to modify in place.
+    This class copies the output in exactly that case (only with biases on); otherwise it is
+    RowParallelLinear.
+    """
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if self.is_expert and bias is not None and not self.explicit_expert_comm:
+            output = output.clone()
+        return output, bias
+
+
 def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a transformer-layer spec whose MoELayer MLP is a ParmMoELayer."""
     mlp = spec.submodules.mlp
@@ -37,7 +55,13 @@ def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
     logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
-    submodules = dataclasses.replace(spec.submodules, mlp=dataclasses.replace(mlp, module=ParmMoELayer))
+    experts = mlp.submodules.experts
+    if getattr(experts.submodules, "linear_fc2", None) is RowParallelLinear:
+        experts = dataclasses.replace(experts, submodules=dataclasses.replace(
+            experts.submodules, linear_fc2=ExpertRowParallelLinear))
+    moe = dataclasses.replace(mlp.submodules, experts=experts)
+    submodules = dataclasses.replace(spec.submodules,
+                                     mlp=dataclasses.replace(mlp, module=ParmMoELayer, submodules=moe))
     return dataclasses.replace(spec, submodules=submodules)
 
 

@@ -13,6 +13,14 @@ Upcycle a dense GPT checkpoint (this trainer without --num-experts) to MoE:
     python tools/convert_checkpoint.py --upcycle --load runs/dense/checkpoints \
         --save runs/moe/checkpoints --num-experts 8 --moe-router-topk 2
 
+Hugging Face GPT-2 (a local directory: config.json, model.safetensors or pytorch_model.bin):
+--load takes it in place of a checkpoint for --upcycle; --from-hf imports it dense.
+    python tools/convert_checkpoint.py --upcycle --load ~/models/gpt2 \
+        --save runs/gpt2_moe/checkpoints --num-experts 8 --moe-router-topk 2
+    python tools/convert_checkpoint.py --from-hf ~/models/gpt2 --save runs/gpt2/checkpoints
+GPT-2 has biases: train the result with the flags it was saved with (--openai-gelu, no
+--disable-bias-linear) and, for MoE, --expert-tensor-parallel-size 1.
+
 --load takes a checkpoint root (its latest checkpoint) or one iter_NNNNNNN folder. Every
 conversion reads the result back and compares every tensor with the source by CRC32 (each
 expert of each layer separately) and exits non-zero naming the tensor when one did not make
@@ -29,6 +37,7 @@ from argparse import Namespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_parm.checkpointing.hf_gpt2 import is_hf_gpt2_dir  # noqa: E402
 from megatron_parm.checkpointing.paths import CheckpointError  # noqa: E402
 
 
@@ -45,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Ranks of the target layout (default: the smallest that fits it).")
     parser.add_argument("--to-single-file", metavar="FILE")
     parser.add_argument("--from-single-file", metavar="FILE")
+    parser.add_argument("--from-hf", metavar="DIR",
+                        help="Import a Hugging Face GPT-2 directory as a dense checkpoint.")
     parser.add_argument("--upcycle", action="store_true")
     parser.add_argument("--num-experts", type=int, help="With --upcycle.")
     parser.add_argument("--moe-router-topk", type=int, default=2, help="With --upcycle.")
@@ -60,14 +71,20 @@ def main(argv=None) -> int:
                args.target_expert_tensor_parallel_size)
     modes = [name for name, on in (("--to-single-file", args.to_single_file),
                                    ("--from-single-file", args.from_single_file),
+                                   ("--from-hf", args.from_hf),
                                    ("--upcycle", args.upcycle),
                                    ("--target-*-size", any(t is not None for t in targets))) if on]
     if len(modes) != 1:
         raise SystemExit(f"convert_checkpoint: give exactly one of --to-single-file, "
-                         f"--from-single-file, --upcycle, --target-*-size (got {modes or 'none'})")
+                         f"--from-single-file, --from-hf, --upcycle, --target-*-size "
+                         f"(got {modes or 'none'})")
     try:
         if args.from_single_file:
             return from_single_file(args)
+        if args.from_hf:
+            return from_hf(args)
+        if args.upcycle and args.load and is_hf_gpt2_dir(args.load):
+            return upcycle(None, args)
         source = resolve_source(args.load)
         if args.to_single_file:
             return to_single_file(source, args.to_single_file)
@@ -123,30 +140,51 @@ def from_single_file(args) -> int:
     return 0
 
 
+def from_hf(args) -> int:
+    from megatron_parm.checkpointing.full import verify_against, write_full
+    from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+    from megatron_parm.checkpointing.verify import tensor_checksums
+
+    if not args.save:
+        raise SystemExit("convert_checkpoint: --save is required")
+    dense = hf_gpt2_to_full(args.from_hf)
+    expected = tensor_checksums(dense.tensors)
+    path = write_full(args.save, 0, dense)
+    verify_against(path, expected, "--from-hf")
+    print(f"wrote {path} from Hugging Face GPT-2 {args.from_hf}: {_summary(expected)}")
+    return 0
+
+
 def upcycle(source, args) -> int:
+    """SOURCE: (folder, iteration) of a dense checkpoint, or None for a Hugging Face GPT-2
+    directory in args.load."""
     from megatron_parm.checkpointing.full import read_full, verify_against, write_full
+    from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
     from megatron_parm.checkpointing.upcycle import upcycle as upcycle_full
     from megatron_parm.checkpointing.verify import crc32, tensor_checksums
 
     if not args.num_experts:
         raise SystemExit("convert_checkpoint: --upcycle needs --num-experts")
-    dense = read_full(source[0])
+    dense = hf_gpt2_to_full(args.load) if source is None else read_full(source[0])
+    origin = f"Hugging Face GPT-2 {args.load}" if source is None else source[0]
     moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
                        args.seed)
     expected = tensor_checksums(moe.tensors)
     # Every expert of every layer must be the dense MLP of that layer.
-    for name in ("linear_fc1", "linear_fc2"):
-        dense_sums = [crc32(w) for w in dense.tensors[f"decoder.layers.mlp.{name}.weight"]]
-        experts = expected[f"decoder.layers.mlp.experts.experts.{name}.weight"]["experts"]
+    for name in ("linear_fc1.weight", "linear_fc2.weight", "linear_fc1.bias", "linear_fc2.bias"):
+        if f"decoder.layers.mlp.{name}" not in dense.tensors:
+            continue
+        dense_sums = [crc32(w) for w in dense.tensors[f"decoder.layers.mlp.{name}"]]
+        experts = expected[f"decoder.layers.mlp.experts.experts.{name}"]["experts"]
         for layer, row in enumerate(experts):
             bad = [e for e, value in enumerate(row) if value != dense_sums[layer]]
             if bad:
-                raise CheckpointError(f"decoder.layers.mlp.experts.experts.{name}.weight: layer "
+                raise CheckpointError(f"decoder.layers.mlp.experts.experts.{name}: layer "
                                       f"{layer} experts {bad} are not copies of the dense MLP")
     path = write_full(args.save, 0, moe)
     verify_against(path, expected, "--upcycle")
     print(f"wrote {path}: {args.num_experts} experts per layer (top-{args.moe_router_topk}) "
-          f"copied from {source[0]}; {_summary(expected)}")
+          f"copied from {origin}; {_summary(expected)}")
     return 0
 
 

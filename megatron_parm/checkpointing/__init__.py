@@ -54,11 +54,12 @@ __all__ = [
 ]
 
 CHECKPOINT_VERSION = 3.0
-# Flags that change tensor shapes or names: a checkpoint only loads into the same values.
+# Flags that change tensor shapes or names, or what the weights compute (the activation):
+# a checkpoint only loads into the same values.
 SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "num_attention_heads", "num_experts", "moe_ffn_hidden_size",
                "max_position_embeddings", "disable_bias_linear",
-               "untie_embeddings_and_output_weights")
+               "untie_embeddings_and_output_weights", "openai_gelu")
 
 # Tests set this to kill a rank at a given point of a save (see set_fault_hook).
 _fault_hook: Optional[Callable[[str, int], None]] = None

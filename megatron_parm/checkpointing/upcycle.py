@@ -8,6 +8,9 @@ trainer uses for top-k > 1) takes the softmax over the k selected logits, so eac
 probabilities sum to 1; with every expert equal to the MLP, sum_i p_i MLP(x) = MLP(x). A zero
 router (router_init_std 0) picks experts by ties and gives p_i = 1/k exactly; a small random
 router (the default) spreads tokens over experts and still sums to 1, up to float rounding.
+Biases (a dense model without --disable-bias-linear, e.g. GPT-2 from Hugging Face) are copied
+into every expert like the weights; each expert adds its fc2 bias scaled by its probability,
+so they too sum to the dense MLP's. Such a MoE runs with --expert-tensor-parallel-size 1.
 
 Notation: L layers, E experts, F ffn hidden size, H hidden size.
 """
@@ -24,6 +27,7 @@ from megatron_parm.checkpointing.paths import CheckpointError
 DENSE_MLP = re.compile(r"^decoder\.layers\.mlp\.(linear_fc[12])\.(weight|bias)$")
 DENSE_MLP_OBJECT = re.compile(r"^decoder\.layers\.mlp\.(linear_fc[12])\._extra_state/shard_(\d+)_(\d+)$")
 ROUTER_KEY = "decoder.layers.mlp.router.weight"
+ROUTER_BIAS_KEY = "decoder.layers.mlp.router.bias"
 
 
 def upcycle(dense: FullCheckpoint, num_experts: int, topk: int, router_init_std: float = 0.01,
@@ -37,6 +41,7 @@ def upcycle(dense: FullCheckpoint, num_experts: int, topk: int, router_init_std:
                               f"must satisfy 1 <= topk <= num_experts")
     tensors, objects = {}, {}
     num_layers = hidden = None
+    biased = False
     for key, tensor in dense.tensors.items():
         if key.startswith("optimizer."):
             continue  # Adam's moments of the dense MLP mean nothing for a router: start fresh
@@ -44,20 +49,25 @@ def upcycle(dense: FullCheckpoint, num_experts: int, topk: int, router_init_std:
         if match is None:
             tensors[key] = tensor
             continue
-        if match.group(2) == "bias":
-            raise CheckpointError(f"{key}: experts with biases are not supported (Megatron-Core "
-                                  f"0.16.1 needs --disable-bias-linear with MoE)")
-        # [L, F, H] or [L, H, F] -> [L, E, ...]: E copies of each layer's MLP
-        num_layers = tensor.shape[0]
-        hidden = tensor.shape[2] if match.group(1) == "linear_fc1" else tensor.shape[1]
+        # weight [L, F, H] or [L, H, F], bias [L, F] or [L, H] -> [L, E, ...]: E copies of
+        # each layer's MLP
+        if match.group(2) == "weight":
+            num_layers = tensor.shape[0]
+            hidden = tensor.shape[2] if match.group(1) == "linear_fc1" else tensor.shape[1]
+        else:
+            biased = True
         expanded = tensor.unsqueeze(1).expand(tensor.shape[0], num_experts, *tensor.shape[1:])
-        tensors[f"decoder.layers.mlp.experts.experts.{match.group(1)}.weight"] = expanded.clone()
+        tensors[f"decoder.layers.mlp.experts.experts.{match.group(1)}.{match.group(2)}"] = \
+            expanded.clone()
     if num_layers is None:
         raise CheckpointError("no dense MLP weights (decoder.layers.mlp.linear_fc1.weight) in the "
                               "checkpoint: is it a GPT checkpoint of this project?")
+    dtype = tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].dtype
     generator = torch.Generator().manual_seed(seed)
     router_LEH = torch.randn(num_layers, num_experts, hidden, generator=generator) * router_init_std
-    tensors[ROUTER_KEY] = router_LEH.to(tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].dtype)
+    tensors[ROUTER_KEY] = router_LEH.to(dtype)
+    if biased:  # with linear biases the router has one too: zero, so routing is the weights'
+        tensors[ROUTER_BIAS_KEY] = torch.zeros(num_layers, num_experts, dtype=dtype)
 
     for key, value in dense.objects.items():
         match = DENSE_MLP_OBJECT.match(key)

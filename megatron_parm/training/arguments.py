@@ -43,7 +43,11 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--hidden-dropout", type=float, default=0.1)
     group.add_argument("--attention-dropout", type=float, default=0.1)
     group.add_argument("--disable-bias-linear", action="store_true",
-                       help="No bias in linear layers (needed with MoE on Megatron-Core 0.16.1).")
+                       help="No bias in linear layers (with MoE, biases need "
+                            "--expert-tensor-parallel-size 1 on Megatron-Core 0.16.1).")
+    group.add_argument("--openai-gelu", action="store_true",
+                       help="GELU's tanh approximation, as GPT-2 (Hugging Face 'gelu_new').")
+    group.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
 
@@ -208,9 +212,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                                          or args.moe_router_topk > args.num_experts):
         raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
                          f"[1, --num-experts ({args.num_experts})]")
-    if args.num_experts is not None and not args.disable_bias_linear:
-        raise ValueError("--disable-bias-linear is required with --num-experts: Megatron-Core "
-                         "0.16.1's experts add their bias in place on a view, which autograd refuses")
+    if args.num_experts is not None and not args.disable_bias_linear \
+            and args.expert_tensor_parallel_size != 1:
+        raise ValueError(f"--num-experts with linear biases needs --expert-tensor-parallel-size 1 "
+                         f"(got {args.expert_tensor_parallel_size}): Megatron-Core 0.16.1 supports "
+                         f"expert biases only without expert tensor parallelism; or give "
+                         f"--disable-bias-linear")
     if tp > 1 and not args.sequence_parallel and args.moe_token_dispatcher_type in ("alltoall", "allgather"):
         raise ValueError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} with "
                          f"--tensor-model-parallel-size {tp} needs --sequence-parallel")

@@ -12,9 +12,11 @@ from functools import partial
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.specs import get_bert_layer_parm_spec, get_gpt_layer_parm_spec
@@ -37,6 +39,8 @@ def build_config(args) -> ParmTransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         add_bias_linear=not args.disable_bias_linear,
+        activation_func=openai_gelu if args.openai_gelu else F.gelu,
+        layernorm_epsilon=args.layernorm_epsilon,
         init_method_std=args.init_method_std,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,

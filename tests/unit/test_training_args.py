@@ -90,3 +90,19 @@ def test_iteration_line_matches_megatron_lm():
     assert re.search(r"tokens per second: 2048\.0 \|$", line)
     block = validation_block("iteration 10", {"lm loss": 2.0})
     assert " validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL:" in block
+
+
+def test_moe_with_biases_needs_etp_1(tmp_path):
+    import yaml
+
+    values = yaml.safe_load((REPO / "configs/gpt2_tiny_moe.yaml").read_text())
+    values["disable_bias_linear"] = False
+    config = tmp_path / "biased.yaml"
+    config.write_text(yaml.safe_dump(values))
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "2"]
+    message = error(["--config", str(config)] + layout)  # ETP defaults to TP = 2
+    assert "--expert-tensor-parallel-size 1" in message and "--disable-bias-linear" in message
+    args = parse_args(["--config", str(config), "--openai-gelu"] + layout
+                      + ["--expert-tensor-parallel-size", "1"], world_size=4)
+    assert args.openai_gelu and not args.disable_bias_linear

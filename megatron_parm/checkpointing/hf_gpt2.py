@@ -1,0 +1,213 @@
+"""Hugging Face GPT-2 weights (a local directory) -> a dense checkpoint of this project.
+
+    is_hf_gpt2_dir(path)              a folder with config.json and GPT-2 weights
+    read_hf_gpt2(path)                (config dict, {HF name: tensor})
+    hf_gpt2_to_full(path, tp=1)       FullCheckpoint: Megatron-Core GPTModel names, iteration 0
+
+The directory is what `save_pretrained` writes: config.json and model.safetensors or
+pytorch_model.bin (vocab.json and merges.txt, the GPT-2 tokenizer, when present, are named in
+the checkpoint's flags). Nothing is downloaded; no `transformers` needed.
+
+How GPT-2 maps onto Megatron's GPT (local spec, learned absolute positions, tied embeddings):
+
+    wte [V, H]            -> embedding.word_embeddings.weight [Vp, H]   zero rows up to Vp
+    wpe [P, H]            -> embedding.position_embeddings.weight
+    h.i.ln_1              -> decoder.layers.self_attention.linear_qkv.layer_norm_{weight,bias}
+    h.i.attn.c_attn       -> decoder.layers.self_attention.linear_qkv.{weight,bias}
+    h.i.attn.c_proj       -> decoder.layers.self_attention.linear_proj.{weight,bias}
+    h.i.ln_2              -> decoder.layers.mlp.linear_fc1.layer_norm_{weight,bias}
+    h.i.mlp.c_fc / c_proj -> decoder.layers.mlp.linear_fc1 / linear_fc2
+    ln_f                  -> decoder.final_layernorm
+
+GPT-2's Conv1D stores weights as [in, out]; Megatron's linears as [out, in]: transposed.
+c_attn's outputs are [all queries | all keys | all values]; Megatron's fused QKV is laid out
+per head: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: regrouped. Layers are stacked on a leading axis
+(the checkpoint's global tensors). GPT-2's activation is GELU's tanh form (--openai-gelu).
+
+The vocabulary is padded as Megatron-LM pads it (a multiple of 128 x TP) with zero rows; as in
+Megatron-LM, the padded entries take part in the softmax (logit 0), so the loss differs from
+Hugging Face's by that much while the logits of real tokens are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_parm.checkpointing.full import FullCheckpoint
+from megatron_parm.checkpointing.paths import CheckpointError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# GPT-2's activation names: the tanh approximation (Megatron's --openai-gelu) or erf GELU.
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_LAYER = re.compile(r"^h\.(\d+)\.(.+)$")
+
+
+def is_hf_gpt2_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES)
+
+
+def read_safetensors(file_path: str) -> Dict[str, torch.Tensor]:
+    """A .safetensors file: 8 bytes little-endian header length, a JSON header
+    {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw little-endian data."""
+    with open(file_path, "rb") as handle:
+        blob = handle.read()
+    try:
+        (header_len,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8:8 + header_len])
+    except (struct.error, ValueError) as err:
+        raise CheckpointError(f"{file_path}: not a safetensors file ({err})") from err
+    data = memoryview(blob)[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{file_path}: {name} has unsupported dtype {info['dtype']}")
+        if end > len(data):
+            raise CheckpointError(f"{file_path}: {name} lies past the end of the file "
+                                  f"(truncated?)")
+        flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype) if end > begin \
+            else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.reshape(info["shape"])
+    return tensors
+
+
+def read_hf_gpt2(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config, weights) of a GPT-2 directory; names without the 'transformer.' prefix."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        with open(config_path) as handle:
+            config = json.load(handle)
+    except ValueError as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
+    if config.get("model_type") != "gpt2":
+        raise CheckpointError(f"{config_path}: model_type {config.get('model_type')!r}; only "
+                              f"'gpt2' can be converted")
+    weights_file = next((os.path.join(path, name) for name in WEIGHT_FILES
+                         if os.path.isfile(os.path.join(path, name))), None)
+    if weights_file is None:
+        raise CheckpointError(f"{path}: no {' or '.join(WEIGHT_FILES)}")
+    if weights_file.endswith(".safetensors"):
+        weights = read_safetensors(weights_file)
+    else:
+        try:
+            weights = torch.load(weights_file, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"{weights_file} cannot be read ({type(err).__name__}: "
+                                  f"{err})") from err
+    weights = {(key[len("transformer."):] if key.startswith("transformer.") else key): value
+               for key, value in weights.items()}
+    return config, weights
+
+
+def _model_flags(config: dict, path: str) -> dict:
+    """The flags (as the trainer names them) of the model CONFIG describes; refuses what
+    Megatron's GPT cannot compute."""
+    for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if config.get(key, wanted) != wanted:
+            raise CheckpointError(f"{path}/config.json: {key}={config[key]} has no Megatron "
+                                  f"equivalent")
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in TANH_GELU + ("gelu",):
+        raise CheckpointError(f"{path}/config.json: activation_function {activation!r}; "
+                              f"supported: {', '.join(TANH_GELU + ('gelu',))}")
+    hidden = config["n_embd"]
+    flags = dict(model_type="gpt", num_layers=config["n_layer"], hidden_size=hidden,
+                 ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+                 num_attention_heads=config["n_head"],
+                 max_position_embeddings=config["n_positions"],
+                 seq_length=config["n_positions"], disable_bias_linear=False,
+                 untie_embeddings_and_output_weights=False, num_experts=None,
+                 openai_gelu=activation in TANH_GELU,
+                 layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5))
+    vocab = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+    if all(os.path.isfile(f) for f in vocab):
+        flags.update(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab[0], merge_file=vocab[1])
+    return flags
+
+
+def _qkv_per_head(tensor_out_first: torch.Tensor, heads: int) -> torch.Tensor:
+    """[3H, ...] as [q | k | v] -> [3H, ...] as [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]."""
+    rest = tensor_out_first.shape[1:]
+    head_dim = tensor_out_first.shape[0] // (3 * heads)
+    grouped = tensor_out_first.reshape(3, heads, head_dim, *rest).transpose(0, 1)
+    return grouped.reshape(3 * heads * head_dim, *rest)
+
+
+def hf_gpt2_to_full(path: str, tensor_parallel_size: int = 1) -> FullCheckpoint:
+    """The dense checkpoint (model only, iteration 0) of the GPT-2 in directory PATH."""
+    from megatron_parm.training.model import padded_vocab_size
+
+    config, weights = read_hf_gpt2(path)
+    flags = _model_flags(config, path)
+    layers, heads = flags["num_layers"], flags["num_attention_heads"]
+
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise CheckpointError(f"{path}: weight {name!r} missing (config.json says "
+                                  f"{layers} layers)")
+        return weights[name].to(torch.float32)
+
+    def stacked(name: str, transform=lambda t: t) -> torch.Tensor:
+        return torch.stack([transform(take(f"h.{i}.{name}")) for i in range(layers)])
+
+    extra = sorted({m.group(1) for m in map(_LAYER.match, weights) if m} - {str(i) for i in range(layers)},
+                   key=int)
+    if extra:
+        raise CheckpointError(f"{path}: weights for layers {extra} but config.json says "
+                              f"n_layer={layers}")
+    wte = take("wte.weight")
+    if "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"].float(), wte):
+        raise CheckpointError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them "
+                              f"and so does this conversion")
+    vocab = wte.shape[0]
+    padded = padded_vocab_size(vocab, tensor_parallel_size)
+    word_embeddings = torch.zeros(padded, wte.shape[1])
+    word_embeddings[:vocab] = wte
+    qkv = "decoder.layers.self_attention.linear_qkv"
+    fc1 = "decoder.layers.mlp.linear_fc1"
+    tensors = {
+        "embedding.word_embeddings.weight": word_embeddings,
+        "embedding.position_embeddings.weight": take("wpe.weight"),
+        f"{qkv}.layer_norm_weight": stacked("ln_1.weight"),
+        f"{qkv}.layer_norm_bias": stacked("ln_1.bias"),
+        f"{qkv}.weight": stacked("attn.c_attn.weight", lambda t: _qkv_per_head(t.t(), heads)),
+        f"{qkv}.bias": stacked("attn.c_attn.bias", lambda t: _qkv_per_head(t, heads)),
+        "decoder.layers.self_attention.linear_proj.weight": stacked("attn.c_proj.weight", torch.t),
+        "decoder.layers.self_attention.linear_proj.bias": stacked("attn.c_proj.bias"),
+        f"{fc1}.layer_norm_weight": stacked("ln_2.weight"),
+        f"{fc1}.layer_norm_bias": stacked("ln_2.bias"),
+        f"{fc1}.weight": stacked("mlp.c_fc.weight", torch.t),
+        f"{fc1}.bias": stacked("mlp.c_fc.bias"),
+        "decoder.layers.mlp.linear_fc2.weight": stacked("mlp.c_proj.weight", torch.t),
+        "decoder.layers.mlp.linear_fc2.bias": stacked("mlp.c_proj.bias"),
+        "decoder.final_layernorm.weight": take("ln_f.weight"),
+        "decoder.final_layernorm.bias": take("ln_f.bias"),
+    }
+    tensors = {key: value.contiguous() for key, value in tensors.items()}
+    # Megatron's local linears carry an (empty) _extra_state per layer; the loader expects it.
+    objects = {f"decoder.layers.{module}._extra_state/shard_{i}_{layers}": [None]
+               for module in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                              "mlp.linear_fc1", "mlp.linear_fc2") for i in range(layers)}
+    from megatron_parm.checkpointing import CHECKPOINT_VERSION
+
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
+              "args": flags, "model_info": {"padded_vocab_size": padded},
+              "layout": None, "converted_from": {"huggingface_gpt2": os.path.abspath(path),
+                                                 "vocab_size": vocab}}
+    return FullCheckpoint(tensors, objects, common)
