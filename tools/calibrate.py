@@ -32,6 +32,8 @@ from megatron_parm.perf_model import calibrate as cal  # noqa: E402
 
 DEFAULT_SIZES = "16KiB..8MiB"
 DEFAULT_COMPUTE_ROWS = "64..2048"
+DEFAULT_LAYER_TOKENS = "192,768"
+LAYER_CHUNKS = (1, 2, 8)  # 1: parm_s1; c: parm_s2 at c chunks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-rows", default=DEFAULT_COMPUTE_ROWS,
                         help=f"rows through the timed expert, same forms as --sizes "
                              f"(default {DEFAULT_COMPUTE_ROWS})")
-    parser.add_argument("--chunk-overhead-tokens", type=int, default=256,
-                        help="tokens per rank of the real MoE layer timed with parm_s2 at 1 and "
-                             "8 chunks to measure the per-chunk overhead; 0 skips it (default 256)")
+    parser.add_argument("--layer-tokens", default=DEFAULT_LAYER_TOKENS,
+                        help="tokens per rank of the real MoE layers timed with parm_s1 and "
+                             "parm_s2 (2 and 8 chunks) to fit the in-layer terms (layer_scale, "
+                             "overlap_efficiency, chunk_overhead); a comma list, 0 skips them "
+                             f"(default {DEFAULT_LAYER_TOKENS})")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per node for the intra/inter rule (default: "
                              "LOCAL_WORLD_SIZE, as the model and the accounting use)")
@@ -80,6 +84,17 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     args.sizes = cal.parse_range(args.sizes, "--sizes")
     args.compute_rows = cal.parse_range(args.compute_rows, "--compute-rows",
                                         parse=lambda item: cal.parse_int(item, "--compute-rows"))
+    try:
+        tokens = [int(item) for item in str(args.layer_tokens).split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--layer-tokens: expected a comma list of integers, got "
+                         f"{args.layer_tokens!r}") from None
+    tokens = [t for t in tokens if t != 0]
+    bad = [t for t in tokens if t < max(LAYER_CHUNKS) or t % 2]
+    if bad:
+        raise ValueError(f"--layer-tokens: token counts must be even and >= {max(LAYER_CHUNKS)} "
+                         f"(parm_s2's largest chunk count), got {bad}")
+    args.layer_tokens = tokens
     for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < (0 if flag == "--warmup" else 1):
@@ -175,18 +190,26 @@ def main(argv=None) -> int:
     points += cal.time_compute(args.compute_rows, args.hidden_size, ffn_local,
                                warmup=args.warmup, reps=args.reps, device=device)
     say(f"  timed expert matmuls at {len(args.compute_rows)} row counts", flush=True)
-    layer_spec, s2_times = None, None
-    if args.chunk_overhead_tokens > 0:
-        # The real layer with parm_s2 at 1 and 8 chunks: what the model's collective alphas
-        # miss per extra chunk becomes the profile's chunk_overhead.
-        from megatron_parm.bench.moe_layer import MoELayerSpec, time_s2_chunks
+    layer_times = []  # (layer spec, chunks, seconds)
+    if args.layer_tokens:
+        # The real layer with parm_s1 and parm_s2: what the stage terms measured one at a time
+        # miss inside the layer becomes the profile's in-layer terms.
+        import dataclasses
 
-        layer_spec = MoELayerSpec(seq_length=args.chunk_overhead_tokens * layout.tp // 2,
-                                  micro_batch_size=2, hidden_size=args.hidden_size,
-                                  ffn_hidden_size=args.moe_ffn_hidden_size, num_experts=2 * layout.ep,
-                                  topk=2, tp=layout.tp, ep=layout.ep, etp=layout.etp)
-        s2_times = time_s2_chunks(layer_spec, [1, 8], warmup=1, iters=max(3, args.reps // 2))
-        say(f"  timed the MoE layer with parm_s2 at 1 and 8 chunks", flush=True)
+        from megatron_parm.bench.moe_layer import MoELayerSpec, time_schedules
+
+        for tokens in args.layer_tokens:
+            spec = MoELayerSpec(seq_length=tokens * layout.tp // 2, micro_batch_size=2,
+                                hidden_size=args.hidden_size,
+                                ffn_hidden_size=args.moe_ffn_hidden_size,
+                                num_experts=2 * layout.ep, topk=2, tp=layout.tp, ep=layout.ep,
+                                etp=layout.etp)
+            timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
+                                     iters=max(3, args.reps // 2))
+            layer_times += [(dataclasses.replace(spec), chunks, timing.median_ms / 1e3)
+                            for chunks, timing in timings.items()]
+            say(f"  timed the MoE layer at {tokens} tokens per rank with parm_s1 and parm_s2 "
+                f"(c = {', '.join(str(c) for c in LAYER_CHUNKS[1:])})", flush=True)
 
     status = 0
     if rank == 0:
@@ -206,12 +229,12 @@ def main(argv=None) -> int:
                                     layout, timed, copied, rates, args.note, compute_shape)
             name = args.name or os.path.splitext(os.path.basename(args.output))[0]
             profile = cal.build_profile(fits, name, note)
-            if s2_times is not None:
-                profile = cal.with_chunk_overhead(profile, layer_spec, layout,
-                                                  {c: t.median_ms / 1e3 for c, t in s2_times.items()})
-                print(f"chunk overhead: parm_s2 measured {s2_times[1].median_ms:.1f} ms at 1 chunk, "
-                      f"{s2_times[8].median_ms:.1f} ms at 8; beyond the model's alphas "
+            if layer_times:
+                profile = cal.fit_layer_terms(profile, layout, layer_times)
+                print(f"in-layer terms: layer_scale {profile.layer_scale:.3f}, "
+                      f"overlap_efficiency {profile.overlap_efficiency:.2f}, chunk_overhead "
                       f"{1e3 * profile.chunk_overhead:.2f} ms per extra chunk")
+                print(cal.format_layer_fit(profile, layout, layer_times))
             save_profile(profile, args.output)
             print("\nresiduals ((fit - measured) / measured; median of "
                   f"{args.reps} repetitions, slowest rank):")

@@ -104,13 +104,14 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
                        iters, seed)
 
 
-def time_s2_chunks(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
+def time_schedules(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
                    seed: int = 1234) -> Dict[int, Timing]:
-    """parm_s2's forward+backward time for each chunk count (same weights and input)."""
+    """Forward+backward time per chunk count: 1 is parm_s1, c >= 2 is parm_s2 at c chunks
+    (same weights and input, interleaved)."""
     layers = {}
     for count in chunk_counts:
-        spec.num_chunks = count
-        layers[count] = build_layer(spec, "parm_s2")
+        spec.num_chunks = max(count, 1)
+        layers[count] = build_layer(spec, "parm_s1" if count == 1 else "parm_s2")
     return time_layers(layers, spec, warmup, iters, seed)
 
 

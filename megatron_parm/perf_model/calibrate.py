@@ -224,27 +224,83 @@ def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str) -> Pro
     )
 
 
-def with_chunk_overhead(profile: Profile, layer_spec, layout: Layout,
-                        s2_seconds: Dict[int, float]) -> Profile:
-    """The profile plus chunk_overhead, from parm_s2 measured at 1 and c chunks.
+def layer_shape(layer_spec) -> "LayerShape":
+    """The performance model's shape of a benchmark MoELayerSpec (tokens per rank)."""
+    from megatron_parm.perf_model.shape import LayerShape
 
-    chunk_overhead = (T(c) - T(1) measured - the same difference predicted without it) / (c - 1),
-    clipped at 0: whatever the collectives' alphas do not explain of cutting into chunks.
+    sp = layer_spec.sequence_parallel and layer_spec.tp > 1
+    tokens = layer_spec.seq_length * layer_spec.micro_batch_size // (layer_spec.tp if sp else 1)
+    return LayerShape(num_tokens=tokens, hidden_size=layer_spec.hidden_size,
+                      ffn_hidden_size=layer_spec.ffn_hidden_size,
+                      num_experts=layer_spec.num_experts, topk=layer_spec.topk,
+                      capacity_factor=layer_spec.capacity_factor,
+                      pad_to_capacity=layer_spec.pad_to_capacity, dtype_bytes=4)
+
+
+def fit_layer_terms(profile: Profile, layout: Layout,
+                    measured: Sequence[Tuple[object, int, float]]) -> Profile:
+    """The profile plus its in-layer terms, fitted to the real MoE layer.
+
+    measured: (layer_spec, chunks, seconds) with chunks 1 for parm_s1 and c >= 2 for parm_s2
+    at c chunks. A prediction is linear in the three terms (predict.py):
+        parm_s1:     T = s * S
+        parm_s2(c):  T = s * (e * P(c) + (1 - e) * Q(c)) + (c - 1) * o
+    with S, P(c), Q(c) the stage sums (sequential, ideally pipelined, chunked without
+    overlap). layer_scale s comes from the parm_s1 points (least squares of the relative
+    error through the origin); then overlap_efficiency e in [0, 1] and chunk_overhead o >= 0
+    from the parm_s2 points (relative least squares, e on a 1% grid, o in closed form).
     """
     import dataclasses
 
     from megatron_parm.perf_model.predict import predict
-    from megatron_parm.perf_model.shape import LayerShape
 
-    low, high = min(s2_seconds), max(s2_seconds)
-    shape = LayerShape(num_tokens=layer_spec.seq_length * layer_spec.micro_batch_size // layer_spec.tp,
-                       hidden_size=layer_spec.hidden_size, ffn_hidden_size=layer_spec.ffn_hidden_size,
-                       num_experts=layer_spec.num_experts, topk=layer_spec.topk, dtype_bytes=4)
-    base = dataclasses.replace(profile, chunk_overhead=0.0)
-    predicted = (predict("parm_s2", shape, layout, base, high).total_s
-                 - predict("parm_s2", shape, layout, base, low).total_s)
-    measured = s2_seconds[high] - s2_seconds[low]
-    return dataclasses.replace(profile, chunk_overhead=max(0.0, (measured - predicted) / (high - low)))
+    base = dataclasses.replace(profile, chunk_overhead=0.0, layer_scale=1.0, overlap_efficiency=1.0)
+    no_overlap = dataclasses.replace(base, overlap_efficiency=0.0)
+    s1 = [(predict("parm_s1", layer_shape(spec), layout, base).total_s, seconds)
+          for spec, chunks, seconds in measured if chunks == 1]
+    if not s1:
+        raise ValueError("fit_layer_terms needs at least one parm_s1 measurement")
+    # minimise sum ((s * S - T) / T)^2
+    scale = sum(S / T for S, T in s1) / sum((S / T) ** 2 for S, T in s1)
+    s2 = [(predict("parm_s2", layer_shape(spec), layout, base, chunks).total_s,
+           predict("parm_s2", layer_shape(spec), layout, no_overlap, chunks).total_s,
+           chunks, seconds) for spec, chunks, seconds in measured if chunks > 1]
+    if not s2:
+        return dataclasses.replace(profile, layer_scale=scale)
+
+    def fit_overhead(efficiency):
+        # residual r = s (e P + (1-e) Q) + (c-1) o - T, relative: divide by T
+        rest = [(scale * (efficiency * P + (1 - efficiency) * Q) - T, c - 1, T) for P, Q, c, T in s2]
+        overhead = max(0.0, -sum(r * x / T ** 2 for r, x, T in rest) / sum(x * x / T ** 2 for _, x, T in rest))
+        error = sum(((r + x * overhead) / T) ** 2 for r, x, T in rest)
+        return error, overhead
+
+    best = None
+    for step in range(101):
+        candidate = fit_overhead(step / 100)
+        if best is None or candidate[0] < best[0]:
+            best = (candidate[0], step / 100, candidate[1])
+    _, efficiency, overhead = best
+    return dataclasses.replace(profile, layer_scale=scale, overlap_efficiency=efficiency,
+                               chunk_overhead=overhead)
+
+
+def format_layer_fit(profile: Profile, layout: Layout,
+                     measured: Sequence[Tuple[object, int, float]]) -> str:
+    """One line per measured layer: measured, predicted with the fitted terms, error."""
+    from megatron_parm.perf_model.predict import predict
+
+    lines = []
+    for spec, chunks, seconds in measured:
+        shape = layer_shape(spec)
+        if chunks == 1:
+            label, predicted = "parm_s1", predict("parm_s1", shape, layout, profile).total_s
+        else:
+            label, predicted = f"parm_s2 c={chunks}", predict("parm_s2", shape, layout, profile,
+                                                              chunks).total_s
+        lines.append(f"  {shape.num_tokens:>6} tokens {label:<12} measured {1e3 * seconds:8.1f} ms"
+                     f"  model {1e3 * predicted:8.1f} ms  {100 * (predicted - seconds) / seconds:+6.1f}%")
+    return "\n".join(lines)
 
 
 def _human_bytes(value: float) -> str:

@@ -15,10 +15,16 @@ compute units. A chunk occupies each resource for the sum of its stage parts on 
     T(c) = sum over stages of stage_time(chunk) + (c - 1) * max(inter, intra, compute busy
            time per chunk)
 i.e. one chunk goes through the whole pipeline (fill + drain) and the other c-1 follow at the
-rate of the busiest resource, plus (c - 1) times the profile's chunk_overhead (what cutting
-the layer into one more chunk costs beyond the collectives' alphas). With c = 1 this is
-exactly the sequential sum of parm_s1.
-The backward pass is modelled the same way with its own stages.
+rate of the busiest resource. That is the ideal overlap; the cluster may deliver less of it
+(on CPUs the ranks' compute and the collectives' copies share cores), so with the profile's
+overlap_efficiency e the chunks take
+    e * T_pipelined(c) + (1 - e) * c * (sum of stage_time(chunk))    (no overlap at all),
+plus (c - 1) times the profile's chunk_overhead (what cutting the layer into one more chunk
+costs beyond the collectives' alphas). With c = 1 this is exactly the sequential sum of
+parm_s1. The backward pass is modelled the same way with its own stages.
+
+Every dispatcher's stage sum is multiplied by the profile's layer_scale: the stage terms are
+measured one collective at a time, and inside the layer the same work takes longer.
 """
 
 from dataclasses import dataclass
@@ -132,8 +138,11 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
                 busy["inter"] += stage.inter_seconds
         resources[direction] = busy
         one_chunk = sum(stage.seconds for stage in mine)
+        pipelined = one_chunk + (chunks - 1) * max(busy.values())
+        efficiency = profile.overlap_efficiency
+        chunked = efficiency * pipelined + (1.0 - efficiency) * chunks * one_chunk
         # the profile's chunk overhead covers forward and backward together: half each
-        totals[direction] = (one_chunk + (chunks - 1) * max(busy.values())
+        totals[direction] = (profile.layer_scale * chunked
                              + (chunks - 1) * profile.chunk_overhead / 2)
     return Prediction(dispatcher=dispatcher, num_chunks=chunks,
                       total_s=totals["forward"] + totals["backward"],

@@ -21,6 +21,16 @@ File format (YAML, or JSON with the same structure):
     beta:
       (same keys as alpha)
     compute: {alpha: 1.0e-4, beta: 5.0e-11}
+    # optional, measured on the real MoE layer by tools/calibrate.py (defaults in brackets):
+    layer_scale: 1.3              # in-layer time / sum of the stage terms [1]
+    overlap_efficiency: 0.5       # share of parm_s2's ideal overlap achieved [1]
+    chunk_overhead: 0.01          # seconds per extra parm_s2 chunk, fwd + bwd [0]
+
+The stage terms are measured one collective at a time; inside the layer the same work runs
+slower (routing, permutation and autograd between the collectives, links that do not idle
+between them), which layer_scale carries. overlap_efficiency says how much of the
+concurrency parm_s2's pipeline assumes the cluster delivers (1: all; 0: the chunks run one
+after another); see predict.py.
 """
 
 import json
@@ -33,7 +43,8 @@ from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
 
 LINKS = ("intra", "inter")
 PROVENANCES = ("measured", "estimate")
-_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units", "chunk_overhead")
+_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units", "chunk_overhead",
+               "layer_scale", "overlap_efficiency")
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,8 @@ class Profile:
     # alphas: indexing, packing, small kernels, synchronisation. Measured on the real layer
     # by tools/calibrate.py; optional in files (0 when absent).
     chunk_overhead: float = 0.0
+    layer_scale: float = 1.0
+    overlap_efficiency: float = 1.0
     source: str = field(default="<in memory>", compare=False)
 
     def __post_init__(self):
@@ -74,6 +87,8 @@ class Profile:
             "beta": {kind: _copy(links) for kind, links in self.beta.items()},
             "compute": {"alpha": self.compute_alpha, "beta": self.compute_beta},
             "chunk_overhead": self.chunk_overhead,
+            "layer_scale": self.layer_scale,
+            "overlap_efficiency": self.overlap_efficiency,
         }
 
     @classmethod
@@ -90,6 +105,8 @@ class Profile:
             compute_alpha=float(data["compute"]["alpha"]),
             compute_beta=float(data["compute"]["beta"]),
             chunk_overhead=float(data.get("chunk_overhead", 0.0)),
+            layer_scale=float(data.get("layer_scale", 1.0)),
+            overlap_efficiency=float(data.get("overlap_efficiency", 1.0)),
             source=source,
         )
 
@@ -146,6 +163,15 @@ def _check_profile_dict(data, source: str):
         _check_number(source, f"compute.{key}", data["compute"][key])
     if "chunk_overhead" in data:
         _check_number(source, "chunk_overhead", data["chunk_overhead"])
+    if "layer_scale" in data:
+        _check_number(source, "layer_scale", data["layer_scale"])
+        if data["layer_scale"] <= 0:
+            _fail(source, f"field layer_scale must be positive, got {data['layer_scale']!r}")
+    if "overlap_efficiency" in data:
+        _check_number(source, "overlap_efficiency", data["overlap_efficiency"])
+        if data["overlap_efficiency"] > 1:
+            _fail(source, f"field overlap_efficiency must be in [0, 1], "
+                          f"got {data['overlap_efficiency']!r}")
 
 
 def _is_json(path: str) -> bool:

@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     # 2 "nodes" x 2 ranks by the rank rule alone: TP = ETP = {0,1},{2,3} (intra), EP =
     # {0,2},{1,3} (inter), so both link classes are timed on one machine.
     path = tmp_path_factory.mktemp("calibrate") / "tiny_measured.yaml"
-    proc = torchrun("tools/calibrate.py", 4, *TINY, "--ranks-per-node", "2", "--chunk-overhead-tokens", "32",
+    proc = torchrun("tools/calibrate.py", 4, *TINY, "--ranks-per-node", "2", "--layer-tokens", "16,32",
                     "--output", str(path), "--note", "loopback test", timeout=300)
     return path, proc.stdout
 
@@ -41,12 +41,16 @@ def test_writes_a_measured_profile(run):
     # On an unshaped, shared machine a single small fit can come out flat; most cannot.
     assert sum(profile.beta[k][link] > 0 for k in COLLECTIVE_KINDS for link in LINKS) >= 6
     assert profile.compute_beta > 0
-    assert profile.chunk_overhead >= 0
+    assert profile.chunk_overhead >= 0 and profile.layer_scale > 0
+    assert 0 <= profile.overlap_efficiency <= 1
 
 
-def test_measures_the_chunk_overhead_on_the_real_layer(run):
+def test_fits_the_in_layer_terms_on_the_real_layer(run):
     _, stdout = run
-    assert "chunk overhead: parm_s2 measured" in stdout and "per extra chunk" in stdout
+    assert "in-layer terms: layer_scale" in stdout and "per extra chunk" in stdout
+    # one line per timed layer: 2 token counts x (parm_s1, parm_s2 at 2 and 8 chunks)
+    lines = [line for line in stdout.splitlines() if " tokens parm_s" in line]
+    assert len(lines) == 6 and sum("parm_s2 c=8" in line for line in lines) == 2
 
 
 def test_prints_fit_and_residuals(run):

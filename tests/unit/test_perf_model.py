@@ -372,6 +372,8 @@ def test_profile_missing_field_names_path_and_field(tmp_path):
     (lambda data: data["alpha"].update(broadcast={"intra": 1, "inter": 1}), "alpha.broadcast"),
     (lambda data: data.update(provenance="guess"), "provenance"),
     (lambda data: data.update(bandwidth=1), "bandwidth"),
+    (lambda data: data.update(overlap_efficiency=1.5), "overlap_efficiency"),
+    (lambda data: data.update(layer_scale=0), "layer_scale"),
 ])
 @pytest.mark.parametrize("name", ["bad.yaml", "bad.json"])
 def test_profile_errors_name_path_and_field(tmp_path, mutate, field, name):
@@ -400,6 +402,58 @@ def test_fit_alpha_beta_recovers_a_line():
     assert beta == pytest.approx(3e-9)
     with pytest.raises(ValueError):
         fit_alpha_beta([(1.0, 1.0)])
+
+
+# ---------------------------------------------------------------- in-layer terms
+
+def test_layer_scale_multiplies_every_schedule_and_overlap_interpolates():
+    import dataclasses
+
+    profile, shape = uniform_profile(), small_shape(num_tokens=64, hidden_size=64)
+    scaled = dataclasses.replace(profile, layer_scale=1.5)
+    for name, chunks in (("ds_baseline", None), ("parm_s1", None), ("parm_s2", 4)):
+        assert predict(name, shape, SMALL_LAYOUT, scaled, chunks).total_s == pytest.approx(
+            1.5 * predict(name, shape, SMALL_LAYOUT, profile, chunks).total_s)
+    ideal = predict("parm_s2", shape, SMALL_LAYOUT, profile, 4)
+    serial = predict("parm_s2", shape, SMALL_LAYOUT,
+                     dataclasses.replace(profile, overlap_efficiency=0.0), 4)
+    # no overlap at all: the 4 chunks' stage sums one after another
+    one_chunk = sum(stage.seconds for stage in ideal.stages)
+    assert serial.total_s == pytest.approx(4 * one_chunk) and serial.total_s > ideal.total_s
+    half = predict("parm_s2", shape, SMALL_LAYOUT,
+                   dataclasses.replace(profile, overlap_efficiency=0.5), 4)
+    assert half.total_s == pytest.approx((ideal.total_s + serial.total_s) / 2)
+    # one chunk has nothing to overlap: the efficiency does not matter
+    assert predict("parm_s2", shape, SMALL_LAYOUT,
+                   dataclasses.replace(profile, overlap_efficiency=0.0), 1).total_s == \
+        pytest.approx(predict("parm_s2", shape, SMALL_LAYOUT, profile, 1).total_s)
+
+
+def test_fit_layer_terms_recovers_known_terms():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron_parm.perf_model.calibrate import fit_layer_terms, layer_shape
+
+    profile = uniform_profile(alpha_intra=2e-4, alpha_inter=5e-4, beta_intra=2e-9,
+                              beta_inter=8e-9, compute_beta=2e-11)
+    truth = dataclasses.replace(profile, layer_scale=1.4, overlap_efficiency=0.35,
+                                chunk_overhead=0.004)
+    measured = []
+    for tokens in (192, 768):
+        spec = SimpleNamespace(seq_length=tokens, micro_batch_size=2, tp=2, sequence_parallel=True,
+                               hidden_size=512, ffn_hidden_size=256, num_experts=4, topk=2,
+                               capacity_factor=None, pad_to_capacity=False)
+        for chunks in (1, 2, 8):
+            name = "parm_s1" if chunks == 1 else "parm_s2"
+            seconds = predict(name, layer_shape(spec), SMALL_LAYOUT, truth,
+                              None if chunks == 1 else chunks).total_s
+            measured.append((spec, chunks, seconds))
+    fitted = fit_layer_terms(profile, SMALL_LAYOUT, measured)
+    assert fitted.layer_scale == pytest.approx(1.4)
+    assert fitted.overlap_efficiency == pytest.approx(0.35)
+    assert fitted.chunk_overhead == pytest.approx(0.004, rel=1e-6)
+    assert fitted.alpha == profile.alpha  # the stage terms stay as measured
 
 
 def test_package_imports_without_torch_or_megatron():
