@@ -15,8 +15,11 @@ nodes, so there is one intra-node and one inter-node group), and expert-like mat
 forward and backward for the compute term; fits alpha + beta * x per (kind, link) by least
 squares, prints the fit and every point's residual, and writes the profile (provenance:
 measured). Method, link classes and what is done when a link class cannot be measured:
-megatron_parm/perf_model/calibrate.py. A default run takes 30-45 s on the emulated cluster
-(2 nodes x 2 ranks, either preset).
+megatron_parm/perf_model/calibrate.py. Then it times the real MoE layer with parm_s1 and
+parm_s2 (--layer-* flags) and fits the profile's in-layer terms to it (layer_scale,
+overlap_efficiency, chunk_overhead; perf_model/predict.py), printing each layer's measured
+and modelled time. A default run takes 60-75 s on the emulated cluster (2 nodes x 2 ranks,
+either preset).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron_parm.perf_model import calibrate as cal  # noqa: E402
 DEFAULT_SIZES = "16KiB..8MiB"
 DEFAULT_COMPUTE_ROWS = "64..2048"
 DEFAULT_LAYER_TOKENS = "192,768"
+DEFAULT_LAYER_EXPERTS = "4,8"
 LAYER_CHUNKS = (1, 2, 8)  # 1: parm_s1; c: parm_s2 at c chunks
 
 
@@ -66,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "parm_s2 (2 and 8 chunks) to fit the in-layer terms (layer_scale, "
                              "overlap_efficiency, chunk_overhead); a comma list, 0 skips them "
                              f"(default {DEFAULT_LAYER_TOKENS})")
+    parser.add_argument("--layer-hidden-size", type=int, default=384,
+                        help="hidden size of those layers (default 384); time layers like the "
+                             "ones the model will run: the in-layer terms depend on the shape")
+    parser.add_argument("--layer-ffn-hidden-size", type=int, default=512,
+                        help="expert FFN hidden size of those layers (default 512)")
+    parser.add_argument("--layer-num-experts", default=DEFAULT_LAYER_EXPERTS,
+                        help=f"expert counts of those layers, a comma list of multiples of the "
+                             f"expert-parallel size (default {DEFAULT_LAYER_EXPERTS})")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per node for the intra/inter rule (default: "
                              "LOCAL_WORLD_SIZE, as the model and the accounting use)")
@@ -95,6 +107,17 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
         raise ValueError(f"--layer-tokens: token counts must be even and >= {max(LAYER_CHUNKS)} "
                          f"(parm_s2's largest chunk count), got {bad}")
     args.layer_tokens = tokens
+    try:
+        args.layer_num_experts = [int(item) for item in str(args.layer_num_experts).split(",")
+                                  if item.strip()]
+    except ValueError:
+        raise ValueError(f"--layer-num-experts: expected a comma list of integers, got "
+                         f"{args.layer_num_experts!r}") from None
+    if tokens and not args.layer_num_experts:
+        raise ValueError("--layer-num-experts: give at least one expert count")
+    for flag in ("--layer-hidden-size", "--layer-ffn-hidden-size"):
+        if getattr(args, flag[2:].replace("-", "_")) < 1:
+            raise ValueError(f"{flag} must be >= 1")
     for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < (0 if flag == "--warmup" else 1):
@@ -120,6 +143,16 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     if args.moe_ffn_hidden_size % etp != 0:
         raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
                          f"by --expert-tensor-parallel-size ({etp})")
+    if args.layer_tokens:
+        bad = [e for e in args.layer_num_experts if e < ep or e % ep]
+        if bad:
+            raise ValueError(f"--layer-num-experts {bad}: each must be a multiple of the "
+                             f"expert-parallel size ({ep})")
+        if args.layer_ffn_hidden_size % etp or args.layer_hidden_size % tp:
+            raise ValueError(f"--layer-ffn-hidden-size ({args.layer_ffn_hidden_size}) must be "
+                             f"divisible by the expert-tensor-parallel size ({etp}) and "
+                             f"--layer-hidden-size ({args.layer_hidden_size}) by the "
+                             f"tensor-parallel size ({tp})")
     args.ranks_per_node = ranks_per_node
     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=world_size // ranks_per_node,
                     ranks_per_node=ranks_per_node)
@@ -199,17 +232,19 @@ def main(argv=None) -> int:
         from megatron_parm.bench.moe_layer import MoELayerSpec, time_schedules
 
         for tokens in args.layer_tokens:
-            spec = MoELayerSpec(seq_length=tokens * layout.tp // 2, micro_batch_size=2,
-                                hidden_size=args.hidden_size,
-                                ffn_hidden_size=args.moe_ffn_hidden_size,
-                                num_experts=2 * layout.ep, topk=2, tp=layout.tp, ep=layout.ep,
-                                etp=layout.etp)
-            timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
-                                     iters=max(3, args.reps // 2))
-            layer_times += [(dataclasses.replace(spec), chunks, timing.median_ms / 1e3)
-                            for chunks, timing in timings.items()]
-            say(f"  timed the MoE layer at {tokens} tokens per rank with parm_s1 and parm_s2 "
-                f"(c = {', '.join(str(c) for c in LAYER_CHUNKS[1:])})", flush=True)
+            for experts in args.layer_num_experts:
+                spec = MoELayerSpec(seq_length=tokens * layout.tp // 2, micro_batch_size=2,
+                                    hidden_size=args.layer_hidden_size,
+                                    ffn_hidden_size=args.layer_ffn_hidden_size,
+                                    num_experts=experts, topk=2, tp=layout.tp, ep=layout.ep,
+                                    etp=layout.etp)
+                timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
+                                         iters=max(3, args.reps // 2))
+                layer_times += [(dataclasses.replace(spec), chunks, timing.median_ms / 1e3)
+                                for chunks, timing in timings.items()]
+                say(f"  timed the MoE layer at {tokens} tokens per rank, {experts} experts, "
+                    f"with parm_s1 and parm_s2 (c = {', '.join(map(str, LAYER_CHUNKS[1:]))})",
+                    flush=True)
 
     status = 0
     if rank == 0:

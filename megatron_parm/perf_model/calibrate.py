@@ -298,7 +298,8 @@ def format_layer_fit(profile: Profile, layout: Layout,
         else:
             label, predicted = f"parm_s2 c={chunks}", predict("parm_s2", shape, layout, profile,
                                                               chunks).total_s
-        lines.append(f"  {shape.num_tokens:>6} tokens {label:<12} measured {1e3 * seconds:8.1f} ms"
+        lines.append(f"  {shape.num_tokens:>6} tokens {shape.num_experts:>3} experts {label:<12} "
+                     f"measured {1e3 * seconds:8.1f} ms"
                      f"  model {1e3 * predicted:8.1f} ms  {100 * (predicted - seconds) / seconds:+6.1f}%")
     return "\n".join(lines)
 

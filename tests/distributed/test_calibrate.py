@@ -22,7 +22,9 @@ def run(tmp_path_factory):
     # 2 "nodes" x 2 ranks by the rank rule alone: TP = ETP = {0,1},{2,3} (intra), EP =
     # {0,2},{1,3} (inter), so both link classes are timed on one machine.
     path = tmp_path_factory.mktemp("calibrate") / "tiny_measured.yaml"
-    proc = torchrun("tools/calibrate.py", 4, *TINY, "--ranks-per-node", "2", "--layer-tokens", "16,32",
+    proc = torchrun("tools/calibrate.py", 4, *TINY, "--ranks-per-node", "2", "--layer-tokens",
+                    "16,32", "--layer-num-experts", "4", "--layer-hidden-size", "64",
+                    "--layer-ffn-hidden-size", "64",
                     "--output", str(path), "--note", "loopback test", timeout=300)
     return path, proc.stdout
 
@@ -49,7 +51,7 @@ def test_fits_the_in_layer_terms_on_the_real_layer(run):
     _, stdout = run
     assert "in-layer terms: layer_scale" in stdout and "per extra chunk" in stdout
     # one line per timed layer: 2 token counts x (parm_s1, parm_s2 at 2 and 8 chunks)
-    lines = [line for line in stdout.splitlines() if " tokens parm_s" in line]
+    lines = [line for line in stdout.splitlines() if " experts parm_s" in line]
     assert len(lines) == 6 and sum("parm_s2 c=8" in line for line in lines) == 2
 
 
@@ -97,6 +99,8 @@ def test_fit_and_fill_without_a_launch():
     (["--output", "profile.txt"], "--output"),
     (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--layer-tokens", "7"], "--layer-tokens"),
+    (["--layer-num-experts", "3"], "--layer-num-experts"),
     # 2 nodes x 2: ep=4 mixes on- and off-node peers, tp = etp = 1: nothing to time
     (["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "4"],
      "--expert-model-parallel-size"),
