@@ -17,12 +17,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _quiet_env(env=None) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+
+
+def convert_checkpoint(*args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """tools/convert_checkpoint.py ARGS from the repo root; the caller checks the result."""
+    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=_quiet_env())
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, env=None) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node nproc script args...` from the repo root; raise with its log on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    run_env.update(env or {})
+    run_env = _quiet_env(env)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=run_env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"

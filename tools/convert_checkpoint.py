@@ -79,20 +79,17 @@ def main(argv=None) -> int:
                          f"--from-single-file, --from-hf, --upcycle, --target-*-size "
                          f"(got {modes or 'none'})")
     try:
+        if args.to_single_file:
+            return to_single_file(resolve_source(args.load), args.to_single_file)
+        if not args.save:
+            raise SystemExit("convert_checkpoint: --save is required")
         if args.from_single_file:
             return from_single_file(args)
         if args.from_hf:
             return from_hf(args)
-        if args.upcycle and args.load and is_hf_gpt2_dir(args.load):
-            return upcycle(None, args)
-        source = resolve_source(args.load)
-        if args.to_single_file:
-            return to_single_file(source, args.to_single_file)
-        if not args.save:
-            raise SystemExit("convert_checkpoint: --save is required")
         if args.upcycle:
-            return upcycle(source, args)
-        return relayout(source, args)
+            return upcycle(args)
+        return relayout(resolve_source(args.load), args)
     except CheckpointError as err:
         print(f"convert_checkpoint: FAILED: {err}", file=sys.stderr)
         return 1
@@ -126,47 +123,52 @@ def to_single_file(source, file_path) -> int:
     return 0
 
 
-def from_single_file(args) -> int:
-    from megatron_parm.checkpointing.full import load_single_file, verify_against, write_full
+def write_verified(full, save: str, iteration: int, what: str, description: str,
+                   expected=None) -> int:
+    """Write FULL as SAVE/iter_N, read it back and compare every tensor's checksum."""
+    from megatron_parm.checkpointing.full import verify_against, write_full
     from megatron_parm.checkpointing.verify import tensor_checksums
 
-    if not args.save:
-        raise SystemExit("convert_checkpoint: --save is required")
-    full = load_single_file(args.from_single_file)  # verifies the file's own checksums
-    expected = tensor_checksums(full.tensors)
-    path = write_full(args.save, int(full.common.get("iteration", 0)), full)
-    verify_against(path, expected, "--from-single-file")
-    print(f"wrote {path} from {args.from_single_file}: {_summary(expected)}")
+    expected = expected or tensor_checksums(full.tensors)
+    path = write_full(save, iteration, full)
+    verify_against(path, expected, what)
+    print(f"wrote {path} {description}: {_summary(expected)}")
     return 0
+
+
+def from_single_file(args) -> int:
+    from megatron_parm.checkpointing.full import load_single_file
+
+    full = load_single_file(args.from_single_file)  # verifies the file's own checksums
+    return write_verified(full, args.save, int(full.common.get("iteration", 0)),
+                          "--from-single-file", f"from {args.from_single_file}")
 
 
 def from_hf(args) -> int:
-    from megatron_parm.checkpointing.full import verify_against, write_full
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
-    from megatron_parm.checkpointing.verify import tensor_checksums
 
-    if not args.save:
-        raise SystemExit("convert_checkpoint: --save is required")
-    dense = hf_gpt2_to_full(args.from_hf)
-    expected = tensor_checksums(dense.tensors)
-    path = write_full(args.save, 0, dense)
-    verify_against(path, expected, "--from-hf")
-    print(f"wrote {path} from Hugging Face GPT-2 {args.from_hf}: {_summary(expected)}")
-    return 0
+    return write_verified(hf_gpt2_to_full(args.from_hf), args.save, 0, "--from-hf",
+                          f"from Hugging Face GPT-2 {args.from_hf}")
 
 
-def upcycle(source, args) -> int:
-    """SOURCE: (folder, iteration) of a dense checkpoint, or None for a Hugging Face GPT-2
-    directory in args.load."""
-    from megatron_parm.checkpointing.full import read_full, verify_against, write_full
+def read_dense(load):
+    """(FullCheckpoint, description) of --load: a Hugging Face GPT-2 directory or one of ours."""
+    from megatron_parm.checkpointing.full import read_full
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+
+    if load and is_hf_gpt2_dir(load):
+        return hf_gpt2_to_full(load), f"Hugging Face GPT-2 {load}"
+    folder = resolve_source(load)[0]
+    return read_full(folder), folder
+
+
+def upcycle(args) -> int:
     from megatron_parm.checkpointing.upcycle import upcycle as upcycle_full
     from megatron_parm.checkpointing.verify import crc32, tensor_checksums
 
     if not args.num_experts:
         raise SystemExit("convert_checkpoint: --upcycle needs --num-experts")
-    dense = hf_gpt2_to_full(args.load) if source is None else read_full(source[0])
-    origin = f"Hugging Face GPT-2 {args.load}" if source is None else source[0]
+    dense, origin = read_dense(args.load)
     moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
                        args.seed)
     expected = tensor_checksums(moe.tensors)
@@ -181,11 +183,9 @@ def upcycle(source, args) -> int:
             if bad:
                 raise CheckpointError(f"decoder.layers.mlp.experts.experts.{name}: layer "
                                       f"{layer} experts {bad} are not copies of the dense MLP")
-    path = write_full(args.save, 0, moe)
-    verify_against(path, expected, "--upcycle")
-    print(f"wrote {path}: {args.num_experts} experts per layer (top-{args.moe_router_topk}) "
-          f"copied from {origin}; {_summary(expected)}")
-    return 0
+    return write_verified(moe, args.save, 0, "--upcycle",
+                          f"with {args.num_experts} experts per layer (top-{args.moe_router_topk}) "
+                          f"copied from {origin}", expected)
 
 
 # ---------------------------------------------------------------------------------------------

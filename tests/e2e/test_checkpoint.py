@@ -26,6 +26,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from launch import convert_checkpoint as convert, free_port, torchrun  # noqa: E402
+
 BASE = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "10", "--lr-warmup-iters", "1",
         "--log-interval", "5", "--eval-interval", "1000", "--eval-iters", "2",
@@ -147,7 +151,6 @@ def crash_launch(script: str, run: Path) -> str:
     import signal
     import uuid
 
-    from launch import free_port
 
     marker = uuid.uuid4().hex
     log_path = run / "crash.log"
@@ -185,18 +188,8 @@ def _pids_with_marker(marker: str):
     return pids
 
 
-def convert(*args):
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    return proc
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, prepared_data):
-    sys.path.insert(0, str(REPO / "tests"))
-    from launch import torchrun
-
     run = tmp_path_factory.mktemp("checkpoints")
     script = str(Path(__file__).relative_to(REPO))
     crash_state = {"log": crash_launch(script, run),

@@ -12,7 +12,6 @@ Hugging Face weights (tests/reference_gpt2.py).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
+from launch import convert_checkpoint as convert, torchrun  # noqa: E402
 from reference_gpt2 import gpt2_logits, random_gpt2, write_hf_gpt2  # noqa: E402
 
 HF_CONFIG = {"vocab_size": 8000, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4,
@@ -32,7 +32,6 @@ BATCH, SEQ = 2, 64
 LAYOUTS = [("dense", (2, 1, 2), "alltoall"), ("moe 1,1,1 alltoall", (1, 1, 1), "alltoall"),
            ("moe 2,2,1 alltoall", (2, 2, 1), "alltoall"), ("moe 2,2,1 parm", (2, 2, 1), "parm"),
            ("moe 1,4,1 parm_s2", (1, 4, 1), "parm_s2")]
-CONVERT = str(REPO / "tools/convert_checkpoint.py")
 
 
 def fixed_batch():
@@ -96,11 +95,6 @@ def worker(run_dir: str) -> None:
     torch.distributed.barrier()
 
 
-def convert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, CONVERT, *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     weights = random_gpt2(HF_CONFIG)
@@ -109,8 +103,6 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_dir, prepared_data):
-    from launch import torchrun
-
     run = tmp_path_factory.mktemp("hf_runs")
     write_configs(run)
     conversions = {"dense": convert("--from-hf", hf_dir[0], "--save", run / "hf_dense"),
