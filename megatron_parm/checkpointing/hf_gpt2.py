@@ -2,7 +2,7 @@
 
     is_hf_gpt2_dir(path)              a folder with config.json and GPT-2 weights
     read_hf_gpt2(path)                (config dict, {HF name: tensor})
-    hf_gpt2_to_full(path, tp=1)       FullCheckpoint: Megatron-Core GPTModel names, iteration 0
+    hf_gpt2_to_full(path)             FullCheckpoint: Megatron-Core GPTModel names, iteration 0
 
 The directory is what `save_pretrained` writes: config.json and model.safetensors or
 pytorch_model.bin (vocab.json and merges.txt, the GPT-2 tokenizer, when present, are named in
@@ -39,6 +39,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron_parm.checkpointing import CHECKPOINT_VERSION
 from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.paths import CheckpointError
 
@@ -149,7 +150,7 @@ def _qkv_per_head(tensor_out_first: torch.Tensor, heads: int) -> torch.Tensor:
     return grouped.reshape(3 * heads * head_dim, *rest)
 
 
-def hf_gpt2_to_full(path: str, tensor_parallel_size: int = 1) -> FullCheckpoint:
+def hf_gpt2_to_full(path: str) -> FullCheckpoint:
     """The dense checkpoint (model only, iteration 0) of the GPT-2 in directory PATH."""
     from megatron_parm.training.model import padded_vocab_size
 
@@ -166,8 +167,8 @@ def hf_gpt2_to_full(path: str, tensor_parallel_size: int = 1) -> FullCheckpoint:
     def stacked(name: str, transform=lambda t: t) -> torch.Tensor:
         return torch.stack([transform(take(f"h.{i}.{name}")) for i in range(layers)])
 
-    extra = sorted({m.group(1) for m in map(_LAYER.match, weights) if m} - {str(i) for i in range(layers)},
-                   key=int)
+    indices = {int(m.group(1)) for m in map(_LAYER.match, weights) if m}
+    extra = sorted(indices - set(range(layers)))
     if extra:
         raise CheckpointError(f"{path}: weights for layers {extra} but config.json says "
                               f"n_layer={layers}")
@@ -176,7 +177,7 @@ def hf_gpt2_to_full(path: str, tensor_parallel_size: int = 1) -> FullCheckpoint:
         raise CheckpointError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them "
                               f"and so does this conversion")
     vocab = wte.shape[0]
-    padded = padded_vocab_size(vocab, tensor_parallel_size)
+    padded = padded_vocab_size(vocab, 1)  # loads under any TP that divides it (see model.py)
     word_embeddings = torch.zeros(padded, wte.shape[1])
     word_embeddings[:vocab] = wte
     qkv = "decoder.layers.self_attention.linear_qkv"
@@ -204,8 +205,6 @@ def hf_gpt2_to_full(path: str, tensor_parallel_size: int = 1) -> FullCheckpoint:
     objects = {f"decoder.layers.{module}._extra_state/shard_{i}_{layers}": [None]
                for module in ("self_attention.linear_qkv", "self_attention.linear_proj",
                               "mlp.linear_fc1", "mlp.linear_fc2") for i in range(layers)}
-    from megatron_parm.checkpointing import CHECKPOINT_VERSION
-
     common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
               "args": flags, "model_info": {"padded_vocab_size": padded},
               "layout": None, "converted_from": {"huggingface_gpt2": os.path.abspath(path),
