@@ -91,34 +91,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _int_list(text, flag: str) -> list:
+    try:
+        return [int(item) for item in str(text).split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected a comma list of integers, got {text!r}") from None
+
+
 def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     """Raise ValueError naming the flag; returns the layout to calibrate."""
     args.sizes = cal.parse_range(args.sizes, "--sizes")
     args.compute_rows = cal.parse_range(args.compute_rows, "--compute-rows",
                                         parse=lambda item: cal.parse_int(item, "--compute-rows"))
-    try:
-        tokens = [int(item) for item in str(args.layer_tokens).split(",") if item.strip()]
-    except ValueError:
-        raise ValueError(f"--layer-tokens: expected a comma list of integers, got "
-                         f"{args.layer_tokens!r}") from None
-    tokens = [t for t in tokens if t != 0]
+    tokens = [t for t in _int_list(args.layer_tokens, "--layer-tokens") if t != 0]
     bad = [t for t in tokens if t < max(LAYER_CHUNKS) or t % 2]
     if bad:
         raise ValueError(f"--layer-tokens: token counts must be even and >= {max(LAYER_CHUNKS)} "
                          f"(parm_s2's largest chunk count), got {bad}")
     args.layer_tokens = tokens
-    try:
-        args.layer_num_experts = [int(item) for item in str(args.layer_num_experts).split(",")
-                                  if item.strip()]
-    except ValueError:
-        raise ValueError(f"--layer-num-experts: expected a comma list of integers, got "
-                         f"{args.layer_num_experts!r}") from None
+    args.layer_num_experts = _int_list(args.layer_num_experts, "--layer-num-experts")
     if tokens and not args.layer_num_experts:
         raise ValueError("--layer-num-experts: give at least one expert count")
-    for flag in ("--layer-hidden-size", "--layer-ffn-hidden-size"):
-        if getattr(args, flag[2:].replace("-", "_")) < 1:
-            raise ValueError(f"{flag} must be >= 1")
-    for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size"):
+    for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size",
+                 "--layer-hidden-size", "--layer-ffn-hidden-size"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < (0 if flag == "--warmup" else 1):
             raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
@@ -227,8 +222,6 @@ def main(argv=None) -> int:
     if args.layer_tokens:
         # The real layer with parm_s1 and parm_s2: what the stage terms measured one at a time
         # miss inside the layer becomes the profile's in-layer terms.
-        import dataclasses
-
         from megatron_parm.bench.moe_layer import MoELayerSpec, time_schedules
 
         for tokens in args.layer_tokens:
@@ -240,7 +233,7 @@ def main(argv=None) -> int:
                                     etp=layout.etp)
                 timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
                                          iters=max(3, args.reps // 2))
-                layer_times += [(dataclasses.replace(spec), chunks, timing.median_ms / 1e3)
+                layer_times += [(spec, chunks, timing.median_ms / 1e3)
                                 for chunks, timing in timings.items()]
                 say(f"  timed the MoE layer at {tokens} tokens per rank, {experts} experts, "
                     f"with parm_s1 and parm_s2 (c = {', '.join(map(str, LAYER_CHUNKS[1:]))})",

@@ -193,7 +193,10 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
     Returns per label: the share of (config, dispatcher) pairs predicted within 25%, and
     per config the predicted/measured pairs, so a report can say where the model is wrong.
     """
-    from megatron_parm.perf_model import LayerShape, Layout, predict
+    from types import SimpleNamespace
+
+    from megatron_parm.perf_model import Layout, predict
+    from megatron_parm.perf_model.calibrate import layer_shape
 
     out: Dict[str, dict] = {}
     for r in results:
@@ -204,10 +207,8 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
         layout = Layout(tp=f["tp"], ep=f["ep"], etp=f["etp"], nodes=f["world_size"] // per_node,
                         ranks_per_node=per_node)
         sp = f.get("sequence_parallel", True) and f["tp"] > 1
-        tokens = f["seq_length"] * f["micro_batch_size"] // (f["tp"] if sp or f["tp"] == 1 else 1)
-        shape = LayerShape(num_tokens=tokens, hidden_size=f["hidden_size"], ffn_hidden_size=f["ffn_hidden_size"],
-                           num_experts=f["num_experts"], topk=f["topk"], capacity_factor=f.get("capacity_factor"),
-                           pad_to_capacity=bool(f.get("pad_to_capacity")), dtype_bytes=4)
+        shape = layer_shape(SimpleNamespace(**{"sequence_parallel": True, "capacity_factor": None,
+                                               "pad_to_capacity": False, **f}))
         entry = out.setdefault(r.label, {"pairs": [], "within_25pct": 0.0})
         for name in ("ds_baseline", "parm_s1", "parm_s2"):
             if name not in r.median_ms:
