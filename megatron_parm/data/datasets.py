@@ -203,6 +203,17 @@ def _build(dataset_cls, config, num_samples: NumSamples,
         return tuple(builder.build())
 
 
+def _blend_and_samples(data_path, split: str, num_samples: NumSamples, by_document: bool,
+                       min_sentences: int):
+    """--data-path as Megatron's blend, and per-split sample counts, checked to select data."""
+    blend = parse_data_path(data_path)
+    split_matrix = parse_split(split)
+    num_samples = _resolve_num_samples(blend, split_matrix, num_samples)
+    _check_splits_have_data(blend[0], split_matrix, num_samples, by_document=by_document,
+                            min_sentences=min_sentences)
+    return blend, num_samples
+
+
 def build_gpt_datasets(tokenizer, data_path, split: str, seq_length: int, seed: int,
                        num_samples: NumSamples, *, data_cache_path: Optional[str] = None,
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
@@ -215,13 +226,10 @@ def build_gpt_datasets(tokenizer, data_path, split: str, seq_length: int, seed: 
     num_samples: samples per split (None builds one epoch). is_built_on_rank: Megatron-Core's
     hook to build only on some ranks (those return None); by default every rank builds.
     """
-    blend = parse_data_path(data_path)
-    split_matrix = parse_split(split)
     if seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
-    num_samples = _resolve_num_samples(blend, split_matrix, num_samples)
-    _check_splits_have_data(blend[0], split_matrix, num_samples, by_document=False,
-                            min_sentences=1)
+    blend, num_samples = _blend_and_samples(data_path, split, num_samples, by_document=False,
+                                            min_sentences=1)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -261,11 +269,8 @@ def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed:
     if seq_length < 5:
         raise ValueError(f"--seq-length must be >= 5 for BERT ([CLS] A [SEP] B [SEP]), "
                          f"got {seq_length}")
-    blend = parse_data_path(data_path)
-    split_matrix = parse_split(split)
-    num_samples = _resolve_num_samples(blend, split_matrix, num_samples)
-    _check_splits_have_data(blend[0], split_matrix, num_samples, by_document=True,
-                            min_sentences=2 if binary_head else 1)
+    blend, num_samples = _blend_and_samples(data_path, split, num_samples, by_document=True,
+                                            min_sentences=2 if binary_head else 1)
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
