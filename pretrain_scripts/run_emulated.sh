@@ -10,24 +10,14 @@
 # 2, 2), DISPATCHERS (default: parm alltoall ds_baseline), CONFIG, MODEL
 # (gpt|bert), RUN_DIR. Extra arguments go to the training script.
 set -euo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
-PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$REPO/.venv/bin/python" || echo python3 )}"
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
 NNODES="${NNODES:-2}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
 PRESET="${PRESET:-pcie}"
 TP="${TP:-2}"
 EP="${EP:-2}"
-MODEL="${MODEL:-gpt}"
 DISPATCHERS="${DISPATCHERS:-parm alltoall ds_baseline}"
-case "$MODEL" in
-    gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
-          DATA_PATH="data/cache/gpt_text_document" ;;
-    bert) SCRIPT=pretrain_scripts/pretrain_bert_moe.py; CONFIG="${CONFIG:-configs/bert_tiny_moe.yaml}"
-          DATA_PATH="data/cache/bert_text_sentence" ;;
-    *) echo "MODEL must be gpt or bert, got $MODEL" >&2; exit 2 ;;
-esac
 RUN_DIR="${RUN_DIR:-runs/emulated-${MODEL}-$(date +%Y%m%d-%H%M%S)}"
 
 pretrain_scripts/prepare_data.sh

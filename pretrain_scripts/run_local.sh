@@ -10,22 +10,12 @@
 # DISPATCHER (default parm), RUN_DIR (default runs/<name>-<time>).
 # Extra arguments are passed to the training script and override everything else.
 set -euo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
-PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
-MODEL="${MODEL:-gpt}"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
 EP="${EP:-2}"
 DISPATCHER="${DISPATCHER:-parm}"
-case "$MODEL" in
-    gpt)  SCRIPT=pretrain_scripts/pretrain_gpt2_moe.py; CONFIG="${CONFIG:-configs/gpt2_tiny_moe.yaml}"
-          DATA_PATH="data/cache/gpt_text_document" ;;
-    bert) SCRIPT=pretrain_scripts/pretrain_bert_moe.py; CONFIG="${CONFIG:-configs/bert_tiny_moe.yaml}"
-          DATA_PATH="data/cache/bert_text_sentence" ;;
-    *) echo "MODEL must be gpt or bert, got $MODEL" >&2; exit 2 ;;
-esac
 RUN_DIR="${RUN_DIR:-runs/${MODEL}_moe-${DISPATCHER}-$(date +%Y%m%d-%H%M%S)}"
 
 pretrain_scripts/prepare_data.sh   # offline; skipped when the .bin/.idx exist
