@@ -9,6 +9,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_parm", "megatron_parm.*"]),
+    # The performance model's shipped cluster profiles (the automatic dispatcher's defaults).
+    package_data={"megatron_parm.perf_model": ["profiles/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         # megatron-core 0.17+ needs Python 3.12; 0.16.1 has the six-phase dispatcher API.

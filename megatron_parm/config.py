@@ -7,18 +7,20 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_parm import schedules
+
 
 @dataclass
 class ParmTransformerConfig(TransformerConfig):
     """Megatron's TransformerConfig plus the knobs of Parm's dispatchers."""
 
-    parm_num_chunks: int = 4
-    """--parm-num-chunks: pipeline chunks of parm_s2 (1 = S1's volumes in one chunk)."""
+    parm_num_chunks: Optional[int] = None
+    """--parm-num-chunks: pipeline chunks of the chunked schedules (None: each one's default)."""
 
     parm_profile: Optional[str] = None
     """--parm-profile: performance-model profile used by the automatic dispatcher."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parm_num_chunks < 1:
-            raise ValueError(f"--parm-num-chunks must be >= 1, got {self.parm_num_chunks}")
+        if self.parm_num_chunks is not None:
+            schedules.check_num_chunks(self.parm_num_chunks)

@@ -11,33 +11,28 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_parm import schedules
 from megatron_parm.comm.collectives import gather_replicated, keep_shard
-from megatron_parm.dispatchers import NATIVE_DISPATCHERS, PARM_DISPATCHERS, VALID_DISPATCHERS
-
-
-def check_dispatcher_type(name: str) -> None:
-    if name not in VALID_DISPATCHERS:
-        raise ValueError(
-            f"--moe-token-dispatcher-type: unknown dispatcher {name!r}; valid names are "
-            f"{', '.join(VALID_DISPATCHERS)}")
+from megatron_parm.dispatchers import dispatcher_class
 
 
 class ParmMoELayer(MoELayer):
     """A drop-in MoELayer (same constructor) that also accepts Parm's dispatchers.
 
-    config.moe_token_dispatcher_type picks the dispatcher: ``allgather`` and ``alltoall``
-    are Megatron's own (the layer is then exactly MoELayer), ``ds_baseline``, ``parm_s1``,
-    ``parm_s2`` and ``parm`` (the performance model's choice of S1 or S2) are Parm's. With a Parm dispatcher and TP > 1 without sequence
-    parallelism, the input is replicated over TP: the layer routes only this rank's
-    sequence shard and restores the full output with one AG [TP], so no TP rank repeats
-    another's work.
+    config.moe_token_dispatcher_type picks the dispatcher from the schedule catalog
+    (megatron_parm/schedules.py): Megatron's own (``allgather``, ``alltoall``: the layer is
+    then exactly MoELayer), or one of the project's (``ds_baseline``, ``parm_s1``, ``parm_s2``,
+    ``parm``, ...), whose layout rules are checked here. With a non-native dispatcher and
+    TP > 1 without sequence parallelism, the input is replicated over TP: the layer routes
+    only this rank's sequence shard and restores the full output with one AG [TP], so no TP
+    rank repeats another's work.
     """
 
     def __init__(self, config: TransformerConfig, submodules: Optional[MoESubmodules] = None,
                  layer_number: Optional[int] = None, pg_collection=None):
         name = config.moe_token_dispatcher_type
-        check_dispatcher_type(name)
-        if name in NATIVE_DISPATCHERS:
+        schedule = schedules.get(name)
+        if schedule.kind == schedules.NATIVE:
             super().__init__(config, submodules, layer_number, pg_collection)
             return
         # MoELayer builds its dispatcher from the config: let it build the cheapest native
@@ -52,7 +47,9 @@ class ParmMoELayer(MoELayer):
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        self.token_dispatcher = PARM_DISPATCHERS[name](
+        schedule.check_layout(pg_collection.tp.size(), pg_collection.ep.size(),
+                              pg_collection.expt_tp.size(), config.sequence_parallel)
+        self.token_dispatcher = dispatcher_class(name)(
             self.num_local_experts, self.local_expert_indices, config=config,
             pg_collection=pg_collection)
         self.token_dispatcher.layer_number = layer_number
@@ -67,7 +64,7 @@ class ParmMoELayer(MoELayer):
 
     @property
     def uses_parm_dispatcher(self) -> bool:
-        return self.config.moe_token_dispatcher_type in PARM_DISPATCHERS
+        return not schedules.is_native(self.config.moe_token_dispatcher_type)
 
     # -- S2 folds dispatch, experts and combine into one pipeline ------------------------
 

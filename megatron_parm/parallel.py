@@ -13,10 +13,15 @@ from typing import Optional
 
 import torch
 
+from megatron_parm import schedules
+
 
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
-                    dispatcher: Optional[str] = None) -> None:
-    """Raise ValueError naming the flag for any layout Megatron or a dispatcher cannot run."""
+                    dispatcher: Optional[str] = None, sequence_parallel: bool = True) -> None:
+    """Raise ValueError naming the flag for any layout Megatron or a dispatcher cannot run.
+
+    The dispatcher's own rules are its schedule catalog entry's (megatron_parm/schedules.py).
+    """
     etp = tp if etp is None else etp
     for flag, value in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep),
                         ("--expert-tensor-parallel-size", etp)):
@@ -34,13 +39,7 @@ def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_e
         raise ValueError(f"--num-experts ({num_experts}) must be divisible by "
                          f"--expert-model-parallel-size ({ep})")
     if dispatcher is not None:
-        from megatron_parm.layer import check_dispatcher_type
-
-        check_dispatcher_type(dispatcher)
-        if dispatcher == "ds_baseline" and tp % etp != 0:
-            raise ValueError(
-                f"--moe-token-dispatcher-type ds_baseline needs --expert-tensor-parallel-size ({etp}) "
-                f"to divide --tensor-model-parallel-size ({tp})")
+        schedules.get(dispatcher).check_layout(tp, ep, etp, sequence_parallel)
 
 
 def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = None,

@@ -28,9 +28,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_parm import platform  # noqa: E402
-from megatron_parm.dispatchers import VALID_DISPATCHERS  # noqa: E402
+from megatron_parm import schedules  # noqa: E402
 
-DEFAULT_DISPATCHERS = "alltoall,allgather,ds_baseline,parm_s1,parm_s2"
+# Every schedule but the automatic choice (which runs one of them).
+DEFAULT_DISPATCHERS = ",".join(schedules.names(schedules.NATIVE, schedules.BASELINE, schedules.PARM))
 
 
 def parse_args(argv=None):
@@ -48,11 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--moe-router-topk", type=int, default=2)
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
-    p.add_argument("--parm-num-chunks", type=int, default=4)
+    p.add_argument("--parm-num-chunks", type=int, default=None,
+                   help="chunks of the chunked schedules (default: each one's own)")
     p.add_argument("--parm-profile", default=None,
                    help="performance-model profile for the automatic dispatcher `parm`")
     p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
-                   help=f"comma-separated, from {', '.join(VALID_DISPATCHERS)}")
+                   help=f"comma-separated, from {', '.join(schedules.names())}")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--output", default=None, help="append JSON lines here (rank 0)")
@@ -64,8 +66,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     for name in args.dispatchers:
-        if name not in VALID_DISPATCHERS:
-            p.error(f"--dispatchers: unknown dispatcher {name!r}; valid: {', '.join(VALID_DISPATCHERS)}")
+        if name not in schedules.names():
+            p.error(f"--dispatchers: unknown dispatcher {name!r}; valid: {', '.join(schedules.names())}")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.iters < 1:

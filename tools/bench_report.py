@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_parm.bench.report import group_results, load_records, markdown_table, plot_speedups, summarize  # noqa: E402
+from megatron_parm.bench.report import (group_results, load_records, markdown_table,  # noqa: E402
+                                        ordered_dispatchers, plot_speedups, summarize)
 
 
 def main(argv=None):
@@ -32,8 +33,7 @@ def main(argv=None):
         if not os.path.exists(path):
             p.error(f"input not found: {path}")
     results = group_results(load_records(args.inputs))
-    dispatchers = [d for d in ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm")
-                   if any(d in r.median_ms for r in results)]
+    dispatchers = ordered_dispatchers(results)
     table = markdown_table(results, dispatchers)
     summary = summarize(results)
     for spec in args.parm_profile:

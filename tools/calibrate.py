@@ -1,10 +1,10 @@
 """Measure this cluster's alpha-beta profile for the performance model; write a profile file.
 
     # one node, 4 ranks (only intra-node groups: inter entries are copied, see below)
-    torchrun --nproc-per-node 4 tools/calibrate.py --output configs/profiles/mine.yaml
+    torchrun --nproc-per-node 4 tools/calibrate.py --output mine.yaml
     # the emulated cluster, 2 nodes x 2 ranks
     python tools/emulate_cluster.py --nnodes 2 --nproc-per-node 2 --preset pcie -- \\
-        python tools/calibrate.py --output configs/profiles/emulated_pcie_measured.yaml
+        python tools/calibrate.py --output megatron_parm/perf_model/profiles/emulated_pcie_measured.yaml
     # Slurm, several nodes (one torchrun per node)
     srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 tools/calibrate.py --output prof.yaml
@@ -15,8 +15,9 @@ nodes, so there is one intra-node and one inter-node group), and expert-like mat
 forward and backward for the compute term; fits alpha + beta * x per (kind, link) by least
 squares, prints the fit and every point's residual, and writes the profile (provenance:
 measured). Method, link classes and what is done when a link class cannot be measured:
-megatron_parm/perf_model/calibrate.py. Then it times the real MoE layer with parm_s1 and
-parm_s2 (--layer-* flags) and fits the profile's in-layer terms to it (layer_scale,
+megatron_parm/perf_model/calibrate.py (fits) and megatron_parm/bench/calibrate.py (timing).
+Then it times the real MoE layer with the schedules of perf_model.calibrate.layer_fit_schedules
+(parm_s1, and parm_s2 at 2 and 8 chunks; --layer-* flags) and fits the profile's in-layer terms to it (layer_scale,
 overlap_efficiency, chunk_overhead; perf_model/predict.py), printing each layer's measured
 and modelled time. A default run takes 60-75 s on the emulated cluster (2 nodes x 2 ranks,
 either preset).
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_parm import platform
+    from megatron_parm.bench import calibrate as measure
     from megatron_parm.parallel import initialize_model_parallel
 
     use_cuda = torch.cuda.is_available()
@@ -210,12 +212,12 @@ def main(argv=None) -> int:
     for name, link in timed:
         for kind in cal.COLLECTIVE_KINDS:
             for size in args.sizes:
-                points.append(cal.time_collective(
+                points.append(measure.time_collective(
                     kind, groups[name], name, link, size, warmup=args.warmup, reps=args.reps,
                     ranks_per_node=layout.ranks_per_node, device=device))
             say(f"  timed {kind} on {name} ({link}) at {len(args.sizes)} sizes", flush=True)
     ffn_local = args.moe_ffn_hidden_size // layout.etp
-    points += cal.time_compute(args.compute_rows, args.hidden_size, ffn_local,
+    points += measure.time_compute(args.compute_rows, args.hidden_size, ffn_local,
                                warmup=args.warmup, reps=args.reps, device=device)
     say(f"  timed expert matmuls at {len(args.compute_rows)} row counts", flush=True)
     layer_times = []  # (layer spec, chunks, seconds)
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
             print(f"calibrate.py: error: {error}", file=sys.stderr)
             copied, status = None, 2
         if copied is not None:
-            rates = cal.shaped_rates([os.environ.get("GLOO_SOCKET_IFNAME", "eth0"), "lo"])
+            rates = measure.shaped_rates([os.environ.get("GLOO_SOCKET_IFNAME", "eth0"), "lo"])
             compute_shape = (f"fp32 x[rows, {args.hidden_size}] @ [{args.hidden_size}, "
                              f"{ffn_local}] -> GeLU -> @ [{ffn_local}, {args.hidden_size}], "
                              f"forward F and backward 2F flops, {device.type}")

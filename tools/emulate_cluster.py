@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_parm.comm import emulated_cluster as ec  # noqa: E402
+from megatron_parm.emulator import cluster as ec  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Predict ds_baseline, Parm S1 and Parm S2 times per MoE layer, and the schedule Parm picks.
+"""Predict every modelled dispatcher's time per MoE layer, and the schedule Parm picks.
 
 Pure Python, no cluster and no torch needed: it runs the alpha-beta model of
 megatron_parm.perf_model on a model config and a cluster profile.
 
-    python tools/plan_schedule.py --parm-profile configs/profiles/emulated_pcie.yaml \
+    python tools/plan_schedule.py --parm-profile emulated_pcie \
         --hidden-size 512 --moe-ffn-hidden-size 256 --num-experts 4 --moe-router-topk 2 \
         --seq-length 2048 --micro-batch-size 1 --tensor-model-parallel-size 2 \
         --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --sequence-parallel \
@@ -18,7 +18,7 @@ micro_batch_size, tensor_model_parallel_size, expert_model_parallel_size,
 expert_tensor_parallel_size, sequence_parallel, moe_expert_capacity_factor,
 moe_pad_expert_input_to_capacity, bf16, fp16, swiglu, nnodes, nproc_per_node, moe_layer_freq)
 plus the short aliases tp, ep, etp, nodes, ranks_per_node. Command-line flags override it.
---parm-profile takes a path or the name of a file in configs/profiles/.
+--parm-profile takes a path or the name of a shipped profile (megatron_parm/perf_model/profiles/).
 """
 
 import argparse
@@ -30,10 +30,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from megatron_parm import schedules  # noqa: E402
 from megatron_parm.perf_model import (LayerShape, Layout, choose_schedule,  # noqa: E402
-                                      comm_volumes, load_profile, predict)
-
-PROFILE_DIR = os.path.join(REPO_ROOT, "configs", "profiles")
+                                      comm_volumes, load_profile, modelled_dispatchers, predict)
 
 # config key -> (flag, type); the flag names are Megatron-LM's
 _INT_OPTIONS = {
@@ -87,13 +86,17 @@ def _flag_of(key):
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        description="Predict per-MoE-layer times of ds_baseline, parm_s1 and parm_s2(c) "
-                    "and the schedule the automatic Parm dispatcher would pick.")
+        description="Predict per-MoE-layer times of every modelled dispatcher (ds_baseline, "
+                    "alltoall, parm_s1, parm_s2(c), ...) and the schedule the automatic Parm "
+                    "dispatcher would pick.")
     parser.add_argument("--config", help="model config (YAML or JSON, Megatron names)")
     parser.add_argument("--parm-profile", required=True,
-                        help="cluster profile: a path or a name in configs/profiles/")
-    parser.add_argument("--parm-chunk-candidates", default="2,4,8",
-                        help="comma-separated S2 chunk counts to consider (default 2,4,8)")
+                        help="cluster profile: a path or the name of a shipped profile")
+    parser.add_argument("--parm-chunk-candidates", default=None,
+                        help="comma-separated chunk counts to consider for the chunked schedules "
+                             "(default: each one's own, "
+                             + "; ".join(f"{s.name} {','.join(map(str, s.chunk_candidates))}"
+                                         for s in schedules.candidates() if s.chunked) + ")")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     for key, flag in _INT_OPTIONS.items():
         parser.add_argument(flag, dest=key, type=int, default=None)
@@ -213,18 +216,9 @@ def build_model(settings):
     return layout, shape, num_moe_layers
 
 
-def resolve_profile_path(value):
-    if os.path.exists(value):
-        return value
-    for suffix in ("", ".yaml", ".yml", ".json"):
-        candidate = os.path.join(PROFILE_DIR, value + suffix)
-        if os.path.exists(candidate):
-            return candidate
-    raise ValueError(f"--parm-profile {value}: no such file, and no profile of that name in "
-                     f"{PROFILE_DIR}")
-
-
 def parse_chunks(text):
+    if text is None:
+        return None
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as error:
@@ -239,7 +233,24 @@ def _mib(num_bytes):
     return num_bytes / 2 ** 20
 
 
-def render(layout, shape, num_moe_layers, profile, choice, baseline, sequence_parallel):
+def references(shape, layout, profile, sequence_parallel):
+    """Predictions of the modelled dispatchers parm does not choose from (ds_baseline,
+    Megatron's alltoall), where they support the layout: what the choice is compared to."""
+    out = {}
+    for name in modelled_dispatchers():
+        schedule = schedules.get(name)
+        if schedule.candidate or schedule.unsupported(layout.tp, layout.ep, layout.etp,
+                                                      sequence_parallel):
+            continue
+        out[name] = predict(name, shape, layout, profile, None, sequence_parallel)
+    return out
+
+
+def _label(key):
+    return key if isinstance(key, str) else f"{key[0]}(c={key[1]})"
+
+
+def render(layout, shape, num_moe_layers, profile, choice, others, sequence_parallel):
     def ms(seconds):
         return f"{seconds * 1e3:10.3f}"
 
@@ -265,15 +276,14 @@ def render(layout, shape, num_moe_layers, profile, choice, baseline, sequence_pa
               f"{'inter MiB':>11}{'intra MiB':>11}{'speedup':>9}")
     lines.append(header)
     lines.append("-" * len(header))
-    rows = [("ds_baseline", baseline)]
-    for key, prediction in choice.predictions.items():
-        label = key if isinstance(key, str) else f"{key[0]}(c={key[1]})"
-        rows.append((label, prediction))
+    rows = list(others.items()) + [(_label(key), p) for key, p in choice.predictions.items()]
+    # Speedups are over the first reference (ds_baseline where it supports the layout).
+    base_name, baseline = next(iter(others.items()), (None, None))
     for label, prediction in rows:
         volumes = comm_volumes(prediction.dispatcher, shape, layout, sequence_parallel)
         inter = sum(entry["inter"] for entry in volumes.values())
         intra = sum(entry["intra"] for entry in volumes.values())
-        speedup = baseline.total_s / prediction.total_s if prediction.total_s else float("inf")
+        speedup = baseline.total_s / prediction.total_s if baseline and prediction.total_s else float("nan")
         marker = "  <- choice" if prediction is choice.predictions[choice.schedule] else ""
         lines.append(f"{label:<16}{ms(prediction.forward_s)}{ms(prediction.backward_s)}"
                      f"{ms(prediction.total_s)}{_mib(inter):11.2f}{_mib(intra):11.2f}"
@@ -281,12 +291,12 @@ def render(layout, shape, num_moe_layers, profile, choice, baseline, sequence_pa
     lines.append("")
     chosen = choice.predictions[choice.schedule]
     label = (choice.schedule if isinstance(choice.schedule, str)
-             else f"parm_s2 with {choice.num_chunks} chunks")
-    lines.append(f"choice: {label}")
+             else f"{choice.dispatcher} with {choice.num_chunks} chunks")
+    lines.append(f"choice: {label}" + (f"  (speedups over {base_name})" if base_name else ""))
+    per_step = [f"{name} {p.total_s * num_moe_layers * 1e3:.1f} ms" for name, p in others.items()]
     lines.append(
         f"per step ({num_moe_layers} MoE layer(s), forward + backward): "
-        f"ds_baseline {baseline.total_s * num_moe_layers * 1e3:.1f} ms, "
-        f"choice {chosen.total_s * num_moe_layers * 1e3:.1f} ms")
+        + ", ".join(per_step + [f"choice {chosen.total_s * num_moe_layers * 1e3:.1f} ms"]))
     if profile.provenance != "measured":
         lines.append("note: the profile is an estimate; calibrate it on the cluster to trust "
                      "these numbers")
@@ -299,27 +309,25 @@ def main(argv=None):
     try:
         settings = resolve_settings(args)
         layout, shape, num_moe_layers = build_model(settings)
-        profile = load_profile(resolve_profile_path(args.parm_profile))
+        profile = load_profile(args.parm_profile)
         chunks = parse_chunks(args.parm_chunk_candidates)
+        sequence_parallel = settings["sequence_parallel"] or layout.tp == 1
+        choice = choose_schedule(shape, layout, profile, chunks, sequence_parallel)
     except ValueError as error:
         parser.error(str(error))
-    sequence_parallel = settings["sequence_parallel"] or layout.tp == 1
-    choice = choose_schedule(shape, layout, profile, chunks, sequence_parallel)
-    baseline = predict("ds_baseline", shape, layout, profile, None, sequence_parallel)
+    others = references(shape, layout, profile, sequence_parallel)
     if args.json:
         report = {
             "choice": choice.schedule if isinstance(choice.schedule, str)
             else list(choice.schedule),
             "num_moe_layers": num_moe_layers,
             "profile": profile.name,
-            "times_s": {"ds_baseline": baseline.total_s, **{
-                key if isinstance(key, str) else f"{key[0]}(c={key[1]})": seconds
-                for key, seconds in choice.times.items()}},
+            "times_s": {**{name: p.total_s for name, p in others.items()},
+                        **{_label(key): seconds for key, seconds in choice.times.items()}},
         }
         print(json.dumps(report, indent=2))
     else:
-        print(render(layout, shape, num_moe_layers, profile, choice, baseline,
-                     sequence_parallel))
+        print(render(layout, shape, num_moe_layers, profile, choice, others, sequence_parallel))
     return 0
 
 

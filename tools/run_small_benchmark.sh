@@ -8,7 +8,7 @@
 # of alltoall's layer time on this 2-core machine; see docs/benchmark.md):
 #   pcie:   inter 500mbit, intra 1gbit (intra/inter 2x)
 #   nvlink: inter 500mbit, intra 6gbit (12x)
-# `parm` decides with the profile calibrated for each class (configs/profiles/*_measured.yaml).
+# `parm` decides with the profile calibrated for each class (shipped profiles emulated_*_measured).
 # The runs are niced so that other work on the machine disturbs them less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ run() {  # label emulator-shaping-args...
     nice -n -15 "$PY" tools/emulate_cluster.py --nnodes 2 --nproc-per-node 2 "$@" -- \
         "$PY" tools/bench_moe_layer.py --grid "$GRID" --iters "$ITERS" --warmup 1 --no-check \
         --dispatchers "$DISPATCHERS" --label "$label" --output "$OUT/small_$label.jsonl" \
-        --parm-profile "configs/profiles/emulated_${label/unshaped/pcie}_measured.yaml" 2>&1 \
+        --parm-profile "emulated_${label/unshaped/pcie}_measured" 2>&1 \
         | grep -v "Warning\|warnings.warn\|hostname"
 }
 
@@ -34,5 +34,5 @@ time run pcie --preset pcie
 time run nvlink --preset nvlink
 "$PY" tools/bench_report.py "$OUT"/small_unshaped.jsonl "$OUT"/small_pcie.jsonl "$OUT"/small_nvlink.jsonl \
     --markdown "$OUT/small_table.md" --plot "$OUT/small_speedup.png" --summary "$OUT/small_summary.json" \
-    --parm-profile pcie=configs/profiles/emulated_pcie_measured.yaml \
-    --parm-profile nvlink=configs/profiles/emulated_nvlink_measured.yaml
+    --parm-profile pcie=emulated_pcie_measured \
+    --parm-profile nvlink=emulated_nvlink_measured

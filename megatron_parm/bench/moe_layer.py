@@ -18,6 +18,7 @@ from megatron_parm.bench.native_accounting import account_native_dispatchers
 from megatron_parm.comm.accounting import track_comm
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
+from megatron_parm.perf_model.calibrate import layer_fit_schedules
 from megatron_parm.specs import get_gpt_layer_parm_spec
 
 
@@ -35,7 +36,7 @@ class MoELayerSpec:
     ep: int = 1
     etp: int = 1
     sequence_parallel: bool = True
-    num_chunks: int = 4
+    num_chunks: Optional[int] = None  # None: each chunked schedule's default
     parm_profile: Optional[str] = None
     aux_loss_coeff: float = 0.0
     params_dtype: torch.dtype = torch.float32
@@ -106,12 +107,14 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
 
 def time_schedules(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
                    seed: int = 1234) -> Dict[int, Timing]:
-    """Forward+backward time per chunk count: 1 is parm_s1, c >= 2 is parm_s2 at c chunks
-    (same weights and input, interleaved)."""
+    """Forward+backward time per chunk count: 1 is the sequential schedule the in-layer terms
+    are fitted on (parm_s1), c >= 2 the chunked one (parm_s2) at c chunks (same weights and
+    input, interleaved; perf_model.calibrate.layer_fit_schedules names them)."""
+    sequential, chunked = layer_fit_schedules()
     layers = {}
     for count in chunk_counts:
         spec.num_chunks = max(count, 1)
-        layers[count] = build_layer(spec, "parm_s1" if count == 1 else "parm_s2")
+        layers[count] = build_layer(spec, sequential if count == 1 else chunked)
     return time_layers(layers, spec, warmup, iters, seed)
 
 

@@ -12,7 +12,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-PARM_SCHEDULES = ("parm_s1", "parm_s2")
+from megatron_parm import schedules
+
+
+def parm_schedules() -> Tuple[str, ...]:
+    """Parm's own schedules (the catalog's kind "parm"): "best Parm" is the fastest of these."""
+    return schedules.names(schedules.PARM)
+
+
+def ordered_dispatchers(results: List["ConfigResult"]) -> List[str]:
+    """The dispatchers that appear in results, in catalog order."""
+    return [d for d in schedules.names() if any(d in r.median_ms for r in results)]
 
 
 def is_metadata(dispatcher: str, key: str) -> bool:
@@ -50,7 +60,7 @@ class ConfigResult:
 
     @property
     def best_parm(self) -> Tuple[str, float]:
-        times = {d: self.median_ms[d] for d in PARM_SCHEDULES if d in self.median_ms}
+        times = {d: self.median_ms[d] for d in parm_schedules() if d in self.median_ms}
         name = min(times, key=times.get)
         return name, times[name]
 
@@ -118,7 +128,7 @@ def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
                   r.ratio("alltoall") < 1.0 - max(r.spread.get("alltoall", 0), 0.05)]
         payload = [r.payload_inter_bytes for r in rows]
         bytes_ok = all(b[d] <= b["alltoall"] and b[d] * r.fields["tp"] <= b["ds_baseline"]
-                       for r, b in zip(rows, payload) for d in PARM_SCHEDULES
+                       for r, b in zip(rows, payload) for d in parm_schedules()
                        if d in b and "alltoall" in b and "ds_baseline" in b)
         summary[label] = dict(
             configs=len(rows),
@@ -134,7 +144,7 @@ def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
                 min(shares), statistics.median(shares), max(shares)]
         choices = [r for r in rows if "parm" in r.median_ms]
         if choices:
-            # parm's pick is right if it runs within 5% of the faster of S1 and S2 as measured
+            # parm's pick is right if it runs within 5% of the fastest Parm schedule as measured
             summary[label]["parm_within_5pct_of_best"] = sum(
                 r.median_ms["parm"] <= 1.05 * r.best_parm[1] for r in choices) / len(choices)
     return summary
@@ -170,11 +180,12 @@ def plot_speedups(results: List[ConfigResult], path: str) -> None:
     for ax, label in zip(axes[:, 0], labels):
         rows = [r for r in results if r.label == label]
         xs = range(len(rows))
-        for offset, (name, color) in enumerate((("parm_s1", "#4c72b0"), ("parm_s2", "#dd8452"),
-                                                ("alltoall", "#8c8c8c"))):
+        series = [d for d in (*parm_schedules(), "alltoall") if any(d in r.median_ms for r in rows)]
+        width = 0.8 / max(len(series), 1)
+        for offset, name in enumerate(series):
             ys = [r.ratio("ds_baseline", name) or 0 for r in rows]
-            ax.bar([x + (offset - 1) * 0.27 for x in xs], ys, width=0.27, color=color,
-                   label=f"{name} vs ds_baseline")
+            ax.bar([x + (offset - (len(series) - 1) / 2) * width for x in xs], ys, width=width,
+                   color="#8c8c8c" if name == "alltoall" else None, label=f"{name} vs ds_baseline")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([str(r.config) for r in rows])
@@ -195,7 +206,7 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
     """
     from types import SimpleNamespace
 
-    from megatron_parm.perf_model import Layout, predict
+    from megatron_parm.perf_model import Layout, modelled_dispatchers, predict
     from megatron_parm.perf_model.calibrate import layer_shape
 
     out: Dict[str, dict] = {}
@@ -210,10 +221,10 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
         shape = layer_shape(SimpleNamespace(**{"sequence_parallel": True, "capacity_factor": None,
                                                "pad_to_capacity": False, **f}))
         entry = out.setdefault(r.label, {"pairs": [], "within_25pct": 0.0})
-        for name in ("ds_baseline", "parm_s1", "parm_s2"):
+        for name in modelled_dispatchers():
             if name not in r.median_ms:
                 continue
-            chunks = f.get("num_chunks") if name == "parm_s2" else None
+            chunks = schedules.get(name).num_chunks(f.get("num_chunks"))
             predicted = 1e3 * predict(name, shape, layout, profile, chunks, sp).total_s
             entry["pairs"].append(dict(config=r.config, dispatcher=name, predicted_ms=predicted,
                                        measured_ms=r.median_ms[name],

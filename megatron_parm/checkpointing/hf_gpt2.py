@@ -42,6 +42,7 @@ import torch
 from megatron_parm.checkpointing import CHECKPOINT_VERSION
 from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.paths import CheckpointError
+from megatron_parm.data.vocab import padded_vocab_size
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # GPT-2's activation names: the tanh approximation (Megatron's --openai-gelu) or erf GELU.
@@ -152,8 +153,6 @@ def _qkv_per_head(tensor_out_first: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_gpt2_to_full(path: str) -> FullCheckpoint:
     """The dense checkpoint (model only, iteration 0) of the GPT-2 in directory PATH."""
-    from megatron_parm.training.model import padded_vocab_size
-
     config, weights = read_hf_gpt2(path)
     flags = _model_flags(config, path)
     layers, heads = flags["num_layers"], flags["num_attention_heads"]
@@ -177,7 +176,7 @@ def hf_gpt2_to_full(path: str) -> FullCheckpoint:
         raise CheckpointError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them "
                               f"and so does this conversion")
     vocab = wte.shape[0]
-    padded = padded_vocab_size(vocab, 1)  # loads under any TP that divides it (see model.py)
+    padded = padded_vocab_size(vocab, 1)  # loads under any TP that divides it (see data/vocab.py)
     word_embeddings = torch.zeros(padded, wte.shape[1])
     word_embeddings[:vocab] = wte
     qkv = "decoder.layers.self_attention.linear_qkv"

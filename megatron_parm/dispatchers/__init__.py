@@ -1,30 +1,27 @@
-"""Parm's token dispatchers, by their --moe-token-dispatcher-type names."""
+"""Parm's token dispatchers, by their --moe-token-dispatcher-type names.
 
+Which class runs a name is the schedule catalog's fact (megatron_parm/schedules.py, the
+entry's ``dispatcher``); this package only resolves it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from megatron_parm import schedules
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
-from megatron_parm.dispatchers.ds_baseline import DSBaselineTokenDispatcher
-from megatron_parm.dispatchers.parm_auto import ParmAutoTokenDispatcher
-from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
-from megatron_parm.dispatchers.parm_s2 import ParmS2TokenDispatcher
 
-# Megatron-Core's own values, handled by MoELayer itself.
-NATIVE_DISPATCHERS = ("allgather", "alltoall")
 
-PARM_DISPATCHERS = {
-    "ds_baseline": DSBaselineTokenDispatcher,
-    "parm_s1": ParmS1TokenDispatcher,
-    "parm_s2": ParmS2TokenDispatcher,
-    "parm": ParmAutoTokenDispatcher,  # the performance model picks parm_s1 or parm_s2
-}
+def dispatcher_class(name: str) -> type:
+    """The MoETokenDispatcher subclass of a non-native schedule (ValueError for unknown names)."""
+    schedule = schedules.get(name)
+    if schedule.kind == schedules.NATIVE:
+        raise ValueError(f"{name} is Megatron-Core's own dispatcher: MoELayer builds it")
+    module_name, _, class_name = schedule.dispatcher.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ParmTokenDispatcher)):
+        raise TypeError(f"schedule {name!r}: {schedule.dispatcher} is not a ParmTokenDispatcher")
+    return cls
 
-VALID_DISPATCHERS = NATIVE_DISPATCHERS + tuple(PARM_DISPATCHERS)
 
-__all__ = [
-    "ParmTokenDispatcher",
-    "DSBaselineTokenDispatcher",
-    "ParmS1TokenDispatcher",
-    "ParmS2TokenDispatcher",
-    "ParmAutoTokenDispatcher",
-    "NATIVE_DISPATCHERS",
-    "PARM_DISPATCHERS",
-    "VALID_DISPATCHERS",
-]
+__all__ = ["ParmTokenDispatcher", "dispatcher_class"]

@@ -1,6 +1,6 @@
 """What Parm's dispatchers share: groups, local permutation and the routing plan.
 
-Notation (as in PARM_DESIGN.md):
+Notation (as in docs/design.md):
     M: hidden size           n: tokens this rank routes (its sequence-parallel shard)
     E: experts               L: local experts (E / e)     k: top-k
     t: attention TP size     e: EP size                    s: ETP (ESP) size

@@ -30,18 +30,12 @@ class DSBaselineTokenDispatcher(ParmTokenDispatcher):
     its definition) and its decisions travel with the AG; DeepSpeed instead recomputes
     the gate on all N tokens on every TP rank, which adds compute but no communication.
     Requires ESP groups inside TP groups (ETP divides TP): only then do ESP peers hold
-    the same tokens, which is what lets DeepSpeed close the experts with an all-reduce.
+    the same tokens, which is what lets DeepSpeed close the experts with an all-reduce
+    (the catalog's layout rule for ds_baseline, checked by ParmMoELayer).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        tp = utils.get_pg_size(self.attn_tp_group)
-        etp = utils.get_pg_size(self.etp_group)
-        if tp % etp != 0:
-            raise ValueError(
-                f"--moe-token-dispatcher-type ds_baseline needs --expert-tensor-parallel-size "
-                f"({etp}) to divide --tensor-model-parallel-size ({tp}): DeepSpeed's ESP "
-                f"experts are split inside the tensor-parallel group")
         self.attn_tp_rank = utils.get_pg_rank(self.attn_tp_group)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,

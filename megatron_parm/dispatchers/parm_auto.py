@@ -1,11 +1,10 @@
-"""Parm's automatic dispatcher: the performance model picks S1 or S2 (and S2's chunks)."""
+"""Parm's automatic dispatcher: the performance model picks a candidate schedule (and chunks)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -13,43 +12,50 @@ import torch.distributed as dist
 
 from megatron.core import utils
 
+from megatron_parm import schedules
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
-from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
-from megatron_parm.dispatchers.parm_s2 import ParmS2TokenDispatcher
 from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, load_profile
+from megatron_parm.perf_model.profile import resolve_profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "profiles"
-# Used with a warning where no --parm-profile is given: the estimate for the machine kind.
-DEFAULT_PROFILES = {"cuda": "nvlink_ib_estimate.yaml", "cpu": "emulated_pcie.yaml"}
+# Used with a warning where no --parm-profile is given: the shipped estimate for the machine kind.
+DEFAULT_PROFILES = {"cuda": "nvlink_ib_estimate", "cpu": "emulated_pcie"}
 
 
-def default_profile_path() -> Path:
-    return PROFILE_DIR / DEFAULT_PROFILES["cuda" if torch.cuda.is_available() else "cpu"]
+def default_profile_path() -> str:
+    return resolve_profile(DEFAULT_PROFILES["cuda" if torch.cuda.is_available() else "cpu"])
 
 
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):
-    """parm: per layer, the performance model predicts S1 and S2(c) and the faster one runs.
+    """parm: per layer, the performance model predicts every candidate schedule of the
+    catalog (parm_s1, parm_s2 at several chunk counts, ...) and the fastest one runs.
 
     Workflow: at the first dispatch of a token count n (known only then), build the layer's
     shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from LOCAL_WORLD_SIZE),
     ask ``choose_schedule`` with the profile of --parm-profile (or the default estimate, with
     a warning), check that every rank chose the same, log the choice once, and from then on
-    run that schedule's workflow (see ParmS1TokenDispatcher and ParmS2TokenDispatcher).
+    run that schedule's workflow (see its dispatcher's docstring).
     The inputs of the choice are the same on every rank, so the choice is too.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        self.s1 = ParmS1TokenDispatcher(num_local_experts, local_expert_indices, config, pg_collection)
-        self.s2 = ParmS2TokenDispatcher(num_local_experts, local_expert_indices, config, pg_collection)
-        self.active: ParmTokenDispatcher = self.s1
+        from megatron_parm.dispatchers import dispatcher_class
+
+        self.attn_tp_size = utils.get_pg_size(self.attn_tp_group)
+        self.etp_size = utils.get_pg_size(self.etp_group)
+        runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size,
+                                                  bool(config.sequence_parallel))
+        # One dispatcher per candidate schedule that can run this layout.
+        self.schedules: Dict[str, ParmTokenDispatcher] = {
+            s.name: dispatcher_class(s.name)(num_local_experts, local_expert_indices, config,
+                                             pg_collection)
+            for s in runnable}
+        self.active: ParmTokenDispatcher = next(iter(self.schedules.values()))
         self.layer_number: Optional[int] = None
         self.choices: Dict[int, object] = {}  # tokens per rank -> perf_model.Choice
         self.profile = self._load_profile(getattr(config, "parm_profile", None))
-        self.attn_tp_size = utils.get_pg_size(self.attn_tp_group)
-        self.etp_size = utils.get_pg_size(self.etp_group)
 
     @staticmethod
     def _load_profile(path: Optional[str]):
@@ -90,25 +96,27 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                 capacity_factor=cfg.moe_expert_capacity_factor, pad_to_capacity=self.drop_and_pad,
                 dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
                 gated_linear_unit=bool(cfg.gated_linear_unit))
-            candidates = sorted({2, 4, 8, int(getattr(cfg, "parm_num_chunks", 4))} - {1})
-            choice = choose_schedule(shape, self._layout(), self.profile, chunk_candidates=tuple(candidates))
+            requested = getattr(cfg, "parm_num_chunks", None)
+            choice = choose_schedule(shape, self._layout(), self.profile,
+                                     sequence_parallel=bool(cfg.sequence_parallel),
+                                     extra_chunks=(requested,) if requested and requested > 1 else ())
             self._check_agreement(choice)
             self.choices[num_tokens] = choice
             if dist.get_rank() == 0:
                 logger.info("parm: layer %s, %d tokens per rank: %s", self.layer_number, num_tokens,
                             choice.describe())
-        if choice.dispatcher == "parm_s2":
-            self.s2.num_chunks = choice.num_chunks
-            self.active = self.s2
-        else:
-            self.active = self.s1
+        self.active = self.schedules[choice.dispatcher]
+        if self.active.pipelined:
+            self.active.num_chunks = choice.num_chunks
 
     def _check_agreement(self, choice) -> None:
-        code = torch.tensor([choice.num_chunks if choice.dispatcher == "parm_s2" else 1], dtype=torch.long)
+        # The choice as two integers: the schedule's place in the catalog, and its chunks.
+        code = torch.tensor([list(self.schedules).index(choice.dispatcher), choice.num_chunks],
+                            dtype=torch.long)
         low, high = code.clone(), code.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        if low.item() != high.item():
+        if not torch.equal(low, high):
             raise RuntimeError("parm: ranks chose different schedules; the performance model's "
                                "inputs (profile, shapes, LOCAL_WORLD_SIZE) must be the same on all ranks")
 
@@ -134,4 +142,4 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         return self.active.combine_postprocess(hidden_states)
 
     def dispatch_compute_combine(self, rows, row_probs, expert_fn):
-        return self.s2.dispatch_compute_combine(rows, row_probs, expert_fn)
+        return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from megatron_parm import schedules
 from megatron_parm.comm.collectives import Pending, start_all_gather, start_all_to_all, start_reduce_scatter
 from megatron_parm.dispatchers.base import (
     ParmTokenDispatcher,
@@ -198,9 +199,7 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.num_chunks = int(getattr(self.config, "parm_num_chunks", 4) or 4)
-        if self.num_chunks < 1:
-            raise ValueError(f"--parm-num-chunks must be >= 1, got {self.num_chunks}")
+        self.num_chunks = schedules.get("parm_s2").num_chunks(getattr(self.config, "parm_num_chunks", None))
 
     def dispatch_compute_combine(self, rows: torch.Tensor, row_probs: torch.Tensor,
                                  expert_fn: Callable) -> torch.Tensor:

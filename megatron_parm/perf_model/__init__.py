@@ -4,8 +4,8 @@
     layout = Layout(tp=2, ep=2, etp=2, nodes=2, ranks_per_node=2)
     shape = LayerShape(num_tokens=1024, hidden_size=512, ffn_hidden_size=256,
                        num_experts=4, topk=2, dtype_bytes=4)
-    profile = load_profile("configs/profiles/emulated_pcie.yaml")
-    choice = choose_schedule(shape, layout, profile)   # "parm_s1" or ("parm_s2", c)
+    profile = load_profile("emulated_pcie")   # a path, or a shipped profile's name
+    choice = choose_schedule(shape, layout, profile)   # e.g. "parm_s1" or ("parm_s2", c)
 
 layout.py: ranks, groups, intra/inter peers; shape.py: the layer's sizes and routed rows;
 volumes.py: each dispatcher's stages and bytes; profile.py: alpha/beta files;
@@ -18,11 +18,12 @@ from megatron_parm.perf_model.predict import (Choice, Prediction, StageTime, cho
 from megatron_parm.perf_model.profile import (LINKS, Profile, fit_alpha_beta, load_profile,
                                               save_profile)
 from megatron_parm.perf_model.shape import LayerShape
-from megatron_parm.perf_model.volumes import (COLLECTIVE_KINDS, DISPATCHERS, Step, build_plan,
-                                              comm_volumes)
+from megatron_parm.perf_model.volumes import Step, build_plan, comm_volumes, modelled_dispatchers
+from megatron_parm.schedules import COLLECTIVE_KINDS
 
 __all__ = [
-    "COLLECTIVE_KINDS", "Choice", "DISPATCHERS", "GROUP_NAMES", "LINKS", "LayerShape", "Layout",
+    "COLLECTIVE_KINDS", "Choice", "GROUP_NAMES", "LINKS", "LayerShape", "Layout",
     "Prediction", "Profile", "StageTime", "Step", "build_plan", "choose_schedule",
-    "comm_volumes", "fit_alpha_beta", "load_profile", "predict", "save_profile",
+    "comm_volumes", "fit_alpha_beta", "load_profile", "modelled_dispatchers", "predict",
+    "save_profile",
 ]

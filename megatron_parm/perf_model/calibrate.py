@@ -1,9 +1,8 @@
-"""Calibration: measure a cluster's alpha-beta profile on its real process groups.
+"""Calibration: fit a cluster's alpha-beta profile to measurements of its real process groups.
 
-tools/calibrate.py is the entry point; this module holds its logic. The pure half (size
-parsing, link classes, fitting, tables) needs no process group; the measuring half imports
-torch lazily, so ``megatron_parm.perf_model`` stays importable without torch (and does not
-import this module).
+tools/calibrate.py is the entry point. This module is its pure half (size parsing, link
+classes, fitting, tables; no torch, no process group); the measuring half, which times
+collectives and expert compute on the process groups, is megatron_parm/bench/calibrate.py.
 
 Notation:
     g     ranks in the group being timed
@@ -31,18 +30,15 @@ one-node cluster's profile never reads its inter entries); with neither, it is a
 from __future__ import annotations
 
 import datetime
-import math
 import re
 import shlex
 import statistics
-import subprocess
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.profile import LINKS, Profile, fit_alpha_beta
-from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
+from megatron_parm.schedules import COLLECTIVE_KINDS
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
           "mib": 1024 ** 2, "g": 1024 ** 3, "gb": 1024 ** 3, "gib": 1024 ** 3}
@@ -237,6 +233,17 @@ def layer_shape(layer_spec) -> "LayerShape":
                       pad_to_capacity=layer_spec.pad_to_capacity, dtype_bytes=4)
 
 
+def layer_fit_schedules() -> Tuple[str, str]:
+    """The schedules the in-layer terms are fitted on: the catalog's first unchunked and first
+    chunked candidate (parm_s1, parm_s2). A measurement at 1 chunk is of the first, at c >= 2
+    of the second at c chunks."""
+    from megatron_parm import schedules
+
+    sequential = next(s.name for s in schedules.candidates() if not s.chunked)
+    chunked = next(s.name for s in schedules.candidates() if s.chunked)
+    return sequential, chunked
+
+
 def fit_layer_terms(profile: Profile, layout: Layout,
                     measured: Sequence[Tuple[object, int, float]]) -> Profile:
     """The profile plus its in-layer terms, fitted to the real MoE layer.
@@ -254,16 +261,17 @@ def fit_layer_terms(profile: Profile, layout: Layout,
 
     from megatron_parm.perf_model.predict import predict
 
+    sequential, chunked = layer_fit_schedules()
     base = dataclasses.replace(profile, chunk_overhead=0.0, layer_scale=1.0, overlap_efficiency=1.0)
     no_overlap = dataclasses.replace(base, overlap_efficiency=0.0)
-    s1 = [(predict("parm_s1", layer_shape(spec), layout, base).total_s, seconds)
+    s1 = [(predict(sequential, layer_shape(spec), layout, base).total_s, seconds)
           for spec, chunks, seconds in measured if chunks == 1]
     if not s1:
-        raise ValueError("fit_layer_terms needs at least one parm_s1 measurement")
+        raise ValueError(f"fit_layer_terms needs at least one {sequential} measurement")
     # minimise sum ((s * S - T) / T)^2
     scale = sum(S / T for S, T in s1) / sum((S / T) ** 2 for S, T in s1)
-    s2 = [(predict("parm_s2", layer_shape(spec), layout, base, chunks).total_s,
-           predict("parm_s2", layer_shape(spec), layout, no_overlap, chunks).total_s,
+    s2 = [(predict(chunked, layer_shape(spec), layout, base, chunks).total_s,
+           predict(chunked, layer_shape(spec), layout, no_overlap, chunks).total_s,
            chunks, seconds) for spec, chunks, seconds in measured if chunks > 1]
     if not s2:
         return dataclasses.replace(profile, layer_scale=scale)
@@ -290,14 +298,15 @@ def format_layer_fit(profile: Profile, layout: Layout,
     """One line per measured layer: measured, predicted with the fitted terms, error."""
     from megatron_parm.perf_model.predict import predict
 
+    sequential, chunked = layer_fit_schedules()
     lines = []
     for spec, chunks, seconds in measured:
         shape = layer_shape(spec)
         if chunks == 1:
-            label, predicted = "parm_s1", predict("parm_s1", shape, layout, profile).total_s
+            label, predicted = sequential, predict(sequential, shape, layout, profile).total_s
         else:
-            label, predicted = f"parm_s2 c={chunks}", predict("parm_s2", shape, layout, profile,
-                                                              chunks).total_s
+            label, predicted = f"{chunked} c={chunks}", predict(chunked, shape, layout, profile,
+                                                                chunks).total_s
         lines.append(f"  {shape.num_tokens:>6} tokens {shape.num_experts:>3} experts {label:<12} "
                      f"measured {1e3 * seconds:8.1f} ms"
                      f"  model {1e3 * predicted:8.1f} ms  {100 * (predicted - seconds) / seconds:+6.1f}%")
@@ -359,22 +368,6 @@ def format_residual_table(fits: Dict[Tuple[str, str], Fit]) -> str:
     return "\n".join(lines)
 
 
-def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
-    """Best effort, for the profile's note: the tc rate limit on each interface, if any
-    (the emulated cluster shapes eth0 and lo with tbf). Empty where tc is unavailable."""
-    rates = {}
-    for interface in interfaces:
-        try:
-            result = subprocess.run(["tc", "qdisc", "show", "dev", interface],
-                                    capture_output=True, text=True, timeout=5)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        match = re.search(r"\brate (\S+)", result.stdout)
-        if result.returncode == 0 and match:
-            rates[interface] = match.group(1)
-    return rates
-
-
 def describe_run(argv: Sequence[str], layout: Layout, timed: Sequence[Tuple[str, str]],
                  copied: Sequence[str], rates: Dict[str, str], extra: str,
                  compute_shape: str) -> str:
@@ -398,120 +391,8 @@ def describe_run(argv: Sequence[str], layout: Layout, timed: Sequence[Tuple[str,
     return " ".join(parts)
 
 
-# ----------------------------------------------------------------------------------------
-# measuring (torch)
-# ----------------------------------------------------------------------------------------
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest(local_times: List[float], device) -> List[float]:
-    """Per repetition, the largest time over all ranks of the world."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor(local_times, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.cpu().tolist()
-
-
-def _start(kind: str, tensor, group, name: str):
-    from megatron_parm.comm import collectives
-
-    size = group.size()
-    if kind == "all_to_all":
-        rows = tensor.shape[0] // size
-        return collectives.start_all_to_all(tensor, group, name, [rows] * size, [rows] * size)
-    if kind == "all_gather":
-        return collectives.start_all_gather(tensor, group, name)
-    if kind == "reduce_scatter":
-        return collectives.start_reduce_scatter(tensor, group, name)
-    if kind == "all_reduce":
-        return collectives.start_all_reduce(tensor, group, name)
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-def time_collective(kind: str, group, group_name: str, link: str, size: int, *, warmup: int,
-                    reps: int, ranks_per_node: int, device, row_elems: int = 64) -> Point:
-    """Time one collective of message size `size` (see S in the notation) on this rank's
-    `group`, every rank at once. Bytes sent come from the accounting of the timed calls."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_parm.comm.accounting import track_comm
-
-    g = group.size()
-    row_bytes = row_elems * 4
-    rows = max(1, round(size / (g * row_bytes))) * g  # whole tensor: rows divisible by g
-    input_rows = rows // g if kind == "all_gather" else rows
-    tensor = torch.ones(input_rows, row_elems, dtype=torch.float32, device=device)
-    local, sent = [], set()
-    for rep in range(warmup + reps):
-        _sync(device)
-        dist.barrier()
-        with track_comm(ranks_per_node) as stats:
-            start = time.perf_counter()
-            _start(kind, tensor, group, group_name).wait()
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            bytes_sent = stats.sum(kind=kind, group=group_name)
-        if rep >= warmup:
-            local.append(elapsed)
-            sent.add(bytes_sent.intra if link == "intra" else bytes_sent.inter)
-        other = bytes_sent.inter if link == "intra" else bytes_sent.intra
-        assert other == 0, f"{kind} on {group_name} ({link}) sent {other} bytes on the other link"
-    assert len(sent) == 1, f"{kind} on {group_name}: bytes differ between repetitions: {sent}"
-    return Point(kind, link, group_name, rows * row_bytes, float(sent.pop()),
-                 _slowest(local, device))
-
-
 def expert_flops(rows: int, hidden: int, ffn_local: int) -> float:
     """Forward flops of `rows` rows through fc1 [M, H_local] and fc2 [H_local, M], as
     LayerShape.expert_flops_per_row counts them (2 per multiply-add; the activation is free).
     The backward is twice this (grads of input and of both weights)."""
     return rows * (2.0 * hidden * ffn_local + 2.0 * ffn_local * hidden)
-
-
-def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmup: int,
-                 reps: int, device) -> List[Point]:
-    """Forward and backward of an expert-like MLP (fc1, GeLU, fc2) on every rank at once:
-    points (flops, seconds) with x = F forward and 2F backward."""
-    import torch
-    import torch.distributed as dist
-
-    generator = torch.Generator(device="cpu").manual_seed(1234)
-    fc1 = (torch.randn(hidden, ffn_local, generator=generator) / math.sqrt(hidden)).to(device)
-    fc2 = (torch.randn(ffn_local, hidden, generator=generator) / math.sqrt(ffn_local)).to(device)
-    fc1.requires_grad_(True)
-    fc2.requires_grad_(True)
-    points = []
-    for rows in rows_list:
-        x = torch.randn(rows, hidden, generator=generator).to(device).requires_grad_(True)
-        grad_out = torch.randn(rows, hidden, generator=generator).to(device)
-        forward, backward = [], []
-        for rep in range(warmup + reps):
-            x.grad = fc1.grad = fc2.grad = None
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            out = torch.nn.functional.gelu(x @ fc1) @ fc2
-            _sync(device)
-            middle = time.perf_counter()
-            dist.barrier()  # the backward, too, starts on every rank at once
-            middle_start = time.perf_counter()
-            out.backward(grad_out)
-            _sync(device)
-            end = time.perf_counter()
-            if rep >= warmup:
-                forward.append(middle - start)
-                backward.append(end - middle_start)
-        flops = expert_flops(rows, hidden, ffn_local)
-        points.append(Point("compute", "", "forward", rows, flops, _slowest(forward, device)))
-        points.append(Point("compute", "", "backward", rows, 2 * flops,
-                            _slowest(backward, device)))
-    return points

@@ -1,6 +1,6 @@
 """Parallel layout of a cluster and which peers of a group share a node.
 
-Notation (as in PARM_DESIGN.md):
+Notation (as in docs/design.md):
     t = tp   attention tensor-parallel size (Megatron TP, the paper's MP)
     e = ep   expert-parallel size
     s = etp  expert-tensor-parallel size (Megatron ETP, the paper's ESP)

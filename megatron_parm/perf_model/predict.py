@@ -1,4 +1,4 @@
-"""Predicted time of one MoE layer (forward + backward) and the choice between S1 and S2.
+"""Predicted time of one MoE layer (forward + backward) and the automatic choice of schedule.
 
 Time of one stage (see volumes.py for the stages and profile.py for the numbers):
     collective: the intra part  alpha[K][intra] + beta[K][intra] * intra_bytes  and the inter
@@ -6,9 +6,10 @@ Time of one stage (see volumes.py for the stages and profile.py for the numbers)
                 own links, so the stage takes the max of the parts that have peers
     compute:    alpha_c + beta_c * flops
 
-ds_baseline, parm_s1: the stages run one after another: T = sum of stage times.
+Unchunked schedules (ds_baseline, parm_s1, alltoall): the stages run one after another:
+T = sum of stage times.
 
-parm_s2 with c chunks: every stage moves 1/c of the bytes and flops (alpha is paid for every
+Chunked schedules (the catalog's `chunked`, e.g. parm_s2) with c chunks: every stage moves 1/c of the bytes and flops (alpha is paid for every
 chunk). The stages share three resources: the inter-node link (the A2A(EP)s, and anything else
 whose peers are off-node), the intra-node link (AG/RS(ESP), on-node A2A peers, AG(TP)) and the
 compute units. A chunk occupies each resource for the sum of its stage parts on it, so
@@ -30,10 +31,11 @@ measured one collective at a time, and inside the layer the same work takes long
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Union
 
+from megatron_parm import schedules
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.shape import LayerShape
-from megatron_parm.perf_model.volumes import DISPATCHERS, Step, build_plan
+from megatron_parm.perf_model.volumes import Step, build_plan
 
 RESOURCES = ("inter", "intra", "compute")
 Schedule = Union[str, Tuple[str, int]]
@@ -74,7 +76,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Choice:
-    schedule: Schedule  # "parm_s1" or ("parm_s2", c)
+    schedule: Schedule  # a schedule name, or (name, c) for a chunked one
     times: Dict[Schedule, float]  # predicted total seconds of every candidate considered
     predictions: Dict[Schedule, Prediction]
 
@@ -112,16 +114,18 @@ def _stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
 
 def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile,
             num_chunks: Optional[int] = None, sequence_parallel: bool = True) -> Prediction:
-    """Predicted forward + backward time of one MoE layer on one rank."""
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
-    if dispatcher == "parm_s2":
+    """Predicted forward + backward time of one MoE layer on one rank.
+
+    num_chunks: required for a chunked schedule (the catalog's `chunked`), else None or 1.
+    """
+    chunked = schedules.get(dispatcher).chunked if dispatcher in schedules.names() else False
+    if chunked:
         if num_chunks is None:
-            raise ValueError("predict: parm_s2 needs num_chunks")
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+            raise ValueError(f"predict: {dispatcher} needs num_chunks")
+        schedules.check_num_chunks(num_chunks, "num_chunks")
     elif num_chunks not in (None, 1):
-        raise ValueError(f"num_chunks applies to parm_s2 only; {dispatcher} got {num_chunks!r}")
+        raise ValueError(f"num_chunks applies to chunked schedules only; {dispatcher} got "
+                         f"{num_chunks!r}")
     chunks = num_chunks or 1
 
     stages = tuple(_stage_time(step, profile, chunks)
@@ -151,35 +155,45 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
 
 
 def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
-                    chunk_candidates: Sequence[int] = (2, 4, 8),
-                    sequence_parallel: bool = True, min_gain: float = 0.0) -> Choice:
-    """The faster of parm_s1 and parm_s2 over `chunk_candidates`.
+                    chunk_candidates: Optional[Sequence[int]] = None,
+                    sequence_parallel: bool = True, min_gain: float = 0.0,
+                    extra_chunks: Sequence[int] = ()) -> Choice:
+    """The fastest of the catalog's candidate schedules that support the layout.
 
-    Deterministic in its inputs (ties go to parm_s1, then to fewer chunks), so every rank
-    that evaluates it with the same shapes and profile picks the same schedule. parm_s2 wins
-    only if it is faster than parm_s1 by more than the fraction `min_gain`. Chunk counts
-    larger than the number of tokens per rank are skipped (a chunk needs a token).
+    Chunked candidates are tried at each of `chunk_candidates` (default: the schedule's
+    own `chunk_candidates`, plus `extra_chunks`, e.g. a --parm-num-chunks); counts larger than the number of tokens per rank are skipped
+    (a chunk needs a token). Deterministic in its inputs (ties go to the earlier schedule
+    in the catalog, then to fewer chunks), so every rank that evaluates it with the same
+    shapes and profile picks the same schedule. A schedule other than the first candidate
+    wins only if it is faster than the first by more than the fraction `min_gain`.
     """
-    candidates = []
-    for count in chunk_candidates:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
-            raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
-        if count <= shape.num_tokens and count not in candidates:
-            candidates.append(count)
+    if chunk_candidates is not None or extra_chunks:
+        for count in tuple(chunk_candidates or ()) + tuple(extra_chunks):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+                raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+    runnable = schedules.supported_candidates(layout.tp, layout.ep, layout.etp, sequence_parallel)
+    if not runnable:
+        raise ValueError(f"no candidate schedule supports tp={layout.tp}, ep={layout.ep}, "
+                         f"etp={layout.etp}")
 
-    predictions: Dict[Schedule, Prediction] = {
-        "parm_s1": predict("parm_s1", shape, layout, profile, None, sequence_parallel)
-    }
-    for count in sorted(candidates):
-        predictions[("parm_s2", count)] = predict("parm_s2", shape, layout, profile, count,
-                                                  sequence_parallel)
+    predictions: Dict[Schedule, Prediction] = {}
+    for schedule in runnable:
+        if not schedule.chunked:
+            predictions[schedule.name] = predict(schedule.name, shape, layout, profile, None,
+                                                 sequence_parallel)
+            continue
+        counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
+        for count in sorted({c for c in (*counts, *extra_chunks) if c <= shape.num_tokens}):
+            predictions[(schedule.name, count)] = predict(schedule.name, shape, layout, profile,
+                                                          count, sequence_parallel)
     times = {key: prediction.total_s for key, prediction in predictions.items()}
 
-    best: Schedule = "parm_s1"
-    threshold = times["parm_s1"] * (1.0 - min_gain)
+    first = next(iter(times))
+    best: Schedule = first
+    threshold = times[first] * (1.0 - min_gain)
     for key, seconds in times.items():
-        if key != "parm_s1" and seconds < threshold and seconds < times[best]:
+        if key != first and seconds < threshold and seconds < times[best]:
             best = key
     return Choice(schedule=best, times=times, predictions=predictions)

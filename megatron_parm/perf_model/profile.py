@@ -31,6 +31,10 @@ slower (routing, permutation and autograd between the collectives, links that do
 between them), which layer_scale carries. overlap_efficiency says how much of the
 concurrency parm_s2's pipeline assumes the cluster delivers (1: all; 0: the chunks run one
 after another); see predict.py.
+
+The project's profiles ship inside the package (megatron_parm/perf_model/profiles/: estimates
+and the emulated cluster's measurements); wherever a profile is asked for, a path or the name
+of a shipped one (``nvlink_ib_estimate``) is accepted.
 """
 
 import json
@@ -39,8 +43,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Tuple
 
-from megatron_parm.perf_model.volumes import COLLECTIVE_KINDS
+from megatron_parm.schedules import COLLECTIVE_KINDS
 
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 LINKS = ("intra", "inter")
 PROVENANCES = ("measured", "estimate")
 _TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units", "chunk_overhead",
@@ -178,9 +183,28 @@ def _is_json(path: str) -> bool:
     return os.path.splitext(path)[1].lower() == ".json"
 
 
+def shipped_profiles() -> Tuple[str, ...]:
+    """Names of the profiles that ship with the package."""
+    return tuple(sorted(os.path.splitext(f)[0] for f in os.listdir(PROFILE_DIR)
+                        if f.endswith((".yaml", ".yml", ".json"))))
+
+
+def resolve_profile(value) -> str:
+    """A profile's file: `value` itself where it exists, else the shipped profile of that name."""
+    path = os.fspath(value)
+    if os.path.exists(path):
+        return path
+    for suffix in ("", ".yaml", ".yml", ".json"):
+        candidate = os.path.join(PROFILE_DIR, path + suffix)
+        if os.path.basename(path) == path and os.path.isfile(candidate):
+            return candidate
+    raise ValueError(f"profile {path}: no such file, and no shipped profile of that name "
+                     f"(shipped: {', '.join(shipped_profiles())})")
+
+
 def load_profile(path) -> Profile:
-    """Read and validate a profile file (.yaml/.yml, or .json)."""
-    path = os.fspath(path)
+    """Read and validate a profile: a file (.yaml/.yml, or .json) or a shipped profile's name."""
+    path = resolve_profile(path)
     try:
         with open(path, "r", encoding="utf-8") as handle:
             text = handle.read()

@@ -1,10 +1,7 @@
 """What each dispatcher communicates and computes, per rank, for one forward + backward.
 
-Notation (see shape.py and layout.py): n, N = t*n, M, H, E, k, b; t = tp, e = ep, s = etp.
-    r   rows this rank sends to each expert (uniform routing, see LayerShape.rows_per_expert)
-    R   rows a rank receives for its E/e local experts from its whole EP group = E * r
-    row = M * b bytes; row_p = row + prob_bytes (the routing probability travels with the
-          token on the dispatch path, and its gradient on the way back)
+The stages come from each schedule's cost plan in the catalog (megatron_parm/schedules.py;
+docs/design.md derives them); this module places them on a layout.
 
 Byte convention: bytes *sent by one rank*, per peer, direct algorithm, split by whether the
 peer is on the same node ("intra") or not ("inter"):
@@ -13,26 +10,20 @@ peer is on the same node ("intra") or not ("inter"):
     RS over g ranks:  chunk j to peer j (g-1 chunks)
     AR over g ranks:  RS + AG = 2 * size / g to each peer, 2 * (g-1)/g * size in all
 Backward duals: A2A -> A2A, AG -> RS, RS -> AG, AR -> AR. A group of one rank costs nothing.
-
-Dataflows (forward; the backward runs the duals in reverse order):
-    ds_baseline  [AG(TP) of the n*M input, SP only] -> A2A(EP) of k*N rows -> experts on R rows,
-                 fc1 column-split / fc2 row-split over s -> AR(ESP) of R*M -> A2A(EP) back
-                 (r = rows_per_expert(N): the t TP ranks all route the same N tokens)
-    parm_s1      A2A(EP) of k*n rows -> AG(ESP) (s*R rows) -> experts, H/s each -> RS(ESP)
-                 -> A2A(EP) [-> AG(TP) of the n*M combined output if no SP and t > 1;
-                 its backward is a slice]
-    parm_s2      parm_s1's volumes cut in chunks; without SP (t > 1) the restore is instead an
-                 AG(TP) of the R received expert-output rows (with probabilities) before combine
 """
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megatron_parm import schedules
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.shape import LayerShape
+from megatron_parm.schedules import COLLECTIVE_KINDS, COMPUTE
 
-DISPATCHERS = ("ds_baseline", "parm_s1", "parm_s2")
-COLLECTIVE_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+
+def modelled_dispatchers() -> Tuple[str, ...]:
+    """The schedules the model can predict: those whose catalog entry has a cost plan."""
+    return tuple(name for name in schedules.names() if schedules.get(name).cost_plan is not None)
 
 
 @dataclass(frozen=True)
@@ -50,96 +41,33 @@ class Step:
     flops: float = 0.0
 
 
-def _collective(layout: Layout, direction: str, name: str, kind: str, group: str,
-                bytes_per_peer: float) -> List[Step]:
-    if layout.group_size(group) == 1:
+def _step(stage: schedules.Stage, layout: Layout) -> List[Step]:
+    """A catalog stage on this layout: its bytes split by peer location; none on a group of one."""
+    if stage.kind == COMPUTE:
+        return [Step(stage.direction, stage.name, COMPUTE, None, flops=stage.flops)]
+    if stage.kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"stage {stage.name!r}: unknown kind {stage.kind!r}")
+    if layout.group_size(stage.group) == 1:
         return []
-    intra_peers, inter_peers = layout.peer_counts(group)
-    return [Step(direction, name, kind, group,
-                 intra_bytes=intra_peers * bytes_per_peer,
-                 inter_bytes=inter_peers * bytes_per_peer,
+    intra_peers, inter_peers = layout.peer_counts(stage.group)
+    return [Step(stage.direction, stage.name, stage.kind, stage.group,
+                 intra_bytes=intra_peers * stage.bytes_per_peer,
+                 inter_bytes=inter_peers * stage.bytes_per_peer,
                  intra_peers=intra_peers, inter_peers=inter_peers)]
-
-
-def _compute(direction: str, name: str, flops: float) -> List[Step]:
-    return [Step(direction, name, "compute", None, flops=flops)]
 
 
 def build_plan(dispatcher: str, shape: LayerShape, layout: Layout,
                sequence_parallel: bool = True) -> Tuple[Step, ...]:
-    """The ordered stages of `dispatcher`: forward stages, then backward stages."""
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
-    t, e, s = layout.tp, layout.ep, layout.etp
-    if shape.num_experts % e != 0:
+    """The ordered stages of `dispatcher` (its catalog cost plan): forward, then backward."""
+    if dispatcher not in modelled_dispatchers():
+        raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of "
+                         f"{modelled_dispatchers()}")
+    if shape.num_experts % layout.ep != 0:
         raise ValueError(
-            f"LayerShape.num_experts={shape.num_experts} is not divisible by Layout.ep={e}"
+            f"LayerShape.num_experts={shape.num_experts} is not divisible by Layout.ep={layout.ep}"
         )
-    num_local_experts = shape.num_experts // e
-    row = shape.hidden_size * shape.dtype_bytes
-    row_p = row + shape.prob_bytes
-    n = shape.num_tokens
-    restore = (not sequence_parallel) and t > 1
-
-    if dispatcher == "ds_baseline":
-        rows_per_expert = shape.rows_per_expert(t * n)
-    else:
-        rows_per_expert = shape.rows_per_expert(n)
-    rows_per_peer = rows_per_expert * num_local_experts  # A2A(EP) rows to each EP peer
-    rows_received = rows_per_expert * shape.num_experts  # R
-    flops_per_row = shape.expert_flops_per_row(s)
-
-    fwd, bwd = "forward", "backward"
-    if dispatcher == "ds_baseline":
-        gather_input = sequence_parallel and t > 1
-        forward = (
-            (_collective(layout, fwd, "input_ag", "all_gather", "tp", n * row)
-             if gather_input else [])
-            + _collective(layout, fwd, "dispatch_a2a", "all_to_all", "ep", rows_per_peer * row_p)
-            + _compute(fwd, "experts", rows_received * flops_per_row)
-            + _collective(layout, fwd, "expert_ar", "all_reduce", "expt_tp",
-                          2.0 * rows_received * row / s)
-            + _collective(layout, fwd, "combine_a2a", "all_to_all", "ep", rows_per_peer * row)
-        )
-        backward = (
-            _collective(layout, bwd, "grad_combine_a2a", "all_to_all", "ep",
-                        rows_per_peer * row)
-            + _compute(bwd, "grad_experts", 2.0 * rows_received * flops_per_row)
-            + _collective(layout, bwd, "grad_expert_ar", "all_reduce", "expt_tp",
-                          2.0 * rows_received * row / s)
-            + _collective(layout, bwd, "grad_dispatch_a2a", "all_to_all", "ep",
-                          rows_per_peer * row_p)
-            + (_collective(layout, bwd, "grad_input_ag", "reduce_scatter", "tp", n * row)
-               if gather_input else [])
-        )
-        return tuple(forward + backward)
-
-    if not restore:
-        restore_steps = []
-    elif dispatcher == "parm_s1":
-        restore_steps = _collective(layout, fwd, "restore_ag", "all_gather", "tp", n * row)
-    else:
-        restore_steps = _collective(layout, fwd, "restore_ag", "all_gather", "tp",
-                                    rows_received * row_p)
-    forward = (
-        _collective(layout, fwd, "dispatch_a2a", "all_to_all", "ep", rows_per_peer * row_p)
-        + _collective(layout, fwd, "dispatch_ag", "all_gather", "expt_tp", rows_received * row_p)
-        + _compute(fwd, "experts", s * rows_received * flops_per_row)
-        + _collective(layout, fwd, "combine_rs", "reduce_scatter", "expt_tp", rows_received * row)
-        + _collective(layout, fwd, "combine_a2a", "all_to_all", "ep", rows_per_peer * row)
-        + restore_steps
-    )
-    backward = (
-        _collective(layout, bwd, "grad_combine_a2a", "all_to_all", "ep", rows_per_peer * row)
-        + _collective(layout, bwd, "grad_combine_rs", "all_gather", "expt_tp",
-                      rows_received * row)
-        + _compute(bwd, "grad_experts", 2.0 * s * rows_received * flops_per_row)
-        + _collective(layout, bwd, "grad_dispatch_ag", "reduce_scatter", "expt_tp",
-                      rows_received * row_p)
-        + _collective(layout, bwd, "grad_dispatch_a2a", "all_to_all", "ep",
-                      rows_per_peer * row_p)
-    )
-    return tuple(forward + backward)
+    plan = schedules.get(dispatcher).cost_plan(shape, layout, sequence_parallel)
+    return tuple(step for stage in plan for step in _step(stage, layout))
 
 
 def comm_volumes(dispatcher: str, shape: LayerShape, layout: Layout,

@@ -17,7 +17,7 @@ import yaml
 
 from megatron_parm.data.datasets import add_data_args
 from megatron_parm.data.tokenizers import add_tokenizer_args
-from megatron_parm.dispatchers import VALID_DISPATCHERS
+from megatron_parm import schedules
 from megatron_parm.parallel import validate_layout
 
 MODEL_TYPES = ("gpt", "bert")
@@ -63,11 +63,15 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
                        help="Default: no capacity limit (dropless).")
     group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     group.add_argument("--moe-token-dispatcher-type", default="alltoall",
-                       choices=VALID_DISPATCHERS)
-    group.add_argument("--parm-num-chunks", type=int, default=4,
-                       help="Pipeline chunks of parm_s2 (1 = S1's volumes in one chunk).")
+                       choices=schedules.names(),
+                       help="; ".join(f"{s.name}: {s.summary}" for s in map(schedules.get, schedules.names())))
+    group.add_argument("--parm-num-chunks", type=int, default=None,
+                       help="Pipeline chunks of the chunked schedules (1 = one chunk); default: "
+                            + ", ".join(f"{s.name} {s.default_chunks}" for s in map(
+                                schedules.get, schedules.names()) if s.chunked))
     group.add_argument("--parm-profile", default=None,
-                       help="Performance-model profile (YAML) for the automatic dispatcher.")
+                       help="Performance-model profile for the automatic dispatcher: a YAML "
+                            "file, or the name of a shipped one (e.g. nvlink_ib_estimate).")
 
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -199,7 +203,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
-                    args.moe_token_dispatcher_type)
+                    args.moe_token_dispatcher_type, args.sequence_parallel)
     if args.num_attention_heads % tp != 0:
         raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
                          f"by --tensor-model-parallel-size ({tp})")
@@ -218,9 +222,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"(got {args.expert_tensor_parallel_size}): Megatron-Core 0.16.1 supports "
                          f"expert biases only without expert tensor parallelism; or give "
                          f"--disable-bias-linear")
-    if tp > 1 and not args.sequence_parallel and args.moe_token_dispatcher_type in ("alltoall", "allgather"):
-        raise ValueError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} with "
-                         f"--tensor-model-parallel-size {tp} needs --sequence-parallel")
     if args.sequence_parallel and args.seq_length % tp != 0:
         raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
                          f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
@@ -255,14 +256,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if args.parm_num_chunks < 1:
-        raise ValueError(f"--parm-num-chunks must be >= 1, got {args.parm_num_chunks}")
+    if args.parm_num_chunks is not None:
+        schedules.check_num_chunks(args.parm_num_chunks)
     if args.parm_profile is not None:
-        if not os.path.isfile(args.parm_profile):
-            raise ValueError(f"--parm-profile: file not found: {args.parm_profile}")
         from megatron_parm.perf_model import load_profile
 
-        try:  # a bad field stops the run here, before any process-group work
+        try:  # a missing or bad file stops the run here, before any process-group work
             load_profile(args.parm_profile)
         except ValueError as err:
             raise ValueError(f"--parm-profile: {err}") from err

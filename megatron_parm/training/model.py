@@ -19,16 +19,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm.config import ParmTransformerConfig
+from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.specs import get_bert_layer_parm_spec, get_gpt_layer_parm_spec
-
-# Megatron-LM pads the vocabulary so every TP shard of the output layer has the same size.
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
-    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
 
 def build_config(args) -> ParmTransformerConfig:
     return ParmTransformerConfig(

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
 import emulate_cluster  # noqa: E402
-from megatron_parm.comm import emulated_cluster as ec  # noqa: E402
+from megatron_parm.emulator import cluster as ec  # noqa: E402
 
 TOOL = REPO / "tools" / "emulate_cluster.py"
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"

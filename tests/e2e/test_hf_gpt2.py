@@ -117,7 +117,7 @@ def runs(tmp_path_factory, hf_dir, prepared_data):
 def reference_losses(weights) -> torch.Tensor:
     """Per-token losses of the Hugging Face GPT-2 as Megatron scores them: over the vocabulary
     padded to a multiple of 128 (padded entries' logit 0, the zero rows of the embedding)."""
-    from megatron_parm.training.model import padded_vocab_size
+    from megatron_parm.data.vocab import padded_vocab_size
 
     tokens, labels = fixed_batch()
     logits = gpt2_logits(weights, HF_CONFIG, tokens)

@@ -31,9 +31,9 @@ NUM_ITERS = 20
 
 
 def dispatchers_to_compare():
-    from megatron_parm.dispatchers import VALID_DISPATCHERS
+    from megatron_parm import schedules
 
-    return [name for name in VALID_DISPATCHERS if name != "allgather"]
+    return [name for name in schedules.names() if name != "allgather"]
 
 
 def worker(out_path: str, run_dir: str) -> None:

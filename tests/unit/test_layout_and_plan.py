@@ -7,7 +7,7 @@ import torch
 
 from megatron_parm.dispatchers.base import RoutingPlan, chunk_row_index, split_count
 from megatron_parm.dispatchers.parm_s2 import run_pipeline
-from megatron_parm.layer import check_dispatcher_type
+from megatron_parm import schedules
 from megatron_parm.parallel import validate_layout
 
 
@@ -33,7 +33,7 @@ def test_good_layouts_pass(layout):
 
 def test_unknown_dispatcher_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        check_dispatcher_type("parm_s3")
+        schedules.get("parm_s3")
     for name in ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2"):
         assert name in str(err.value)
 

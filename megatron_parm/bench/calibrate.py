@@ -1,0 +1,129 @@
+"""Calibration's measuring half: time collectives and expert compute on the real process groups.
+
+tools/calibrate.py runs these on every rank at once; the numbers are fitted by the pure half,
+megatron_parm/perf_model/calibrate.py (whose docstring says how a number is measured).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import time
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_parm.comm import collectives
+from megatron_parm.comm.accounting import track_comm
+from megatron_parm.perf_model.calibrate import Point, expert_flops
+
+
+def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
+    """Best effort, for the profile's note: the tc rate limit on each interface, if any
+    (the emulated cluster shapes eth0 and lo with tbf). Empty where tc is unavailable."""
+    rates = {}
+    for interface in interfaces:
+        try:
+            result = subprocess.run(["tc", "qdisc", "show", "dev", interface],
+                                    capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        match = re.search(r"\brate (\S+)", result.stdout)
+        if result.returncode == 0 and match:
+            rates[interface] = match.group(1)
+    return rates
+
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(local_times: List[float], device) -> List[float]:
+    """Per repetition, the largest time over all ranks of the world."""
+    tensor = torch.tensor(local_times, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()
+
+
+def _start(kind: str, tensor, group, name: str):
+    size = group.size()
+    if kind == "all_to_all":
+        rows = tensor.shape[0] // size
+        return collectives.start_all_to_all(tensor, group, name, [rows] * size, [rows] * size)
+    if kind == "all_gather":
+        return collectives.start_all_gather(tensor, group, name)
+    if kind == "reduce_scatter":
+        return collectives.start_reduce_scatter(tensor, group, name)
+    if kind == "all_reduce":
+        return collectives.start_all_reduce(tensor, group, name)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def time_collective(kind: str, group, group_name: str, link: str, size: int, *, warmup: int,
+                    reps: int, ranks_per_node: int, device, row_elems: int = 64) -> Point:
+    """Time one collective of message size `size` (see S in the notation) on this rank's
+    `group`, every rank at once. Bytes sent come from the accounting of the timed calls."""
+    g = group.size()
+    row_bytes = row_elems * 4
+    rows = max(1, round(size / (g * row_bytes))) * g  # whole tensor: rows divisible by g
+    input_rows = rows // g if kind == "all_gather" else rows
+    tensor = torch.ones(input_rows, row_elems, dtype=torch.float32, device=device)
+    local, sent = [], set()
+    for rep in range(warmup + reps):
+        _sync(device)
+        dist.barrier()
+        with track_comm(ranks_per_node) as stats:
+            start = time.perf_counter()
+            _start(kind, tensor, group, group_name).wait()
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            bytes_sent = stats.sum(kind=kind, group=group_name)
+        if rep >= warmup:
+            local.append(elapsed)
+            sent.add(bytes_sent.intra if link == "intra" else bytes_sent.inter)
+        other = bytes_sent.inter if link == "intra" else bytes_sent.intra
+        assert other == 0, f"{kind} on {group_name} ({link}) sent {other} bytes on the other link"
+    assert len(sent) == 1, f"{kind} on {group_name}: bytes differ between repetitions: {sent}"
+    return Point(kind, link, group_name, rows * row_bytes, float(sent.pop()),
+                 _slowest(local, device))
+
+
+def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmup: int,
+                 reps: int, device) -> List[Point]:
+    """Forward and backward of an expert-like MLP (fc1, GeLU, fc2) on every rank at once:
+    points (flops, seconds) with x = F forward and 2F backward."""
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    fc1 = (torch.randn(hidden, ffn_local, generator=generator) / math.sqrt(hidden)).to(device)
+    fc2 = (torch.randn(ffn_local, hidden, generator=generator) / math.sqrt(ffn_local)).to(device)
+    fc1.requires_grad_(True)
+    fc2.requires_grad_(True)
+    points = []
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, generator=generator).to(device).requires_grad_(True)
+        grad_out = torch.randn(rows, hidden, generator=generator).to(device)
+        forward, backward = [], []
+        for rep in range(warmup + reps):
+            x.grad = fc1.grad = fc2.grad = None
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            out = torch.nn.functional.gelu(x @ fc1) @ fc2
+            _sync(device)
+            middle = time.perf_counter()
+            dist.barrier()  # the backward, too, starts on every rank at once
+            middle_start = time.perf_counter()
+            out.backward(grad_out)
+            _sync(device)
+            end = time.perf_counter()
+            if rep >= warmup:
+                forward.append(middle - start)
+                backward.append(end - middle_start)
+        flops = expert_flops(rows, hidden, ffn_local)
+        points.append(Point("compute", "", "forward", rows, flops, _slowest(forward, device)))
+        points.append(Point("compute", "", "backward", rows, 2 * flops,
+                            _slowest(backward, device)))
+    return points

@@ -1,0 +1,293 @@
+"""The schedule catalog: every value of --moe-token-dispatcher-type and what is known of it.
+
+One entry per schedule holds all of its facts that code outside its dispatcher needs:
+its name, what kind it is (Megatron's own, the DeepSpeed baseline, a Parm schedule, the
+automatic choice), where its dispatcher class lives, the layouts it supports (and the message
+for those it does not), its chunking defaults, whether the automatic choice considers it,
+and its cost plan for the performance model. Arguments, layout checks, ParmMoELayer, the
+automatic choice, the performance model, calibration and the benchmark report all read it.
+Adding a schedule is one dispatcher file and one entry here (``register`` adds one at run
+time, as the catalog test does).
+
+This module imports nothing of the package and no torch, so every layer may use it.
+
+Cost plans. ``cost_plan(shape, layout, sequence_parallel)`` returns the ordered ``Stage``s of
+one forward + backward of the layer on one rank: forward stages first, the backward ones
+after (each the dual of a forward stage, in reverse). ``shape`` is a perf_model.LayerShape and
+``layout`` a perf_model.Layout (read by attribute only). A collective stage gives the bytes
+this rank sends to each peer of its group; the performance model drops stages on groups of
+one rank and splits the rest into intra- and inter-node parts. docs/design.md derives every
+formula below. Notation (as there):
+    n    tokens per rank entering the layer    t, e, s   TP, EP, ETP (ESP) sizes
+    r    rows this rank sends to each expert   (shape.rows_per_expert(tokens routed))
+    L    local experts, E / e                  R         rows an ESP rank receives, E * r
+    row  M * b bytes                           row_p     row + the routing probability
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+NATIVE = "native"  # Megatron-Core's own dispatcher, run by MoELayer unchanged
+BASELINE = "baseline"  # DeepSpeed-MoE's dataflow, the paper's baseline
+PARM = "parm"  # one of Parm's schedules
+AUTO = "auto"  # the performance model picks one of the candidate schedules per layer
+KINDS = (NATIVE, BASELINE, PARM, AUTO)
+
+FORWARD, BACKWARD = "forward", "backward"
+COMPUTE = "compute"
+COLLECTIVE_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+# The dual of each collective: what the backward pass of a forward collective runs.
+DUAL = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
+        "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
+
+CHUNKS_FLAG = "--parm-num-chunks"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a schedule on one rank, for the whole layer (not per chunk)."""
+
+    direction: str  # FORWARD or BACKWARD
+    name: str
+    kind: str  # one of COLLECTIVE_KINDS, or COMPUTE
+    group: Optional[str] = None  # "tp", "ep", "expt_tp"; None for compute
+    bytes_per_peer: float = 0.0
+    flops: float = 0.0
+
+
+LayoutRule = Callable[[int, int, int], Optional[str]]
+CostPlan = Callable[..., List[Stage]]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything outside its dispatcher file that is known of one schedule."""
+
+    name: str
+    kind: str
+    summary: str  # one line, for --help, docs and reports
+    # "module:Class" of its MoETokenDispatcher subclass; None for Megatron's own.
+    dispatcher: Optional[str] = None
+    # Cut into pipeline chunks (--parm-num-chunks): its dispatcher runs dispatch, experts
+    # and combine as one pipeline, and the performance model pipelines its stages.
+    chunked: bool = False
+    default_chunks: int = 1
+    chunk_candidates: Tuple[int, ...] = ()  # chunk counts the automatic choice tries
+    candidate: bool = False  # the automatic choice considers it
+    # Megatron's dispatchers take the layer input sharded over TP, i.e. sequence parallelism.
+    needs_sequence_parallel: bool = False
+    # (tp, ep, etp) -> None where supported, else why not (names the flags).
+    layout_rule: Optional[LayoutRule] = None
+    cost_plan: Optional[CostPlan] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"schedule {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != NATIVE and not self.dispatcher:
+            raise ValueError(f"schedule {self.name!r}: a {self.kind} schedule needs its dispatcher class")
+        if self.chunked and not (self.default_chunks >= 1 and all(c >= 2 for c in self.chunk_candidates)):
+            raise ValueError(f"schedule {self.name!r}: default_chunks must be >= 1 and "
+                             f"chunk_candidates >= 2")
+
+    def unsupported(self, tp: int, ep: int, etp: int, sequence_parallel: bool = True) -> Optional[str]:
+        """Why this schedule cannot run the layout (a message naming the flags), or None."""
+        if self.needs_sequence_parallel and tp > 1 and not sequence_parallel:
+            return (f"--moe-token-dispatcher-type {self.name} with --tensor-model-parallel-size "
+                    f"{tp} needs --sequence-parallel")
+        if self.kind == AUTO:
+            if not supported_candidates(tp, ep, etp, sequence_parallel):
+                return (f"--moe-token-dispatcher-type {self.name}: none of its candidate "
+                        f"schedules supports tp={tp}, ep={ep}, etp={etp}")
+            return None
+        return self.layout_rule(tp, ep, etp) if self.layout_rule else None
+
+    def check_layout(self, tp: int, ep: int, etp: int, sequence_parallel: bool = True) -> None:
+        message = self.unsupported(tp, ep, etp, sequence_parallel)
+        if message:
+            raise ValueError(message)
+
+    def num_chunks(self, requested: Optional[int] = None) -> int:
+        """The chunk count to run: --parm-num-chunks where given, else this schedule's default."""
+        if requested is None:
+            return self.default_chunks if self.chunked else 1
+        check_num_chunks(requested)
+        return int(requested) if self.chunked else 1
+
+
+def check_num_chunks(value, flag: str = CHUNKS_FLAG) -> None:
+    """Chunk counts are integers >= 1 (1: the schedule's volumes in one chunk)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# cost plans (docs/design.md derives each)
+# ---------------------------------------------------------------------------------------
+
+
+def _duals(forward: List[Stage], backward_compute_factor: float = 2.0) -> List[Stage]:
+    """The backward stages of a forward dataflow: each stage's dual, in reverse order.
+
+    The backward of an expert pass costs twice its forward flops (input and weight grads);
+    a collective's dual moves the same bytes per peer, except that probabilities travel
+    only on the dispatch side (their gradients do too, so bytes are unchanged).
+    """
+    stages = []
+    for stage in reversed(forward):
+        if stage.kind == COMPUTE:
+            stages.append(Stage(BACKWARD, f"grad_{stage.name}", COMPUTE,
+                                flops=backward_compute_factor * stage.flops))
+        else:
+            stages.append(Stage(BACKWARD, f"grad_{stage.name}", DUAL[stage.kind], stage.group,
+                                bytes_per_peer=stage.bytes_per_peer))
+    return stages
+
+
+def _sizes(shape, layout, tokens_routed: float):
+    """(row, row_p, rows to each EP peer, R, flops per row) for one routing of tokens_routed."""
+    row = shape.hidden_size * shape.dtype_bytes
+    row_p = row + shape.prob_bytes
+    rows_per_expert = shape.rows_per_expert(tokens_routed)
+    local_experts = shape.num_experts // layout.ep
+    return (row, row_p, rows_per_expert * local_experts, rows_per_expert * shape.num_experts,
+            shape.expert_flops_per_row(layout.etp))
+
+
+def deduplicated_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
+    """parm_s1 (and Megatron's alltoall, which moves the same data): each rank routes its own
+    n tokens. A2A(EP) k*n rows -> AG(ESP) -> experts on s*R rows, H/s each -> RS(ESP) ->
+    A2A(EP) back; without sequence parallelism (t > 1) one AG(TP) of the n*M combined output
+    restores the replicated output (its backward is a slice: no stage)."""
+    row, row_p, to_peer, received, flops_per_row = _sizes(shape, layout, shape.num_tokens)
+    forward = [
+        Stage(FORWARD, "dispatch_a2a", "all_to_all", "ep", to_peer * row_p),
+        Stage(FORWARD, "dispatch_ag", "all_gather", "expt_tp", received * row_p),
+        Stage(FORWARD, "experts", COMPUTE, flops=layout.etp * received * flops_per_row),
+        Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
+        Stage(FORWARD, "combine_a2a", "all_to_all", "ep", to_peer * row),
+    ]
+    backward = _duals(forward)
+    if not sequence_parallel and layout.tp > 1:
+        forward.append(Stage(FORWARD, "restore_ag", "all_gather", "tp", shape.num_tokens * row))
+    return forward + backward
+
+
+def pipelined_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
+    """parm_s2: parm_s1's stages, cut into chunks by the model. Without sequence parallelism
+    (t > 1) it restores the replicated output by AG(TP) of the R received expert-output rows
+    (with probabilities) before combine, overlapped with the return A2A."""
+    stages = deduplicated_cost(shape, layout, sequence_parallel=True)
+    if not sequence_parallel and layout.tp > 1:
+        _, row_p, _, received, _ = _sizes(shape, layout, shape.num_tokens)
+        at = next(i for i, s in enumerate(stages) if s.direction == BACKWARD)
+        stages.insert(at, Stage(FORWARD, "restore_ag", "all_gather", "tp", received * row_p))
+    return stages
+
+
+def baseline_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
+    """ds_baseline: every TP rank routes all N = t*n tokens of its TP group. [AG(TP) of the
+    n*M input, sequence parallel only] -> A2A(EP) of k*N rows -> experts on R rows (fc1/fc2
+    split over s) -> AR(ESP) of R*M -> A2A(EP) back."""
+    row, row_p, to_peer, received, flops_per_row = _sizes(shape, layout,
+                                                          layout.tp * shape.num_tokens)
+    forward = []
+    if sequence_parallel and layout.tp > 1:
+        forward.append(Stage(FORWARD, "input_ag", "all_gather", "tp", shape.num_tokens * row))
+    forward += [
+        Stage(FORWARD, "dispatch_a2a", "all_to_all", "ep", to_peer * row_p),
+        Stage(FORWARD, "experts", COMPUTE, flops=received * flops_per_row),
+        Stage(FORWARD, "expert_ar", "all_reduce", "expt_tp", 2.0 * received * row / layout.etp),
+        Stage(FORWARD, "combine_a2a", "all_to_all", "ep", to_peer * row),
+    ]
+    return forward + _duals(forward)
+
+
+# ---------------------------------------------------------------------------------------
+# layout rules
+# ---------------------------------------------------------------------------------------
+
+
+def _etp_divides_tp(tp: int, ep: int, etp: int) -> Optional[str]:
+    if tp % etp == 0:
+        return None
+    return (f"--moe-token-dispatcher-type ds_baseline needs --expert-tensor-parallel-size ({etp}) "
+            f"to divide --tensor-model-parallel-size ({tp}): DeepSpeed's ESP experts are split "
+            f"inside the tensor-parallel group")
+
+
+# ---------------------------------------------------------------------------------------
+# the catalog
+# ---------------------------------------------------------------------------------------
+
+_DISPATCHERS = "megatron_parm.dispatchers"
+
+_BUILTIN = (
+    Schedule("allgather", NATIVE, "Megatron-Core's all-gather dispatcher: AG [TP x EP] of every "
+             "token, local experts, RS back", needs_sequence_parallel=True),
+    Schedule("alltoall", NATIVE, "Megatron-Core's all-to-all dispatcher: A2A [EP] -> AG [ETP] -> "
+             "experts -> RS [ETP] -> A2A [EP]", needs_sequence_parallel=True,
+             cost_plan=deduplicated_cost),
+    Schedule("ds_baseline", BASELINE, "DeepSpeed-MoE's flow, the paper's baseline: AG [TP] so every "
+             "TP rank holds all N tokens, A2A [EP] of the duplicated tokens, experts closed by "
+             "AR [ESP], A2A back, keep the own shard",
+             dispatcher=f"{_DISPATCHERS}.ds_baseline:DSBaselineTokenDispatcher",
+             layout_rule=_etp_divides_tp, cost_plan=baseline_cost),
+    Schedule("parm_s1", PARM, "Parm S1: each rank routes only its own tokens: A2A [EP] -> AG [ESP] "
+             "-> experts -> RS [ESP] -> A2A [EP]",
+             dispatcher=f"{_DISPATCHERS}.parm_s1:ParmS1TokenDispatcher", candidate=True,
+             cost_plan=deduplicated_cost),
+    Schedule("parm_s2", PARM, "Parm S2: S1's data in --parm-num-chunks chunks through a pipeline "
+             "that overlaps the A2A [EP] with the AG/RS [ESP] and the experts",
+             dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", chunked=True,
+             default_chunks=4, chunk_candidates=(2, 4, 8), candidate=True,
+             cost_plan=pipelined_cost),
+    Schedule("parm", AUTO, "per layer, the performance model (--parm-profile) predicts every "
+             "candidate schedule and runs the fastest",
+             dispatcher=f"{_DISPATCHERS}.parm_auto:ParmAutoTokenDispatcher"),
+)
+
+_CATALOG: Dict[str, Schedule] = {schedule.name: schedule for schedule in _BUILTIN}
+
+
+def register(schedule: Schedule) -> Schedule:
+    """Add a schedule (a plug-in's, or a test's); its name must be new."""
+    if schedule.name in _CATALOG:
+        raise ValueError(f"schedule {schedule.name!r} is already in the catalog")
+    _CATALOG[schedule.name] = schedule
+    return schedule
+
+
+def unregister(name: str) -> None:
+    """Remove a schedule added by ``register`` (the built-in ones stay)."""
+    if any(schedule.name == name for schedule in _BUILTIN):
+        raise ValueError(f"schedule {name!r} is built in")
+    _CATALOG.pop(name, None)
+
+
+def names(*kinds: str) -> Tuple[str, ...]:
+    """Schedule names in catalog order, of the given kinds (all without)."""
+    return tuple(s.name for s in _CATALOG.values() if not kinds or s.kind in kinds)
+
+
+def get(name: str) -> Schedule:
+    """The catalog entry of a --moe-token-dispatcher-type value (ValueError naming the flag)."""
+    schedule = _CATALOG.get(name)
+    if schedule is None:
+        raise ValueError(f"--moe-token-dispatcher-type: unknown dispatcher {name!r}; valid names "
+                         f"are {', '.join(_CATALOG)}")
+    return schedule
+
+
+def candidates() -> Tuple[Schedule, ...]:
+    """The schedules the automatic choice considers, in catalog order."""
+    return tuple(s for s in _CATALOG.values() if s.candidate)
+
+
+def supported_candidates(tp: int, ep: int, etp: int, sequence_parallel: bool = True) -> Tuple[Schedule, ...]:
+    return tuple(s for s in candidates() if s.unsupported(tp, ep, etp, sequence_parallel) is None)
+
+
+def is_native(name: str) -> bool:
+    return get(name).kind == NATIVE
