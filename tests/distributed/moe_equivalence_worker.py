@@ -29,7 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_parm import platform  # noqa: E402
 
 S, B, M, F, E = 8, 2, 16, 32, 8
-DISPATCHERS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm")
+# Bytes are checked against formulas written out in expected_bytes for these.
+BYTE_FORMULAS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2")
+
+
+def dispatchers(tp, ep, etp, sequence_parallel=True):
+    """alltoall (the reference) and every non-native schedule of the catalog that runs the layout."""
+    from megatron_parm import schedules
+
+    others = [name for name in schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO)
+              if schedules.get(name).unsupported(tp, ep, etp, sequence_parallel) is None]
+    return ["alltoall"] + others if sequence_parallel or tp == 1 else others
 # name -> (top-k, capacity factor, pad to capacity, aux-loss coefficient); top-1 routing
 # takes the softmax over all experts before top-k (Megatron requires that for k = 1).
 CASES = {
@@ -237,7 +247,8 @@ def check_layout(tp, ep, etp, records):
     for case_name, case in CASES.items():
         data = global_tensors(7 + len(records), num_replicas)
         results = {}
-        for name in DISPATCHERS:
+        names = dispatchers(tp, ep, etp)
+        for name in names:
             profile = PROFILE_PATHS.get(PARM_PROFILE[case_name]) if name == "parm" else None
             results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
                                                        track=(case_name == "dropless"), profile=profile)
@@ -246,16 +257,16 @@ def check_layout(tp, ep, etp, records):
                                     quantity="schedule", choice=results[name].pop("choice")))
             else:
                 results[name].pop("choice")
-            if totals is not None and name != "parm":
+            if totals is not None and name in BYTE_FORMULAS:
                 check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records)
         ref = reference(case, data, tp)
-        for name in DISPATCHERS[1:]:
+        for name in names[1:]:
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case=case_name, dispatcher=name, against="alltoall",
                                     quantity=key, err=rel_err(results[name][key], results["alltoall"][key])))
         # The reference has no aux loss: its gradients are compared where the aux loss is 0.
         keys = ("y", "x", "router", "fc1", "fc2") if case[3] == 0 else ("y",)
-        for name in DISPATCHERS:
+        for name in names:
             for key in keys:
                 records.append(dict(layout=layout, case=case_name, dispatcher=name, against="reference",
                                     quantity=key, err=rel_err(results[name][key], ref[key])))
@@ -264,7 +275,9 @@ def check_layout(tp, ep, etp, records):
         case = CASES["dropless"]
         data = global_tensors(99, num_replicas)
         ref = reference(case, data, tp)
-        for name in ("parm_s1", "parm_s2", "ds_baseline"):
+        for name in dispatchers(tp, ep, etp, sequence_parallel=False):
+            if name == "parm":
+                continue
             full, _, _ = run_layer(name, case, tp, ep, etp, False, data)
             full.pop("choice")
             for key in ("y", "x", "router", "fc1", "fc2"):
@@ -299,7 +312,13 @@ PROFILE_PATHS = {}
 
 
 def main():
-    out_path, layouts = sys.argv[1], sys.argv[2:]
+    args = sys.argv[1:]
+    if "--with-toy" in args:  # the catalog test's toy schedule runs like every other
+        from toy_schedule import register_toy
+
+        args.remove("--with-toy")
+        register_toy()
+    out_path, layouts = args[0], args[1:]
     dist.init_process_group("gloo")
     platform.setup()
     PROFILE_PATHS["latency-free"] = latency_free_profile(out_path + f".rank{dist.get_rank()}.profile.yaml")

@@ -1,7 +1,8 @@
-"""ds_baseline, parm_s1 and parm_s2 against Megatron's alltoall and a single-process MoE.
+"""Every non-native schedule of the catalog against Megatron's alltoall and a single-process MoE.
 
 One torchrun launch per world size runs every layout and case (see moe_equivalence_worker);
-the tests below read its records. Tolerance: 1e-5 relative (max abs error / max abs value),
+the tests below read its records. The 4-rank launch also registers the catalog test's toy
+schedule (tests/toy_schedule.py), which must then run like every built-in one. Tolerance: 1e-5 relative (max abs error / max abs value),
 float32, for the layer output, input grad, router grad and every expert weight grad.
 """
 
@@ -12,11 +13,14 @@ import json
 import pytest
 
 from launch import torchrun
+from megatron_parm import schedules
+from toy_schedule import TOY
 
 TOL = 1e-5
 LAYOUTS = {4: ["2,2,2", "1,4,1", "2,2,1", "4,1,4", "1,2,1"], 8: ["2,4,2", "2,2,2", "1,4,1"]}
 CASES = ["dropless", "drop", "pad", "top1"]
-PARM = ["ds_baseline", "parm_s1", "parm_s2", "parm"]
+PARM = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
+TOY_WORLD = 4  # the launch that also runs the toy schedule
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,8 @@ def records(tmp_path_factory):
     out = {}
     for world, layouts in LAYOUTS.items():
         path = tmp_path_factory.mktemp(f"w{world}") / "records.json"
-        torchrun("tests/distributed/moe_equivalence_worker.py", world, str(path), *layouts)
+        toy = ["--with-toy"] if world == TOY_WORLD else []
+        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *layouts)
         out[world] = json.loads(path.read_text())
     return out
 
@@ -34,6 +39,13 @@ def _select(records, world, layout, **match):
             and all(r.get(k) == v for k, v in match.items())]
     assert rows, f"no records for world {world} layout {layout} {match}"
     return rows
+
+
+def _skip_unless_supported(dispatcher, layout, sequence_parallel=True):
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    why = schedules.get(dispatcher).unsupported(tp, ep, etp, sequence_parallel)
+    if why:
+        pytest.skip(why)
 
 
 def _params():
@@ -46,6 +58,7 @@ def _params():
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dispatcher", PARM)
 def test_matches_megatron_alltoall(records, world, layout, case, dispatcher):
+    _skip_unless_supported(dispatcher, layout)
     rows = _select(records, world, layout, case=case, dispatcher=dispatcher, against="alltoall")
     assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
     bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
@@ -56,14 +69,18 @@ def test_matches_megatron_alltoall(records, world, layout, case, dispatcher):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dispatcher", ["alltoall"] + PARM)
 def test_matches_single_process_reference(records, world, layout, case, dispatcher):
+    _skip_unless_supported(dispatcher, layout)
     rows = _select(records, world, layout, case=case, dispatcher=dispatcher, against="reference")
     bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
     assert not bad, f"{dispatcher} differs from the single-process MoE: {bad}"
 
 
 @pytest.mark.parametrize("world,layout", [p for p in _params() if p.values[1][0] != "1"])
-@pytest.mark.parametrize("dispatcher", PARM[:3])
+@pytest.mark.parametrize("dispatcher", PARM)
 def test_replicated_input_without_sequence_parallel(records, world, layout, dispatcher):
+    if dispatcher == "parm":
+        pytest.skip("parm runs one of the others")
+    _skip_unless_supported(dispatcher, layout, sequence_parallel=False)
     rows = _select(records, world, layout, case="dropless-no-sp", dispatcher=dispatcher)
     assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
     bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
@@ -71,7 +88,7 @@ def test_replicated_input_without_sequence_parallel(records, world, layout, disp
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
-@pytest.mark.parametrize("dispatcher", ["alltoall"] + PARM[:3])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "ds_baseline", "parm_s1", "parm_s2"])
 def test_bytes_match_design_formulas(records, world, layout, dispatcher):
     rows = _select(records, world, layout, case="bytes", dispatcher=dispatcher)
     assert len(rows) == world
@@ -104,3 +121,21 @@ def test_parm_runs_both_schedules(records, world):
     assert chosen, "parm recorded no choice"
     assert {chosen[k] for k in chosen if k[1] in ("dropless", "top1")} == {"parm_s1"}
     assert all(chosen[k].startswith("('parm_s2'") for k in chosen if k[1] in ("drop", "pad"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[TOY_WORLD])
+@pytest.mark.parametrize("case", CASES)
+def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
+    """A schedule registered at run time (one dispatcher file, one catalog entry) is built by
+    ParmMoELayer, matches alltoall and the reference, and is skipped where its layout rule
+    says no."""
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    rows = [r for r in records[TOY_WORLD] if r["layout"] == layout and r["case"] == case
+            and r["dispatcher"] == TOY.name]
+    if TOY.unsupported(tp, ep, etp) is not None:
+        assert not rows, f"{TOY.name} ran on {layout}, which its layout rule refuses"
+        return
+    against = {r["against"] for r in rows}
+    assert against == {"alltoall", "reference"}, against
+    bad = {(r["against"], r["quantity"]): r["err"] for r in rows if not r["err"] <= TOL}
+    assert not bad, f"{TOY.name} differs: {bad}"

@@ -1,0 +1,158 @@
+"""The schedule catalog: one place for every schedule's facts, and a toy schedule added in a test.
+
+The toy (tests/toy_schedule.py: one dispatcher class and one catalog entry) must be accepted
+by the arguments, checked by the layout rules, modelled and considered by the automatic
+choice, and listed by the benchmark report, with no other file edited. The 4-rank
+equivalence launch (tests/distributed/test_dispatchers.py) runs it like the built-in ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO
+from megatron_parm import schedules
+from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, comm_volumes, predict
+from megatron_parm.perf_model.profile import load_profile
+from toy_schedule import TOY, register_toy
+
+SHAPE = LayerShape(num_tokens=512, hidden_size=256, ffn_hidden_size=512, num_experts=8, topk=2,
+                   dtype_bytes=4)
+LAYOUT = Layout(tp=2, ep=2, etp=2, nodes=2, ranks_per_node=2)
+
+
+@pytest.fixture
+def toy():
+    register_toy()
+    yield TOY
+    schedules.unregister(TOY.name)
+
+
+def test_every_entry_names_a_dispatcher_class_or_is_megatrons():
+    from megatron_parm.dispatchers import ParmTokenDispatcher, dispatcher_class
+
+    for name in schedules.names():
+        schedule = schedules.get(name)
+        if schedule.kind == schedules.NATIVE:
+            assert schedule.dispatcher is None
+            with pytest.raises(ValueError, match="Megatron-Core's own"):
+                dispatcher_class(name)
+        else:
+            assert issubclass(dispatcher_class(name), ParmTokenDispatcher)
+
+
+def test_unknown_names_list_the_catalog():
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type: unknown dispatcher 'nope'") as err:
+        schedules.get("nope")
+    for name in schedules.names():
+        assert name in str(err.value)
+
+
+def test_layout_rules_name_the_flags():
+    assert "--expert-tensor-parallel-size (2) to divide --tensor-model-parallel-size (1)" in \
+        schedules.get("ds_baseline").unsupported(1, 2, 2)
+    assert schedules.get("ds_baseline").unsupported(2, 2, 1) is None
+    assert "needs --sequence-parallel" in schedules.get("alltoall").unsupported(2, 2, 2, False)
+    assert schedules.get("parm_s1").unsupported(2, 2, 2, False) is None
+    # The automatic choice runs wherever one of its candidates does.
+    assert schedules.get("parm").unsupported(1, 2, 2) is None
+
+
+def test_chunk_counts_are_checked_in_one_place():
+    from megatron_parm.config import ParmTransformerConfig
+
+    s2 = schedules.get("parm_s2")
+    assert s2.num_chunks() == s2.default_chunks and s2.num_chunks(3) == 3
+    assert schedules.get("parm_s1").num_chunks(3) == 1  # unchunked: always one
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="--parm-num-chunks must be an integer >= 1"):
+            s2.num_chunks(bad)
+    with pytest.raises(ValueError, match="--parm-num-chunks must be an integer >= 1"):
+        ParmTransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, parm_num_chunks=0)
+
+
+def test_cost_plans_move_what_the_dataflows_say():
+    s1 = comm_volumes("parm_s1", SHAPE, LAYOUT)
+    assert comm_volumes("alltoall", SHAPE, LAYOUT) == s1  # Megatron's alltoall moves S1's data
+    assert comm_volumes("parm_s2", SHAPE, LAYOUT) == s1  # the same data, in chunks
+    ds = comm_volumes("ds_baseline", SHAPE, LAYOUT)
+    assert ds[("all_to_all", "ep")]["inter"] == LAYOUT.tp * s1[("all_to_all", "ep")]["inter"]
+    # Every forward collective has its dual in the backward pass, with the same bytes.
+    stages = schedules.deduplicated_cost(SHAPE, LAYOUT)
+    forward = [s for s in stages if s.direction == schedules.FORWARD and s.kind != schedules.COMPUTE]
+    backward = [s for s in stages if s.direction == schedules.BACKWARD and s.kind != schedules.COMPUTE]
+    assert [(schedules.DUAL[s.kind], s.group, s.bytes_per_peer) for s in reversed(forward)] == \
+        [(s.kind, s.group, s.bytes_per_peer) for s in backward]
+
+
+def test_a_registered_schedule_is_everywhere(toy):
+    from megatron_parm.bench.report import parm_schedules
+    from megatron_parm.parallel import validate_layout
+    from megatron_parm.training.arguments import build_parser
+
+    assert toy.name in schedules.names()
+    choices = next(a for a in build_parser()._actions if a.dest == "moe_token_dispatcher_type").choices
+    assert toy.name in choices
+    validate_layout(4, 2, 2, 2, 8, toy.name)
+    with pytest.raises(ValueError, match="toy_s1 needs --expert-model-parallel-size > 1"):
+        validate_layout(4, 4, 1, 4, 8, toy.name)
+    assert predict(toy.name, SHAPE, LAYOUT, load_profile("emulated_pcie")).total_s > 0
+    choice = choose_schedule(SHAPE, LAYOUT, load_profile("emulated_pcie"))
+    assert toy.name in choice.times  # a candidate: the automatic choice weighs it
+    assert toy.name in parm_schedules()
+    # Where its layout rule says no, the automatic choice leaves it out.
+    no_ep = Layout(tp=2, ep=1, etp=2, nodes=2, ranks_per_node=2)
+    assert toy.name not in choose_schedule(SHAPE, no_ep, load_profile("emulated_pcie")).times
+
+
+def test_register_refuses_duplicates_and_builtins_stay(toy):
+    with pytest.raises(ValueError, match="already in the catalog"):
+        schedules.register(toy)
+    with pytest.raises(ValueError, match="built in"):
+        schedules.unregister("parm_s1")
+
+
+def test_the_choice_considers_every_candidate():
+    choice = choose_schedule(SHAPE, LAYOUT, load_profile("emulated_pcie"))
+    considered = {key if isinstance(key, str) else key[0] for key in choice.times}
+    assert considered == {s.name for s in schedules.candidates()}
+    chunked = [key for key in choice.times if not isinstance(key, str)]
+    assert {c for _, c in chunked} == set(schedules.get("parm_s2").chunk_candidates)
+
+
+def test_catalog_and_perf_model_import_no_torch():
+    code = ("import sys; import megatron_parm.schedules, megatron_parm.perf_model, "
+            "megatron_parm.perf_model.calibrate; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "import megatron_parm.schedules as s; "
+            "assert not [m for m in sys.modules if m.startswith('megatron_parm.') and m not in "
+            "('megatron_parm.schedules',) and not m.startswith('megatron_parm.perf_model')], 'imports'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_non_editable_install_ships_the_default_profiles(tmp_path):
+    """The automatic dispatcher's default profiles are package data, not files of the repo."""
+    source = tmp_path / "src"
+    shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"),
+                          str(source)], check=True, capture_output=True)
+    wheel = next((tmp_path / "w").glob("*.whl"))
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("from megatron_parm.dispatchers.parm_auto import DEFAULT_PROFILES; "
+            "from megatron_parm.perf_model import load_profile; "
+            "print(*[load_profile(n).source for n in DEFAULT_PROFILES.values()])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    sources = result.stdout.split()
+    assert len(sources) == 2 and all(s.startswith(str(tmp_path / "site")) for s in sources), sources
