@@ -8,7 +8,9 @@ Notation (as in docs/design.md):
 Rank order follows Megatron-Core (pipeline parallel size 1):
     dense layout:  global rank = dp_idx * t + tp_idx            (TP groups are consecutive ranks)
     expert layout: global rank = edp_idx * e * s + ep_idx * s + etp_idx
-so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s.
+so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s. The
+data-parallel groups that reduce gradients stride too: "dp" (dense parameters, W / t ranks)
+by t, "expt_dp" (expert parameters, W / (e * s) ranks) by e * s.
 A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node).
 """
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Tuple
 
-GROUP_NAMES = ("tp", "ep", "expt_tp")
+GROUP_NAMES = ("tp", "ep", "expt_tp")  # the groups a dispatcher communicates over
+DATA_PARALLEL_GROUP_NAMES = ("dp", "expt_dp")  # the groups gradients are reduced over
+_ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,11 @@ class Layout:
             return self.ep
         if group_name == "expt_tp":
             return self.etp
-        raise ValueError(f"unknown group name {group_name!r}; expected one of {GROUP_NAMES}")
+        if group_name == "dp":
+            return self.world_size // self.tp
+        if group_name == "expt_dp":
+            return self.world_size // (self.ep * self.etp)
+        raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
 
     def group_ranks(self, group_name: str, rank: int) -> List[int]:
         """Global ranks of the `group_name` group that contains `rank` (in group order)."""
@@ -73,7 +81,10 @@ class Layout:
             edp_base = rank - rank % block
             etp_idx = rank % self.etp
             return [edp_base + ep_idx * self.etp + etp_idx for ep_idx in range(self.ep)]
-        raise ValueError(f"unknown group name {group_name!r}; expected one of {GROUP_NAMES}")
+        if group_name in DATA_PARALLEL_GROUP_NAMES:
+            stride = self.tp if group_name == "dp" else self.ep * self.etp
+            return list(range(rank % stride, self.world_size, stride))
+        raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node

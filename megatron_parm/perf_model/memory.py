@@ -1,0 +1,195 @@
+"""Memory of one rank: parameters, gradients, optimizer state and activations.
+
+Notation: see transformer.py (L, h, a, F, s, V, t, e, x) and shape.py (k, E); plus
+    b  micro-batch size          n = s * b / t   tokens of one rank's sequence-parallel shard
+    p  bytes per activation element (4 fp32, 2 bf16 / fp16)
+    r  rows through this rank's experts in one layer (uniform routing, shape.py), read from
+       the expert stage of the dispatcher's cost plan (megatron_parm/schedules.py):
+           x * E * rows_per_expert(n)   alltoall, parm_s1, parm_s2 (A2A(EP), then AG(ESP))
+           E * rows_per_expert(t * n)   ds_baseline (every TP rank routes all t * n tokens)
+
+Model state, bytes per parameter, as Megatron-Core keeps it (the trainer reduces gradients
+in fp32: DDP grad_reduce_in_fp32, i.e. --accumulate-allreduce-grads-in-fp32):
+
+    precision   weights  gradients  fp32 main weights  Adam (exp_avg, exp_avg_sq)
+    fp32        4        4          -                  8
+    bf16, fp16  2        4          4                  8
+
+With --use-distributed-optimizer the main weights and Adam states (and fp32 main gradients
+where the gradients themselves are 2-byte) are sharded over the data-parallel group that
+reduces them: W / t for dense parameters, W / (e * x) for expert parameters. That is Megatron's
+table (fp32: 16 -> 8 + 8/d bytes; bf16 with fp32 gradients: 18 -> 6 + 12/d).
+
+Activations: the bytes autograd keeps for the backward pass of one micro-batch (pipeline
+parallel size 1: micro-batches run forward then backward one at a time), counted tensor by
+tensor for Megatron-Core's local layer spec without activation recomputation:
+
+    per layer   LayerNorms: inputs 2 n h p + fp32 mean/rstd 16 n
+                attention:  QKV input n h p, Q/K/V 3 n h p, softmax output b (a/t) s^2 q,
+                            projection input n h p
+                            (q = 4 in fp32; 6 in bf16/fp16: the softmax runs in fp32 and its
+                            fp32 output and the 2-byte copy for the next matmul are both kept)
+                dropout (when > 0): attention mask and output b (a/t) s^2 (m + p), two
+                            residual masks 2 n h m (m: bytes of a dropout mask, 1 on GPUs,
+                            whose fused dropout keeps a bool mask; p on CPUs, where
+                            torch keeps the scaled noise tensor)
+                MoE:        router input n h p, routing tensors n (24 k + 9 E),
+                            experts r (h + 3 F / x) p + 4 r (fc1 input, fc1 output, activation,
+                            probability-scaled activation; the row probabilities in fp32)
+    model       token / position (/ token type) ids 8 b s each, attention mask b s^2 (bool),
+                embedding dropout n h m, final LayerNorm n h p + 8 n,
+                head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n,
+                loss: the fp32 softmax of the logits s b V / t * 4 (the vocab-parallel cross
+                entropy keeps it in fp32 in every precision) + 9 s b
+
+tests/distributed/test_planner_memory.py measures the same quantity on CPU (the storages of
+the tensors saved for backward, through torch.autograd.graph.saved_tensors_hooks) for the
+tiny configs and several layouts and dispatchers.
+"""
+
+from dataclasses import dataclass
+from typing import Dict
+
+from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.shape import LayerShape
+from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts
+from megatron_parm.perf_model.volumes import build_plan
+from megatron_parm.schedules import COMPUTE, FORWARD
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state, for --bf16 / --fp16 / neither."""
+
+    name: str
+    grad_bytes: int = 4  # the trainer reduces gradients in fp32 (grad_reduce_in_fp32)
+
+    def __post_init__(self):
+        if self.name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.name!r}")
+
+    @property
+    def mixed(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def activation_bytes(self) -> int:
+        return 2 if self.mixed else 4
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.mixed else 4
+
+    @property
+    def main_state_bytes(self) -> int:
+        """Optimizer-side bytes per parameter: fp32 main weights (mixed precision only), fp32
+        main gradients where the gradients are 2-byte, Adam's two fp32 moments."""
+        main_weights = 4 if self.mixed else 0
+        main_grads = 4 if self.grad_bytes < 4 else 0
+        return main_weights + main_grads + 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    parameters: Dict[str, int]  # ParameterCounts.as_dict()
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"weights": self.weights, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations,
+                "total": self.total, "parameters": dict(self.parameters)}
+
+
+def layer_shape(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                precision: Precision) -> LayerShape:
+    """The MoE layer as the performance model sees it: n = s * b / t tokens per rank."""
+    tokens = spec.seq_length * micro_batch_size
+    if tokens % layout.tp != 0:
+        raise ValueError(f"--seq-length x --micro-batch-size ({tokens}) must be divisible by "
+                         f"--tensor-model-parallel-size ({layout.tp})")
+    return LayerShape(num_tokens=tokens // layout.tp, hidden_size=spec.hidden_size,
+                      ffn_hidden_size=spec.moe_ffn_hidden_size, num_experts=spec.num_experts,
+                      topk=spec.topk, capacity_factor=spec.capacity_factor,
+                      pad_to_capacity=spec.pad_to_capacity,
+                      dtype_bytes=precision.activation_bytes)
+
+
+def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
+    """r: rows through this rank's experts in one layer (uniform routing): the forward expert
+    flops of the dispatcher's cost plan over the flops of one row."""
+    flops = sum(step.flops for step in build_plan(dispatcher, shape, layout)
+                if step.kind == COMPUTE and step.direction == FORWARD)
+    return flops / shape.expert_flops_per_row(layout.etp)
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                     precision: Precision, dispatcher: str = "alltoall",
+                     dropout_mask_bytes: int = 1) -> float:
+    """Bytes saved for backward by one micro-batch on one rank (see the module docstring).
+
+    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
+    """
+    t, b, s = layout.tp, micro_batch_size, spec.seq_length
+    h, p, m = spec.hidden_size, precision.activation_bytes, dropout_mask_bytes
+    shape = layer_shape(spec, layout, micro_batch_size, precision)
+    n, k, num_experts = shape.num_tokens, spec.topk, spec.num_experts
+    scores = b * (spec.num_attention_heads // t) * s * s
+    softmax_bytes = 4 + (2 if precision.mixed else 0)
+
+    layernorms = 2 * n * h * p + 16 * n
+    attention = n * h * p + 3 * n * h * p + scores * softmax_bytes + n * h * p
+    dropout = 0.0
+    if spec.attention_dropout > 0:
+        dropout += scores * (m + p)
+    if spec.hidden_dropout > 0:
+        dropout += 2 * n * h * m
+    rows = expert_rows(shape, layout, dispatcher)
+    moe = (n * h * p + n * (24 * k + 9 * num_experts)
+           + rows * (h + 3 * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
+    per_layer = layernorms + attention + dropout + moe
+
+    ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
+    model = ids + b * s * s + (n * h * m if spec.hidden_dropout > 0 else 0)
+    model += n * h * p + 8 * n  # final LayerNorm
+    if spec.model_type == "bert":
+        model += 4 * n * h * p + 8 * n
+    else:
+        model += n * h * p
+    vocab = padded_vocab_size(spec.vocab_size, t)
+    model += s * b * vocab // t * 4 + 9 * s * b
+    return spec.num_layers * per_layer + model
+
+
+def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                    precision: Precision, distributed_optimizer: bool = False,
+                    dispatcher: str = "alltoall") -> MemoryEstimate:
+    """Weights, gradients, optimizer state and activations of one rank."""
+    counts = parameter_counts(spec, layout.tp, layout.ep, layout.etp)
+    dense = counts.embedding + counts.dense
+    optimizer = precision.main_state_bytes * (dense + counts.expert)
+    if distributed_optimizer:
+        data_parallel = layout.world_size // layout.tp
+        expert_data_parallel = layout.world_size // (layout.ep * layout.etp)
+        optimizer = precision.main_state_bytes * (dense / data_parallel
+                                                  + counts.expert / expert_data_parallel)
+    return MemoryEstimate(
+        weights=precision.weight_bytes * counts.total,
+        gradients=precision.grad_bytes * counts.total,
+        optimizer=optimizer,
+        activations=activation_bytes(spec, layout, micro_batch_size, precision, dispatcher),
+        parameters=counts.as_dict(),
+    )

@@ -1,0 +1,127 @@
+"""The planner's memory model against the model Megatron-Core builds (one 4-rank launch).
+
+Parameters: exact, per rank, for every shipped config (the big ones built on the meta device)
+in several (tp, ep, etp) layouts. Activations: the bytes of the storages autograd saves for
+backward in one forward of a micro-batch (tests/distributed/planner_memory_worker.py), within
+20% of perf_model.memory.activation_bytes for the tiny configs, per layout and dispatcher, with
+and without dropout, for the whole model and for one layer alone (4 layers minus 2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from launch import REPO, torchrun
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.memory import Precision, activation_bytes
+from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts
+
+GPT_TINY, BERT_TINY = "configs/gpt2_tiny_moe.yaml", "configs/bert_tiny_moe.yaml"
+BIG = ("configs/gpt2_small_moe.yaml", "configs/gpt2_medium_moe.yaml", "configs/bert_base_moe.yaml")
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def _case(config, tp, ep, etp, dispatcher="alltoall", flags=(), meta=False):
+    return {"config": config, "model_type": "bert" if "bert" in config else "gpt", "tp": tp,
+            "ep": ep, "etp": etp, "dispatcher": dispatcher, "flags": list(flags), "meta": meta}
+
+
+CASES = [
+    _case(GPT_TINY, 1, 1, 1), _case(GPT_TINY, 2, 2, 2), _case(GPT_TINY, 2, 2, 2, "parm_s2"),
+    _case(GPT_TINY, 2, 2, 1, "ds_baseline"), _case(GPT_TINY, 1, 4, 1, "parm_s1"),
+    _case(GPT_TINY, 4, 1, 4, "ds_baseline"), _case(GPT_TINY, 2, 2, 2, flags=DROPOUT),
+    _case(GPT_TINY, 2, 2, 2, flags=["--num-layers", "4"]),
+    _case(GPT_TINY, 1, 1, 1, flags=["--untie-embeddings-and-output-weights"]),
+    _case(BERT_TINY, 1, 1, 1), _case(BERT_TINY, 2, 2, 2, "parm_s1"),
+    _case(BERT_TINY, 4, 4, 1, "parm_s2", flags=DROPOUT),
+    *[_case(config, 1, 1, 1, meta=True) for config in BIG],
+    _case(BIG[1], 2, 2, 1, meta=True), _case(BIG[2], 4, 2, 2, meta=True),
+    _case(BIG[0], 1, 4, 1, meta=True),
+]
+
+
+def spec_of(record) -> ModelSpec:
+    """The planner's model for a case, from the config and the case's flag overrides."""
+    with open(REPO / record["config"]) as handle:
+        config = yaml.safe_load(handle)
+    flags, position = record["flags"], 0
+    while position < len(flags):  # "--flag value" or a bare "--switch"
+        key = flags[position][2:].replace("-", "_")
+        takes_value = position + 1 < len(flags) and not flags[position + 1].startswith("--")
+        config[key] = yaml.safe_load(flags[position + 1]) if takes_value else True
+        position += 2 if takes_value else 1
+    return ModelSpec(
+        model_type=record["model_type"], num_layers=config["num_layers"],
+        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+        seq_length=config["seq_length"], vocab_size=record["vocab_size"],
+        num_experts=config["num_experts"],
+        moe_ffn_hidden_size=config.get("moe_ffn_hidden_size") or config["ffn_hidden_size"],
+        topk=config["moe_router_topk"],
+        max_position_embeddings=config.get("max_position_embeddings"),
+        add_bias_linear=not config.get("disable_bias_linear", False),
+        untie_embeddings_and_output_weights=config.get("untie_embeddings_and_output_weights",
+                                                       False),
+        hidden_dropout=config["hidden_dropout"], attention_dropout=config["attention_dropout"])
+
+
+def _micro_batch(record) -> int:
+    with open(REPO / record["config"]) as handle:
+        return yaml.safe_load(handle)["micro_batch_size"]
+
+
+def _estimate(record) -> float:
+    layout = Layout(record["tp"], record["ep"], record["etp"], nodes=2, ranks_per_node=2)
+    precision = Precision("fp32")
+    # CPU torch keeps dropout masks as p-byte noise tensors (GPUs: 1-byte masks)
+    return activation_bytes(spec_of(record), layout, _micro_batch(record), precision,
+                            record["dispatcher"], dropout_mask_bytes=precision.activation_bytes)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, prepared_data):
+    folder = tmp_path_factory.mktemp("planner_memory")
+    (folder / "cases.json").write_text(json.dumps(CASES))
+    torchrun("tests/distributed/planner_memory_worker.py", 4, str(folder / "cases.json"),
+             str(folder / "out.json"), timeout=600)
+    return json.loads((folder / "out.json").read_text())
+
+
+def _name(record):
+    return (f"{record['config']} tp={record['tp']} ep={record['ep']} etp={record['etp']} "
+            f"{record['dispatcher']} {' '.join(record['flags'])}")
+
+
+def test_parameters_per_rank_are_exact(records):
+    assert len(records) == len(CASES)
+    configs = {record["config"] for record in records}
+    assert configs == {GPT_TINY, BERT_TINY, *BIG}  # every shipped config
+    for record in records:
+        expected = parameter_counts(spec_of(record), record["tp"], record["ep"],
+                                    record["etp"]).total
+        assert record["parameters"] == [expected] * 4, _name(record)
+
+
+def test_activations_within_20_percent(records):
+    measured_any = False
+    for record in records:
+        if record["meta"]:
+            continue
+        measured_any = True
+        estimate = _estimate(record)
+        for measured in record["activation_bytes"]:  # every rank: routing differs per rank
+            assert 0.8 <= estimate / measured <= 1.2, (_name(record), estimate, measured)
+    assert measured_any
+
+
+def test_one_layer_within_20_percent(records):
+    """Layers dominate the big models, the loss's logits the tiny ones: check a layer alone."""
+    two = next(r for r in records if r["config"] == GPT_TINY and r["flags"] == []
+               and (r["tp"], r["ep"], r["etp"], r["dispatcher"]) == (2, 2, 2, "alltoall"))
+    four = next(r for r in records if r["flags"] == ["--num-layers", "4"])
+    estimate = (_estimate(four) - _estimate(two)) / 2
+    for measured_two, measured_four in zip(two["activation_bytes"], four["activation_bytes"]):
+        measured = (measured_four - measured_two) / 2
+        assert 0.8 <= estimate / measured <= 1.2, (estimate, measured)
