@@ -1,0 +1,277 @@
+"""The layout planner: every (tp, ep, etp, dp), dispatcher and chunk count, ranked.
+
+    from megatron_parm.perf_model.planner import Cluster, plan
+    result = plan(spec, Cluster(nodes=2, ranks_per_node=8, gpu_memory_bytes=80 * 2**30),
+                  profile, micro_batch_size=4, global_batch_size=256, precision=Precision("bf16"))
+    best = result.candidates[0]      # fastest layout that fits; best.flags() for the launch
+
+For a model (transformer.ModelSpec) on a cluster it enumerates every layout Megatron can run
+with sequence parallelism where tp > 1 (tp divides the world, the heads and the sequence; ep
+divides the experts; ep * etp divides the world; the global batch splits into micro-batches
+on dp = W / tp ranks), every dispatcher of the schedule catalog that runs there (chunked
+schedules at each of their chunk counts), and
+estimates per rank the memory (memory.py) and the step time (step_time.py). Candidates that
+fit in memory come first, fastest first; those that do not follow, with by how much.
+
+Bad input raises PlanError (a ValueError) with one line naming what to change.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_parm import schedules
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
+from megatron_parm.perf_model.profile import Profile
+from megatron_parm.perf_model.step_time import StepTime, step_time
+from megatron_parm.perf_model.transformer import ModelSpec, check_layout
+
+
+class PlanError(ValueError):
+    """The cluster or model cannot be planned; the message names what to change."""
+
+
+def _dispatchers_for(layout: Layout, sequence_parallel: bool = True
+                     ) -> Tuple[List[schedules.Schedule], Dict[str, str]]:
+    """(the catalog's schedules that run on `layout` and that the planner plans,
+    {name: why not} for the others).
+
+    The one place the planner learns which dispatchers exist and where they run: the schedule
+    catalog (megatron_parm/schedules.py), with each entry's layout rule. The automatic choice
+    is no row of its own (it runs what the fastest of its candidates' rows shows), and a
+    schedule without a cost plan cannot be predicted.
+    """
+    allowed, refused = [], {}
+    for name in schedules.names():
+        schedule = schedules.get(name)
+        reason = schedule.unsupported(layout.tp, layout.ep, layout.etp, sequence_parallel)
+        if schedule.kind == schedules.AUTO:
+            reason = (f"--moe-token-dispatcher-type {name} chooses per layer among "
+                      f"{', '.join(s.name for s in schedules.candidates())}: see their rows")
+        elif schedule.cost_plan is None:
+            reason = f"--moe-token-dispatcher-type {name} has no cost plan in the catalog"
+        if reason is None:
+            allowed.append(schedule)
+        else:
+            refused[name] = reason
+    return allowed, refused
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    ranks_per_node: int
+    gpu_memory_bytes: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def describe(self) -> str:
+        return (f"{self.world_size} ranks (--nnodes {self.nodes} x --nproc-per-node "
+                f"{self.ranks_per_node})")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    dispatcher: str
+    num_chunks: Optional[int]  # chunked schedules only
+    micro_batch_size: int
+    global_batch_size: int
+    precision: Precision
+    distributed_optimizer: bool
+    memory: MemoryEstimate
+    step: StepTime
+    gpu_memory_bytes: float
+    # dispatchers predicted exactly as fast, with the same memory, on this layout (listed
+    # here instead of as rows of their own: alltoall and parm_s1 share a cost plan, and at
+    # tp = 1 ds_baseline moves what S1 moves)
+    equivalents: Tuple[str, ...] = ()
+
+    @property
+    def dp(self) -> int:
+        return self.layout.world_size // self.layout.tp
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.gpu_memory_bytes
+
+    @property
+    def spare_bytes(self) -> float:
+        """Memory left on a rank (negative: by how much it does not fit)."""
+        return self.gpu_memory_bytes - self.memory.total
+
+    def schedule_label(self) -> str:
+        return self.dispatcher + (f"(c={self.num_chunks})" if self.num_chunks else "") + \
+            "".join(f"={name}" for name in self.equivalents)
+
+    def flags(self) -> List[str]:
+        """The command-line flags (Megatron-LM's names) that run this candidate."""
+        layout = self.layout
+        flags = ["--tensor-model-parallel-size", str(layout.tp),
+                 "--expert-model-parallel-size", str(layout.ep),
+                 "--expert-tensor-parallel-size", str(layout.etp)]
+        if layout.tp > 1:
+            flags.append("--sequence-parallel")
+        flags += ["--moe-token-dispatcher-type", self.dispatcher]
+        if self.num_chunks:
+            flags += [schedules.CHUNKS_FLAG, str(self.num_chunks)]
+        flags += ["--micro-batch-size", str(self.micro_batch_size),
+                  "--global-batch-size", str(self.global_batch_size)]
+        if self.precision.mixed:
+            flags.append(f"--{self.precision.name}")
+        if self.distributed_optimizer:
+            flags.append("--use-distributed-optimizer")
+        return flags
+
+    def as_dict(self) -> dict:
+        return {"tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp,
+                "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
+                "equivalent_dispatchers": list(self.equivalents),
+                "step": self.step.as_dict(), "memory_bytes": self.memory.as_dict(),
+                "fits": self.fits, "spare_bytes": self.spare_bytes, "flags": self.flags()}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    candidates: Tuple[Candidate, ...]  # fitting ones first, fastest first
+    skipped: Dict[Tuple[int, int, int], str] = field(default_factory=dict)  # layout -> why
+
+    @property
+    def fitting(self) -> Tuple[Candidate, ...]:
+        return tuple(candidate for candidate in self.candidates if candidate.fits)
+
+
+def _divisors(number: int) -> List[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
+                      global_batch_size: int, fixed: Optional[Dict[str, int]] = None
+                      ) -> Tuple[List[Layout], Dict[Tuple[int, int, int], str]]:
+    """Layouts that run `spec`, and {(tp, ep, etp): why not} for the others.
+
+    fixed: {"tp": .., "ep": .., "etp": ..} sizes the user fixed (checked against the world).
+    """
+    world = cluster.world_size
+    fixed = {key: value for key, value in (fixed or {}).items() if value is not None}
+    flags = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
+             "etp": "--expert-tensor-parallel-size"}
+    for key, value in fixed.items():
+        if value < 1 or world % value != 0:
+            raise PlanError(f"{flags[key]} {value} does not divide the world size "
+                            f"{cluster.describe()}")
+    if "ep" in fixed and spec.num_experts % fixed["ep"] != 0:
+        raise PlanError(f"--expert-model-parallel-size {fixed['ep']} does not divide "
+                        f"--num-experts {spec.num_experts}")
+    layouts, skipped = [], {}
+    for tp in _divisors(world):
+        for ep in _divisors(world):
+            for etp in _divisors(world // ep):
+                sizes = {"tp": tp, "ep": ep, "etp": etp}
+                if any(sizes[key] != value for key, value in fixed.items()):
+                    continue
+                layout = Layout(tp=tp, ep=ep, etp=etp, nodes=cluster.nodes,
+                                ranks_per_node=cluster.ranks_per_node)
+                reason = check_layout(spec, layout)
+                data_parallel = world // tp
+                if reason is None and global_batch_size % (micro_batch_size * data_parallel):
+                    reason = (f"--global-batch-size {global_batch_size} is not divisible by "
+                              f"--micro-batch-size {micro_batch_size} x data-parallel size "
+                              f"{data_parallel}")
+                if reason is None:
+                    layouts.append(layout)
+                else:
+                    skipped[(tp, ep, etp)] = reason
+    if not layouts:
+        if not skipped:
+            raise PlanError(f"no (tp, ep, etp) with ep * etp dividing {cluster.describe()}")
+        # the simplest layout's reason is the one to fix first
+        (tp, ep, etp), reason = min(skipped.items(), key=lambda item: sum(item[0]))
+        raise PlanError(f"no layout of {cluster.describe()} runs this model; e.g. tp={tp} "
+                        f"ep={ep} etp={etp}: {reason}")
+    return layouts, skipped
+
+
+def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: int,
+         global_batch_size: int, precision: Precision, distributed_optimizer: bool = False,
+         chunk_candidates: Optional[Sequence[int]] = None,
+         fixed: Optional[Dict[str, int]] = None,
+         dispatchers: Optional[Sequence[str]] = None) -> PlanResult:
+    """Every candidate, ranked; raises PlanError when none runs or none fits in memory.
+
+    chunk_candidates: the chunk counts of chunked schedules (default: each one's own, from the
+    catalog). dispatchers: only these names (default: every one _dispatchers_for allows).
+    """
+    if micro_batch_size < 1 or global_batch_size < 1:
+        raise PlanError("--micro-batch-size and --global-batch-size must be positive")
+    layouts, skipped = enumerate_layouts(spec, cluster, micro_batch_size, global_batch_size,
+                                         fixed)
+    candidates = []
+    for layout in layouts:
+        tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
+        allowed, refused = _dispatchers_for(layout)
+        for schedule in allowed:
+            if dispatchers is not None and schedule.name not in dispatchers:
+                continue
+            memory = memory_per_rank(spec, layout, micro_batch_size, precision,
+                                     distributed_optimizer, schedule.name)
+            counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
+            chunk_counts = (sorted({count for count in counts if count <= tokens_per_rank})
+                            if schedule.chunked else [None])
+            for count in chunk_counts:
+                step = step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
+                                 global_batch_size, precision, distributed_optimizer)
+                candidates.append(Candidate(layout, schedule.name, count, micro_batch_size,
+                                            global_batch_size, precision,
+                                            distributed_optimizer, memory, step,
+                                            cluster.gpu_memory_bytes))
+        if dispatchers is not None and not any(s.name in dispatchers for s in allowed):
+            skipped[(layout.tp, layout.ep, layout.etp)] = "; ".join(
+                refused.get(name, f"--moe-token-dispatcher-type {name} is not planned")
+                for name in dispatchers)
+    if not candidates:
+        raise PlanError(f"no layout of {cluster.describe()} runs --moe-token-dispatcher-type "
+                        f"{','.join(dispatchers or [])}: "
+                        + next(iter(skipped.values()), "no dispatcher allowed"))
+    candidates = _merge_equivalents(candidates)
+    candidates.sort(key=lambda c: (not c.fits, c.step.step_s))
+    if not candidates[0].fits:
+        raise PlanError(_nothing_fits(spec, cluster, candidates, micro_batch_size, precision,
+                                      distributed_optimizer))
+    return PlanResult(tuple(candidates), skipped)
+
+
+def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
+    """One candidate per (layout, predicted step, memory): the first dispatcher in catalog
+    order (Megatron's own first) keeps the row, the others are named."""
+    merged: Dict[tuple, Candidate] = {}
+    for candidate in candidates:
+        layout = candidate.layout
+        key = (layout.tp, layout.ep, layout.etp, candidate.num_chunks,
+               round(candidate.step.step_s, 12), round(candidate.memory.total))
+        if key in merged:
+            kept = merged[key]
+            merged[key] = replace(kept, equivalents=kept.equivalents + (candidate.dispatcher,))
+        else:
+            merged[key] = candidate
+    return list(merged.values())
+
+
+def _nothing_fits(spec: ModelSpec, cluster: Cluster, candidates: Sequence[Candidate],
+                  micro_batch_size: int, precision: Precision,
+                  distributed_optimizer: bool) -> str:
+    smallest = min(candidates, key=lambda c: c.memory.total)
+    need = smallest.memory.total / GIB
+    text = (f"no layout fits in --gpu-memory-gb {cluster.gpu_memory_bytes / GIB:g} on "
+            f"{cluster.describe()}: the smallest (tp={smallest.layout.tp} "
+            f"ep={smallest.layout.ep} etp={smallest.layout.etp}) needs {need:.1f} GiB per rank; ")
+    remedies = []
+    if not distributed_optimizer:
+        sharded = memory_per_rank(spec, smallest.layout, micro_batch_size, precision, True)
+        remedies.append(f"--use-distributed-optimizer ({sharded.total / GIB:.1f} GiB)")
+    if micro_batch_size > 1:
+        remedies.append("a smaller --micro-batch-size")
+    remedies.append("more ranks (--nnodes)")
+    return text + "try " + ", ".join(remedies)

@@ -1,0 +1,282 @@
+"""The layout planner: parameter shards, memory, step time, the ranking and its CLIs (pure
+Python; the counts against Megatron-Core's own model are in
+tests/distributed/test_planner_memory.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_parm.perf_model import load_profile, predict
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, layer_shape,
+                                             memory_per_rank)
+from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_for,
+                                              enumerate_layouts, plan)
+from megatron_parm.perf_model.step_time import collective_seconds, step_time
+from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
+                                                  parameter_counts)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLAN_LAYOUT = os.path.join(REPO, "tools", "plan_layout.py")
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import validate_planner  # noqa: E402
+
+PROFILE = load_profile("emulated_pcie_measured")
+TINY = dict(model_type="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
+            vocab_size=8000, num_experts=4, moe_ffn_hidden_size=256, topk=2)
+
+
+def tiny(**overrides):
+    return ModelSpec(**{**TINY, **overrides})
+
+
+def layout(tp, ep, etp, nodes=2, ranks_per_node=2):
+    return Layout(tp=tp, ep=ep, etp=etp, nodes=nodes, ranks_per_node=ranks_per_node)
+
+
+# ---------------------------------------------------------------- parameters
+
+def test_padded_vocab_is_a_multiple_of_128_tp():
+    assert padded_vocab_size(8000, 1) == 8064
+    assert padded_vocab_size(8000, 4) == 8192
+    assert padded_vocab_size(8192, 2) == 8192
+
+
+def test_parameters_shard_as_megatron_lays_them_out():
+    spec = tiny()
+    whole = parameter_counts(spec, 1, 1, 1)
+    # experts: E/e of them per rank, each with F/x of its FFN
+    assert parameter_counts(spec, 1, 4, 1).expert == whole.expert // 4
+    assert parameter_counts(spec, 1, 2, 2).expert == whole.expert // 4
+    assert whole.expert == 2 * 4 * 2 * 64 * 256
+    # attention shards over TP; LayerNorms and routers do not
+    h = 64
+    assert whole.dense - parameter_counts(spec, 2, 1, 1).dense == 2 * (4 * h * h) // 2
+    # the word embedding shards over TP (with the TP-dependent padding)
+    assert parameter_counts(spec, 2, 1, 1).embedding == 8192 // 2 * h + 64 * h  # 8000 -> 8192
+    untied = parameter_counts(tiny(untie_embeddings_and_output_weights=True), 1, 1, 1)
+    assert untied.embedding - whole.embedding == 8064 * h
+
+
+def test_layout_checks_name_the_flag():
+    assert check_layout(tiny(), layout(1, 4, 1)) is None
+    assert "--num-experts" in check_layout(tiny(num_experts=6), layout(1, 4, 1))
+    assert "--num-attention-heads" in check_layout(tiny(num_attention_heads=2), layout(4, 1, 1))
+    assert "--disable-bias-linear" in check_layout(tiny(add_bias_linear=True), layout(2, 2, 2))
+    with pytest.raises(ValueError, match="--moe-router-topk"):
+        tiny(topk=5)
+
+
+def test_data_parallel_groups_follow_megatrons_rank_order():
+    lay = layout(2, 2, 1, nodes=2, ranks_per_node=4)  # 8 ranks
+    assert lay.group_ranks("dp", 5) == [1, 3, 5, 7]
+    assert lay.group_ranks("expt_dp", 5) == [1, 3, 5, 7]
+    assert layout(1, 4, 1).group_ranks("expt_dp", 2) == [2]
+    assert layout(1, 4, 1).group_size("dp") == 4
+    assert layout(1, 1, 1).peer_counts("dp") == (1, 2)
+
+
+# ---------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("precision,plain,sharded", [
+    ("fp32", 16, (8, 8)),     # Megatron's table: 16 and 8 + 8/d bytes per parameter
+    ("bf16", 18, (6, 12)),    # 18 and 6 + 12/d (fp32 gradients)
+])
+def test_model_state_bytes_per_parameter(precision, plain, sharded):
+    spec, lay = tiny(), layout(1, 1, 1)  # dp = edp = 4
+    params = parameter_counts(spec, 1, 1, 1).total
+    state = memory_per_rank(spec, lay, 4, Precision(precision))
+    assert state.weights + state.gradients + state.optimizer == plain * params
+    state = memory_per_rank(spec, lay, 4, Precision(precision), distributed_optimizer=True)
+    fixed, divided = sharded
+    assert state.weights + state.gradients + state.optimizer == pytest.approx(
+        fixed * params + divided * params / 4)
+
+
+def test_activations_shrink_with_tp_and_grow_with_the_batch():
+    spec, fp32 = tiny(), Precision("fp32")
+    one = activation_bytes(spec, layout(1, 1, 1), 4, fp32)
+    assert activation_bytes(spec, layout(2, 2, 2), 4, fp32) < 0.6 * one
+    assert activation_bytes(spec, layout(1, 1, 1), 8, fp32) == pytest.approx(2 * one, rel=0.01)
+    assert activation_bytes(spec, layout(1, 1, 1), 4, Precision("bf16")) < one
+    # ds_baseline routes all t*n tokens on every TP rank: more expert rows than S1 at etp < tp
+    assert activation_bytes(spec, layout(2, 2, 1), 4, fp32, "ds_baseline") > \
+        activation_bytes(spec, layout(2, 2, 1), 4, fp32, "parm_s1")
+    assert activation_bytes(tiny(hidden_dropout=0.1, attention_dropout=0.1), layout(1, 1, 1),
+                            4, fp32) > one
+
+
+# ---------------------------------------------------------------- step time
+
+def test_step_time_adds_up():
+    spec, lay, fp32 = tiny(), layout(2, 2, 2), Precision("fp32")
+    step = step_time(spec, lay, PROFILE, "parm_s2", 2, 4, 16, fp32)
+    moe = predict("parm_s2", layer_shape(spec, lay, 4, fp32), lay, PROFILE, 2)
+    assert step.moe_s == pytest.approx(2 * moe.total_s)
+    assert step.num_microbatches == 2  # 16 / (4 * dp 2)
+    assert step.step_s == pytest.approx(2 * (step.moe_s + step.dense_compute_s + step.tp_comm_s)
+                                        + step.grad_reduce_s)
+    assert step.tokens_per_s == pytest.approx(16 * 64 / step.step_s)
+    assert step.tp_comm_s > 0 and step.grad_reduce_s > 0
+    alone = step_time(spec, layout(1, 1, 1, nodes=1, ranks_per_node=1), PROFILE, "parm_s1",
+                      None, 4, 16, fp32)
+    assert alone.tp_comm_s == 0 and alone.grad_reduce_s == 0  # one rank: nothing to reduce
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        step_time(spec, lay, PROFILE, "parm_s1", None, 4, 12, fp32)
+
+
+def test_collectives_cost_nothing_on_one_rank_and_more_across_nodes():
+    assert collective_seconds(PROFILE, layout(1, 1, 1), "all_reduce", "tp", 1e6) == 0
+    inside = collective_seconds(PROFILE, layout(2, 1, 1), "all_gather", "tp", 1e6)
+    across = collective_seconds(PROFILE, layout(4, 1, 1), "all_gather", "tp", 1e6)
+    assert 0 < inside < across
+
+
+# ---------------------------------------------------------------- planner
+
+def test_dispatchers_follow_the_layout_rules():
+    allowed, refused = _dispatchers_for(layout(2, 2, 2))
+    assert [s.name for s in allowed] == ["alltoall", "ds_baseline", "parm_s1", "parm_s2"]
+    assert "cost plan" in refused["allgather"] and "parm_s1" in refused["parm"]
+    allowed, refused = _dispatchers_for(layout(1, 2, 2))
+    assert "ds_baseline" not in [s.name for s in allowed]
+    assert "--expert-tensor-parallel-size" in refused["ds_baseline"]
+    _, refused = _dispatchers_for(layout(2, 2, 2), sequence_parallel=False)
+    assert "--sequence-parallel" in refused["alltoall"]
+
+
+def test_enumerates_every_layout_of_four_ranks():
+    layouts, skipped = enumerate_layouts(tiny(), Cluster(2, 2, GIB), 4, 16)
+    sizes = {(lay.tp, lay.ep, lay.etp) for lay in layouts}
+    assert len(sizes) == 3 * 6  # tp in 1,2,4 x (ep, etp) with ep * etp | 4
+    assert (4, 4, 1) in sizes and (1, 2, 2) in sizes
+    layouts, skipped = enumerate_layouts(tiny(num_experts=2), Cluster(2, 2, GIB), 4, 16)
+    assert "--num-experts" in skipped[(1, 4, 1)]
+
+
+def test_plan_ranks_fitting_candidates_fastest_first():
+    result = plan(tiny(), Cluster(2, 2, GIB), PROFILE, 4, 16, Precision("fp32"))
+    times = [candidate.step.step_s for candidate in result.candidates]
+    assert times == sorted(times)
+    labels = {candidate.schedule_label() for candidate in result.candidates}
+    assert {"parm_s2(c=2)", "parm_s2(c=4)", "parm_s2(c=8)"} <= labels
+    best = result.candidates[0]
+    flags = best.flags()
+    for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                 "--expert-tensor-parallel-size", "--moe-token-dispatcher-type",
+                 "--global-batch-size"):
+        assert flag in flags
+    # a tight budget: the candidates that fit come first, the others say by how much
+    budget = sorted(c.memory.total for c in result.candidates)[len(result.candidates) // 2]
+    tight = plan(tiny(), Cluster(2, 2, budget), PROFILE, 4, 16, Precision("fp32"))
+    fits = [candidate.fits for candidate in tight.candidates]
+    assert fits == sorted(fits, reverse=True) and not all(fits)
+    assert all(c.spare_bytes < 0 for c in tight.candidates if not c.fits)
+
+
+def test_plan_fixed_sizes_and_dispatchers():
+    result = plan(tiny(), Cluster(2, 2, GIB), PROFILE, 4, 16, Precision("fp32"),
+                  fixed={"tp": 2, "etp": 2}, dispatchers=["parm_s2"])
+    assert {(c.layout.tp, c.layout.etp, c.dispatcher) for c in result.candidates} == \
+        {(2, 2, "parm_s2")}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(fixed={"tp": 3}), "--tensor-model-parallel-size 3 does not divide the world size 4"),
+    (dict(fixed={"ep": 8}), "--expert-model-parallel-size 8 does not divide the world size"),
+    (dict(global_batch_size=10), "--global-batch-size 10 is not divisible"),
+    (dict(gpu_memory=1e6), "--use-distributed-optimizer"),
+])
+def test_impossible_plans_say_what_to_change(kwargs, message):
+    gpu_memory = kwargs.pop("gpu_memory", GIB)
+    arguments = dict(micro_batch_size=4, global_batch_size=16, precision=Precision("fp32"))
+    arguments.update(kwargs)
+    with pytest.raises(PlanError, match=message.replace("(", r"\(")):
+        plan(tiny(), Cluster(2, 2, gpu_memory), PROFILE, **arguments)
+
+
+# ---------------------------------------------------------------- tools/plan_layout.py
+
+def _plan_layout(*args):
+    return subprocess.run([sys.executable, PLAN_LAYOUT, *args], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+CLUSTER = ["--nnodes", "2", "--nproc-per-node", "2", "--parm-profile", "emulated_pcie_measured"]
+
+
+def test_plan_layout_table_and_json_for_a_shipped_config():
+    result = _plan_layout("--config", "configs/gpt2_tiny_moe.yaml", *CLUSTER, "--top", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.lstrip().startswith("1 ") for line in lines)
+    assert "tokens/s" in result.stdout and "memory/rank" in result.stdout
+    assert "pretrain_scripts/pretrain_gpt2_moe.py --config configs/gpt2_tiny_moe.yaml " \
+           "--tensor-model-parallel-size" in result.stdout
+    assert "not used by the planner" in result.stderr and "lr" in result.stderr
+
+    result = _plan_layout("--config", "configs/bert_base_moe.yaml", "--model-type", "bert",
+                          *CLUSTER, "--bf16", "--use-distributed-optimizer", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["precision"] == "bf16" and report["model"]["vocab_size"] == 8000
+    first = report["candidates"][0]
+    assert "--bf16" in first["flags"] and "--use-distributed-optimizer" in first["flags"]
+    assert first["fits"] and first["memory_bytes"]["total"] > 0
+    steps = [c["step"]["step_s"] for c in report["candidates"] if c["fits"]]
+    assert steps == sorted(steps)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nnodes", "2", "--nproc-per-node", "3", "--tensor-model-parallel-size", "4",
+      "--parm-profile", "emulated_pcie_measured"],
+     "--tensor-model-parallel-size 4 does not divide the world size 6"),
+    (["--nnodes", "1", "--nproc-per-node", "2", "--expert-model-parallel-size", "4",
+      "--parm-profile", "emulated_pcie_measured"],
+     "--expert-model-parallel-size 4 does not divide the world size 2"),
+    (CLUSTER + ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+     "--expert-model-parallel-size 4 does not divide --num-experts 6"),
+    (CLUSTER + ["--gpu-memory-gb", "0.001"], "no layout fits in --gpu-memory-gb"),
+    (CLUSTER + ["--global-batch-size", "6"], "--global-batch-size 6 is not divisible"),
+    (CLUSTER + ["--hidden-size", "x"], "--hidden-size"),
+    (CLUSTER + ["--bf16", "--fp16"], "--bf16 and --fp16"),
+    (["--nnodes", "2", "--parm-profile", "emulated_pcie_measured"], "--nproc-per-node"),
+    (CLUSTER[:4] + ["--parm-profile", "no_such_profile"], "--parm-profile"),
+])
+def test_plan_layout_bad_input_is_one_line(args, message):
+    result = _plan_layout("--config", "configs/gpt2_tiny_moe.yaml", *args)
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("note:")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
+    assert message in errors[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_plan_layout_without_a_vocabulary_names_the_flags():
+    result = _plan_layout("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                          "4", "--seq-length", "64", "--num-experts", "4", "--micro-batch-size",
+                          "4", "--global-batch-size", "16", *CLUSTER)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --vocab-size is required")
+
+
+# ---------------------------------------------------------------- tools/validate_planner.py
+
+def test_validation_picks_the_top_and_a_spread_of_the_rest():
+    assert validate_planner.pick_runs(83, 3, 3) == [0, 1, 2, 23, 43, 63]
+    assert validate_planner.pick_runs(4, 3, 3) == [0, 1, 2, 3]
+
+
+def test_spearman_and_log_parsing():
+    assert validate_planner.spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
+    assert validate_planner.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert validate_planner.spearman([1, 2], [1, 2]) is None
+    log = (" iteration        1/      10 | consumed samples:           16 | elapsed time per "
+           "iteration (ms): 1054.0 | learning rate: 1E-3 |\n> done\n"
+           " iteration        2/      10 | consumed samples:           32 | elapsed time per "
+           "iteration (ms): 523.6 | learning rate: 1E-3 |\n")
+    assert validate_planner.iteration_times_ms(log) == [1054.0, 523.6]
