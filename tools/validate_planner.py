@@ -25,9 +25,11 @@ import datetime
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,7 +211,7 @@ def render_markdown(results, meta):
     return "\n".join(lines) + "\n"
 
 
-def plot(results, path):
+def plot(results, meta, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,9 +224,9 @@ def plot(results, path):
         ys = [row["measured_tokens_per_s"] for row in rows]
         axis.scatter(xs, ys, color=["tab:red" if row["rank"] == 1 else "tab:blue"
                                     for row in rows])
-        for row, x, y in zip(rows, xs, ys):
-            axis.annotate(f"#{row['rank']} {row['label']}", (x, y), fontsize=7,
-                          xytext=(3, 3), textcoords="offset points")
+        for row, x, y in zip(rows, xs, ys):  # the planner's rank; the table says the rest
+            axis.annotate(f"#{row['rank']}", (x, y), fontsize=8, xytext=(4, 2),
+                          textcoords="offset points")
         if xs:
             low, high = min(xs + ys) * 0.8, max(xs + ys) * 1.2
             axis.plot([low, high], [low, high], color="gray", linestyle=":", linewidth=1)
@@ -232,7 +234,9 @@ def plot(results, path):
         axis.set_title(f"{os.path.basename(result['config'])}"
                        + (f"  (Spearman {rho:.2f})" if rho is not None else ""), fontsize=9)
         axis.set_xlabel("predicted tokens/s")
-        axis.set_ylabel("measured tokens/s")
+        axis.set_ylabel("measured tokens/s (red: the planner's first choice)")
+    figure.suptitle(textwrap.fill(f"{meta['date']}, preset {meta['preset']}. {meta['note']}",
+                                  140), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -251,7 +255,19 @@ def main(argv=None):
                         help="seconds one training run may take (default 240)")
     parser.add_argument("--output", default="docs/planner")
     parser.add_argument("--note", default="", help="a line for the report (machine state)")
+    parser.add_argument("--from-json", default=None,
+                        help="no runs: rewrite validation.md and .png from this "
+                             "validation.json (into --output)")
     args = parser.parse_args(argv)
+    output = os.path.join(REPO_ROOT, args.output)
+    if args.from_json:
+        try:
+            with open(args.from_json) as handle:
+                saved = json.load(handle)
+        except (OSError, ValueError) as error:
+            fail(f"--from-json {args.from_json}: {error}")
+        write_report(saved["results"], saved["meta"], output, with_json=False)
+        return 0
     if os.geteuid() != 0:
         fail("the emulated cluster needs root (network namespaces): run with sudo")
     if args.iterations <= args.warmup:
@@ -268,16 +284,20 @@ def main(argv=None):
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "preset": args.preset, "iterations": args.iterations, "warmup": args.warmup,
             "cpus": os.cpu_count(), "note": args.note, "wall_s": time.time() - started,
-            "command": " ".join(["tools/validate_planner.py"] + list(argv or sys.argv[1:]))}
-    output = os.path.join(REPO_ROOT, args.output)
-    os.makedirs(output, exist_ok=True)
-    with open(os.path.join(output, "validation.json"), "w") as handle:
-        json.dump({"meta": meta, "results": results}, handle, indent=1)
-    with open(os.path.join(output, "validation.md"), "w") as handle:
-        handle.write(render_markdown(results, meta))
-    plot(results, os.path.join(output, "validation.png"))
+            "command": shlex.join(["tools/validate_planner.py"] + list(argv or sys.argv[1:]))}
+    write_report(results, meta, output, with_json=True)
     print(f"wrote {output}/validation.{{json,md,png}} in {meta['wall_s'] / 60:.1f} min")
     return 0
+
+
+def write_report(results, meta, output, with_json):
+    os.makedirs(output, exist_ok=True)
+    if with_json:
+        with open(os.path.join(output, "validation.json"), "w") as handle:
+            json.dump({"meta": meta, "results": results}, handle, indent=1)
+    with open(os.path.join(output, "validation.md"), "w") as handle:
+        handle.write(render_markdown(results, meta))
+    plot(results, meta, os.path.join(output, "validation.png"))
 
 
 if __name__ == "__main__":
