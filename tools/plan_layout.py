@@ -38,7 +38,7 @@ from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, PRECISIONS, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, PlanError, plan  # noqa: E402
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec  # noqa: E402
-from plan_schedule import parse_chunks  # noqa: E402
+from plan_schedule import parse_chunks, read_config_file  # noqa: E402
 
 # config key -> flag; Megatron-LM's names
 _INT_OPTIONS = {
@@ -124,23 +124,7 @@ def build_parser():
 
 
 def _read_config(path):
-    try:
-        with open(path, "r", encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as error:
-        raise ValueError(f"--config {path}: cannot read: {error.strerror}") from error
-    try:
-        if path.lower().endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as error:  # json.JSONDecodeError or yaml.YAMLError
-        raise ValueError(f"--config {path}: not valid YAML/JSON: {error}".splitlines()[0]) \
-            from error
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of Megatron flag names")
+    data = read_config_file(path)
     known = set(_INT_OPTIONS) | set(_FLOAT_OPTIONS) | set(_BOOL_OPTIONS) | set(_STR_OPTIONS)
     settings, unused = {}, []
     for key, value in data.items():

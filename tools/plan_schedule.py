@@ -109,20 +109,30 @@ def build_parser():
     return parser
 
 
-def _read_config(path):
+def read_config_file(path):
+    """The mapping of a --config file (YAML, or JSON by its suffix); ValueError naming it."""
     try:
         with open(path, "r", encoding="utf-8") as handle:
             text = handle.read()
     except OSError as error:
         raise ValueError(f"--config {path}: cannot read: {error.strerror}") from error
-    if path.lower().endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
+    try:
+        if path.lower().endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
 
-        data = yaml.safe_load(text)
+            data = yaml.safe_load(text)
+    except Exception as error:  # json.JSONDecodeError or yaml.YAMLError (imported lazily)
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"--config {path}: not valid YAML/JSON: {first_line}") from error
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of Megatron argument names")
+    return data
+
+
+def _read_config(path):
+    data = read_config_file(path)
     settings, ignored = {}, []
     for key, value in data.items():
         key = _ALIASES.get(key, key.replace("-", "_"))
