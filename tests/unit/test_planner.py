@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from megatron_parm import schedules
 from megatron_parm.perf_model import load_profile, predict
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, layer_shape,
@@ -147,6 +148,23 @@ def test_dispatchers_follow_the_layout_rules():
     assert "--expert-tensor-parallel-size" in refused["ds_baseline"]
     _, refused = _dispatchers_for(layout(2, 2, 2), sequence_parallel=False)
     assert "--sequence-parallel" in refused["alltoall"]
+
+
+def test_a_schedule_added_to_the_catalog_is_planned():
+    def only_ep_4(tp, ep, etp):
+        return None if ep == 4 else "--moe-token-dispatcher-type plan_toy needs ep 4"
+
+    toy = schedules.Schedule("plan_toy", schedules.PARM, "a test's schedule",
+                             dispatcher="nowhere:Toy", layout_rule=only_ep_4,
+                             cost_plan=schedules.baseline_cost)
+    schedules.register(toy)
+    try:
+        result = plan(tiny(), Cluster(2, 2, GIB), PROFILE, 4, 16, Precision("fp32"))
+        toys = [c for c in result.candidates if "plan_toy" in c.schedule_label()]
+        assert toys and all(c.layout.ep == 4 for c in toys)
+        assert "needs ep 4" in _dispatchers_for(layout(2, 2, 2))[1]["plan_toy"]
+    finally:
+        schedules.unregister("plan_toy")
 
 
 def test_enumerates_every_layout_of_four_ranks():
