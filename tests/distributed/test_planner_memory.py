@@ -4,7 +4,7 @@ Parameters: exact, per rank, for every shipped config (the big ones built on the
 in several (tp, ep, etp) layouts. Activations: the bytes of the storages autograd saves for
 backward in one forward of a micro-batch (tests/distributed/planner_memory_worker.py), within
 20% of perf_model.memory.activation_bytes for the tiny configs, per layout and dispatcher, with
-and without dropout, for the whole model and for one layer alone (4 layers minus 2).
+and without dropout; one layer alone (4 layers minus 2) within 2% on the mean over the ranks.
 """
 
 from __future__ import annotations
@@ -116,12 +116,19 @@ def test_activations_within_20_percent(records):
     assert measured_any
 
 
-def test_one_layer_within_20_percent(records):
-    """Layers dominate the big models, the loss's logits the tiny ones: check a layer alone."""
+def test_one_layer_within_2_percent(records):
+    """Layers dominate the big models, the loss's logits the tiny ones: check a layer alone.
+    Per rank it varies with the routing (the random-init router loads the experts unequally;
+    the model assumes uniform routing), the mean over the ranks does not (measured 0.999), so
+    the mean is held to 2%: a forgotten tensor the size of the attention scores (10% of a
+    layer here) fails."""
     two = next(r for r in records if r["config"] == GPT_TINY and r["flags"] == []
                and (r["tp"], r["ep"], r["etp"], r["dispatcher"]) == (2, 2, 2, "alltoall"))
     four = next(r for r in records if r["flags"] == ["--num-layers", "4"])
     estimate = (_estimate(four) - _estimate(two)) / 2
-    for measured_two, measured_four in zip(two["activation_bytes"], four["activation_bytes"]):
-        measured = (measured_four - measured_two) / 2
+    per_rank = [(measured_four - measured_two) / 2 for measured_two, measured_four
+                in zip(two["activation_bytes"], four["activation_bytes"])]
+    for measured in per_rank:
         assert 0.8 <= estimate / measured <= 1.2, (estimate, measured)
+    assert estimate / (sum(per_rank) / len(per_rank)) == pytest.approx(1.0, abs=0.02), \
+        (estimate, per_rank)
