@@ -8,10 +8,10 @@
 For a model (transformer.ModelSpec) on a cluster it enumerates every layout Megatron can run
 with sequence parallelism where tp > 1 (tp divides the world, the heads and the sequence; ep
 divides the experts; ep * etp divides the world; the global batch splits into micro-batches
-on dp = W / tp ranks), every dispatcher of the schedule catalog that runs there (chunked
-schedules at each of their chunk counts), and
-estimates per rank the memory (memory.py) and the step time (step_time.py). Candidates that
-fit in memory come first, fastest first; those that do not follow, with by how much.
+on dp = W / tp ranks) and every dispatcher of the schedule catalog that runs there (chunked
+schedules at each of their chunk counts), and estimates per rank the memory (memory.py) and
+the step time (step_time.py). Candidates that fit in memory come first, fastest first; those
+that do not follow, with by how much.
 
 Bad input raises PlanError (a ValueError) with one line naming what to change.
 """
@@ -206,6 +206,8 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
     """
     if micro_batch_size < 1 or global_batch_size < 1:
         raise PlanError("--micro-batch-size and --global-batch-size must be positive")
+    for name in dispatchers or ():
+        schedules.get(name)  # an unknown name: ValueError listing the valid ones
     layouts, skipped = enumerate_layouts(spec, cluster, micro_batch_size, global_batch_size,
                                          fixed)
     candidates = []
@@ -266,11 +268,13 @@ def _nothing_fits(spec: ModelSpec, cluster: Cluster, candidates: Sequence[Candid
     need = smallest.memory.total / GIB
     text = (f"no layout fits in --gpu-memory-gb {cluster.gpu_memory_bytes / GIB:g} on "
             f"{cluster.describe()}: the smallest (tp={smallest.layout.tp} "
-            f"ep={smallest.layout.ep} etp={smallest.layout.etp}) needs {need:.1f} GiB per rank; ")
+            f"ep={smallest.layout.ep} etp={smallest.layout.etp}) needs {need:.3g} GiB per rank; ")
     remedies = []
     if not distributed_optimizer:
-        sharded = memory_per_rank(spec, smallest.layout, micro_batch_size, precision, True)
-        remedies.append(f"--use-distributed-optimizer ({sharded.total / GIB:.1f} GiB)")
+        sharded = min(memory_per_rank(spec, c.layout, micro_batch_size, precision, True,
+                                      c.dispatcher).total for c in candidates)
+        if sharded < smallest.memory.total:
+            remedies.append(f"--use-distributed-optimizer (then {sharded / GIB:.3g} GiB)")
     if micro_batch_size > 1:
         remedies.append("a smaller --micro-batch-size")
     remedies.append("more ranks (--nnodes)")

@@ -207,7 +207,7 @@ def test_plan_fixed_sizes_and_dispatchers():
     (dict(fixed={"tp": 3}), "--tensor-model-parallel-size 3 does not divide the world size 4"),
     (dict(fixed={"ep": 8}), "--expert-model-parallel-size 8 does not divide the world size"),
     (dict(global_batch_size=10), "--global-batch-size 10 is not divisible"),
-    (dict(gpu_memory=1e6), "--use-distributed-optimizer"),
+    (dict(gpu_memory=1e6), "needs 0.00631 GiB per rank; try a smaller --micro-batch-size"),
 ])
 def test_impossible_plans_say_what_to_change(kwargs, message):
     gpu_memory = kwargs.pop("gpu_memory", GIB)
@@ -215,6 +215,23 @@ def test_impossible_plans_say_what_to_change(kwargs, message):
     arguments.update(kwargs)
     with pytest.raises(PlanError, match=message.replace("(", r"\(")):
         plan(tiny(), Cluster(2, 2, gpu_memory), PROFILE, **arguments)
+
+
+def test_nothing_fits_suggests_the_distributed_optimizer_where_it_helps():
+    spec = tiny(num_attention_heads=2)  # tp <= 2: every layout keeps data parallelism
+
+    def smallest(distributed):
+        return min(memory_per_rank(spec, lay, 4, Precision("fp32"), distributed).total
+                   for lay in enumerate_layouts(spec, Cluster(2, 2, GIB), 4, 16)[0])
+
+    plain, sharded = smallest(False), smallest(True)
+    assert sharded < plain
+    with pytest.raises(PlanError, match=r"try --use-distributed-optimizer \(then"):
+        plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16, Precision("fp32"))
+    result = plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16,
+                  Precision("fp32"), distributed_optimizer=True)
+    assert result.candidates[0].fits and "--use-distributed-optimizer" in \
+        result.candidates[0].flags()
 
 
 # ---------------------------------------------------------------- tools/plan_layout.py
@@ -262,6 +279,8 @@ def test_plan_layout_table_and_json_for_a_shipped_config():
     (CLUSTER + ["--global-batch-size", "6"], "--global-batch-size 6 is not divisible"),
     (CLUSTER + ["--hidden-size", "x"], "--hidden-size"),
     (CLUSTER + ["--bf16", "--fp16"], "--bf16 and --fp16"),
+    (CLUSTER + ["--moe-token-dispatcher-type", "parm_s3"],
+     "--moe-token-dispatcher-type: unknown dispatcher 'parm_s3'"),
     (["--nnodes", "2", "--parm-profile", "emulated_pcie_measured"], "--nproc-per-node"),
     (CLUSTER[:4] + ["--parm-profile", "no_such_profile"], "--parm-profile"),
 ])
