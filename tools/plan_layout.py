@@ -26,6 +26,7 @@ the command line restrict the search. Bad input prints one line `error: ...` and
 import argparse
 import json
 import os
+import shlex
 import sys
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -35,8 +36,8 @@ for path in (REPO_ROOT, TOOLS):
         sys.path.insert(0, path)
 
 from megatron_parm.perf_model import load_profile  # noqa: E402
-from megatron_parm.perf_model.memory import GIB, PRECISIONS, Precision  # noqa: E402
-from megatron_parm.perf_model.planner import Cluster, PlanError, plan  # noqa: E402
+from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
+from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec  # noqa: E402
 from plan_schedule import parse_chunks, read_config_file  # noqa: E402
 
@@ -226,6 +227,22 @@ def build_spec(settings, model_type):
     )
 
 
+def model_overrides(args):
+    """The model and tokenizer flags given on the command line, for the printed launch line
+    (the batch, precision and optimizer flags are the candidate's; --vocab-size is the
+    planner's own)."""
+    own = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
+           "use_distributed_optimizer"}
+    flags = []
+    for table in (_INT_OPTIONS, _FLOAT_OPTIONS, _STR_OPTIONS):
+        flags += [item for key, flag in table.items() if key not in own
+                  and getattr(args, key) is not None for item in (flag, str(getattr(args, key)))]
+    flags += [flag for key, flag in _BOOL_OPTIONS.items() if key not in own and getattr(args, key)]
+    if args.bert_binary_head is False:
+        flags.append("--bert-no-binary-head")
+    return flags
+
+
 def _gib(num_bytes):
     return num_bytes / GIB
 
@@ -278,8 +295,9 @@ def render(result, spec, cluster, profile, precision, args):
                      f"{_size(memory.weights)} weights, {_size(memory.gradients)} gradients, "
                      f"{_size(memory.optimizer)} optimizer state, {_size(memory.activations)} "
                      f"activations")
-        config = f"--config {args.config} " if args.config else ""
-        lines.append(f"  {script} {config}{' '.join(candidate.flags())}")
+        command = [script] + (["--config", args.config] if args.config else []) + \
+            model_overrides(args) + candidate.flags()
+        lines.append("  " + shlex.join(command))
     if profile.provenance != "measured":
         lines.append("")
         lines.append("note: the profile is an estimate; calibrate it on the cluster "

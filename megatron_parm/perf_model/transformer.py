@@ -146,9 +146,11 @@ def parameter_counts(spec: ModelSpec, tp: int, ep: int, etp: int) -> ParameterCo
 
 def replicated_over_tp(spec: ModelSpec) -> int:
     """Parameters every TP rank holds whole and, with sequence parallelism, all-reduces the
-    gradients of over TP (Megatron's finalize_model_grads): LayerNorms and routers."""
+    gradients of over TP (Megatron's finalize_model_grads): LayerNorms, routers and the
+    projection biases."""
     h = spec.hidden_size
-    count = spec.num_layers * (2 * 2 * h + spec.num_experts * h) + 2 * h
+    bias = h if spec.add_bias_linear else 0
+    count = spec.num_layers * (2 * 2 * h + spec.num_experts * h + bias) + 2 * h
     if spec.model_type == "bert":
         count += 2 * h  # the lm_head LayerNorm
     return count

@@ -253,6 +253,10 @@ def test_plan_layout_table_and_json_for_a_shipped_config():
     assert "pretrain_scripts/pretrain_gpt2_moe.py --config configs/gpt2_tiny_moe.yaml " \
            "--tensor-model-parallel-size" in result.stdout
     assert "not used by the planner" in result.stderr and "lr" in result.stderr
+    result = _plan_layout("--config", "configs/gpt2_tiny_moe.yaml", *CLUSTER, "--num-layers", "4",
+                          "--show-flags", "1")
+    launch = [line for line in result.stdout.splitlines() if "pretrain_gpt2_moe.py" in line]
+    assert len(launch) == 1 and "--num-layers 4 --tensor-model-parallel-size" in launch[0]
 
     result = _plan_layout("--config", "configs/bert_base_moe.yaml", "--model-type", "bert",
                           *CLUSTER, "--bf16", "--use-distributed-optimizer", "--json")
