@@ -120,7 +120,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
             raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
     if os.path.splitext(args.output)[1].lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--output must end in .yaml, .yml or .json, got {args.output!r}")
-    ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    from megatron_parm.comm.accounting import launcher_ranks_per_node
+
+    ranks_per_node = args.ranks_per_node or launcher_ranks_per_node()
     if ranks_per_node is None:
         raise ValueError("--ranks-per-node not given and LOCAL_WORLD_SIZE not set; launch with "
                          "torchrun or give --ranks-per-node")

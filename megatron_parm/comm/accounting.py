@@ -13,7 +13,10 @@ Backward passes are recorded too, under the kind of the collective that actually
 (the backward of an all_gather is a reduce_scatter, and so on).
 
 Nodes: rank r lives on node r // ranks_per_node. ``ranks_per_node`` defaults to the
-launcher's LOCAL_WORLD_SIZE (torchrun, Slurm via torchrun, the emulated cluster).
+launcher's LOCAL_WORLD_SIZE (torchrun, Slurm via torchrun, the emulated cluster); the
+flag --parm-ranks-per-node overrides it for the dispatchers and the performance model
+(``ranks_per_node`` below is that rule, the one place it is written), and
+``track_comm(ranks_per_node)`` for the accounting.
 """
 
 from __future__ import annotations
@@ -25,6 +28,29 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 Key = Tuple[str, str]  # (collective kind, group name)
+
+
+def launcher_ranks_per_node() -> Optional[int]:
+    """The launcher's ranks per node (LOCAL_WORLD_SIZE), or None where it is not set."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+
+
+def check_ranks_per_node(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--parm-ranks-per-node must be a positive integer, got {value!r}")
+
+
+def ranks_per_node(world_size: int, setting: Optional[int] = None) -> int:
+    """Ranks per node of a world: ``setting`` (--parm-ranks-per-node) where given, else the
+    launcher's LOCAL_WORLD_SIZE where it divides the world, else the whole world (one node)."""
+    if setting is not None:
+        check_ranks_per_node(setting)
+        if world_size % setting:
+            raise ValueError(f"--parm-ranks-per-node ({setting}) must divide the world size "
+                             f"({world_size})")
+        return setting
+    local = launcher_ranks_per_node()
+    return local if local and world_size % local == 0 else world_size
 
 
 @dataclass
@@ -46,7 +72,7 @@ class CommStats:
     calls: Dict[Key, int] = field(default_factory=lambda: defaultdict(int))
 
     def node_of(self, global_rank: int) -> int:
-        rpn = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        rpn = self.ranks_per_node or launcher_ranks_per_node()
         return 0 if rpn is None else global_rank // rpn
 
     def record(self, kind: str, group_name: str, my_rank: int,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Dict, Optional
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import utils
 
 from megatron_parm import schedules
+from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
 from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
@@ -32,7 +32,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     catalog (parm_s1, parm_s2 at several chunk counts, ...) and the fastest one runs.
 
     Workflow: at the first dispatch of a token count n (known only then), build the layer's
-    shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from LOCAL_WORLD_SIZE),
+    shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from
+    --parm-ranks-per-node or LOCAL_WORLD_SIZE),
     ask ``choose_schedule`` with the profile of --parm-profile (or the default estimate, with
     a warning), check that every rank chose the same, log the choice once, and from then on
     run that schedule's workflow (see its dispatcher's docstring).
@@ -77,9 +78,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     def _layout(self) -> Layout:
         world = dist.get_world_size()
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
-        if world % per_node:
-            per_node = world
+        per_node = ranks_per_node(world, getattr(self.config, "parm_ranks_per_node", None))
         return Layout(tp=self.attn_tp_size, ep=self.ep_size, etp=self.etp_size,
                       nodes=world // per_node, ranks_per_node=per_node)
 
@@ -118,7 +117,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if not torch.equal(low, high):
             raise RuntimeError("parm: ranks chose different schedules; the performance model's "
-                               "inputs (profile, shapes, LOCAL_WORLD_SIZE) must be the same on all ranks")
+                               "inputs (profile, shapes, ranks per node) must be the same on all ranks")
 
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 

@@ -72,6 +72,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--parm-profile", default=None,
                        help="Performance-model profile for the automatic dispatcher: a YAML "
                             "file, or the name of a shipped one (e.g. nvlink_ib_estimate).")
+    group.add_argument("--parm-ranks-per-node", type=int, default=None,
+                       help="Ranks per node, for parm_hier's node groups and the performance "
+                            "model; default: LOCAL_WORLD_SIZE (set by torchrun).")
 
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -258,6 +261,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.parm_num_chunks is not None:
         schedules.check_num_chunks(args.parm_num_chunks)
+    if args.parm_ranks_per_node is not None:
+        from megatron_parm.comm.accounting import ranks_per_node
+
+        ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
     if args.parm_profile is not None:
         from megatron_parm.perf_model import load_profile
 

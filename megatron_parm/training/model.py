@@ -52,6 +52,7 @@ def build_config(args) -> ParmTransformerConfig:
         params_dtype=torch.float32,
         parm_num_chunks=args.parm_num_chunks,
         parm_profile=args.parm_profile,
+        parm_ranks_per_node=args.parm_ranks_per_node,
     )
 
 
