@@ -12,15 +12,53 @@ so TP and ETP groups are consecutive ranks and EP groups stride across ranks by 
 data-parallel groups that reduce gradients stride too: "dp" (dense parameters, W / t ranks)
 by t, "expt_dp" (expert parameters, W / (e * s) ranks) by e * s.
 A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node).
+
+parm_hier splits each EP group by node (``ep_node_blocks``): "ep_inter" is the group of the
+EP ranks at one position of every node (its inter-node stage), "ep_intra" the EP ranks of
+one node (its intra-node fan-out).
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
-GROUP_NAMES = ("tp", "ep", "expt_tp")  # the groups a dispatcher communicates over
+HIERARCHY_GROUPS = ("ep_inter", "ep_intra")  # parm_hier's EP groups split by node
+GROUP_NAMES = ("tp", "ep", "expt_tp") + HIERARCHY_GROUPS  # the groups a dispatcher communicates over
 DATA_PARALLEL_GROUP_NAMES = ("dp", "expt_dp")  # the groups gradients are reduced over
 _ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES
+
+
+def _by_node(ranks: Sequence[int], ranks_per_node: int) -> List[List[int]]:
+    """Ranks in group order, cut where the node changes."""
+    blocks: List[List[int]] = []
+    for rank in ranks:
+        if blocks and blocks[-1][-1] // ranks_per_node == rank // ranks_per_node:
+            blocks[-1].append(rank)
+        else:
+            blocks.append([rank])
+    return blocks
+
+
+def ep_node_blocks(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int) -> List[List[List[int]]]:
+    """The EP groups of one ESP x EP block, each split by node: [ESP index][block][position].
+
+    tp_ep_ranks: the block's ranks ordered EP-major, ESP-minor (Megatron's expert TP x EP
+    group), so EP group q is tp_ep_ranks[q::etp]. A block is the ranks of one EP group on
+    one node. parm_hier's inter-node stage joins the ranks at one position of every block,
+    its intra-node stage the ranks of one block; that needs every EP group of the ESP x EP
+    block cut alike (as many blocks, each node once, as many ranks in each), since ESP peers
+    gather each other's rows in that order. Where they are not, every rank is a block of its
+    own: a single stage, deduplicated per destination rank.
+    """
+    groups = [list(tp_ep_ranks[q::etp]) for q in range(etp)]
+    split = [_by_node(group, ranks_per_node) for group in groups]
+    shapes = {tuple(len(block) for block in blocks) for blocks in split}
+    shape = next(iter(shapes))
+    nodes_once = all(len({block[0] // ranks_per_node for block in blocks}) == len(blocks)
+                     for blocks in split)
+    if len(shapes) == 1 and len(set(shape)) == 1 and nodes_once:
+        return split
+    return [[[rank] for rank in group] for group in groups]
 
 
 @dataclass(frozen=True)
@@ -54,6 +92,7 @@ class Layout:
         return self.nodes * self.ranks_per_node
 
     def group_size(self, group_name: str) -> int:
+        """Ranks in a group of this kind (for ep_inter / ep_intra, the largest such group)."""
         if group_name == "tp":
             return self.tp
         if group_name == "ep":
@@ -64,6 +103,8 @@ class Layout:
             return self.world_size // self.tp
         if group_name == "expt_dp":
             return self.world_size // (self.ep * self.etp)
+        if group_name in HIERARCHY_GROUPS:
+            return _largest_group(self, group_name)
         raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
 
     def group_ranks(self, group_name: str, rank: int) -> List[int]:
@@ -84,6 +125,14 @@ class Layout:
         if group_name in DATA_PARALLEL_GROUP_NAMES:
             stride = self.tp if group_name == "dp" else self.ep * self.etp
             return list(range(rank % stride, self.world_size, stride))
+        if group_name in HIERARCHY_GROUPS:
+            block = self.ep * self.etp
+            blocks = _ep_blocks(self, rank - rank % block)[rank % self.etp]
+            node = next(b for b, members in enumerate(blocks) if rank in members)
+            if group_name == "ep_intra":
+                return list(blocks[node])
+            position = blocks[node].index(rank)
+            return [members[position] for members in blocks]
         raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
 
     def node_of(self, rank: int) -> int:
@@ -115,3 +164,15 @@ def _worst_peer_counts(layout: Layout, group_name: str) -> Tuple[int, int]:
         if worst is None or (inter, intra) > (worst[1], worst[0]):
             worst = (intra, inter)
     return worst
+
+
+@lru_cache(maxsize=256)
+def _ep_blocks(layout: Layout, base: int) -> List[List[List[int]]]:
+    """ep_node_blocks of the ESP x EP block that starts at rank ``base``."""
+    ranks = range(base, base + layout.ep * layout.etp)
+    return ep_node_blocks(ranks, layout.etp, layout.ranks_per_node)
+
+
+@lru_cache(maxsize=256)
+def _largest_group(layout: Layout, group_name: str) -> int:
+    return max(len(layout.group_ranks(group_name, rank)) for rank in range(layout.world_size))
