@@ -26,6 +26,7 @@ formula below. Notation (as there):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -186,6 +187,47 @@ def pipelined_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]
     return stages
 
 
+def node_row_share(num_experts: int, node_experts: int, topk: int) -> float:
+    """Rows per pair that a rank sends to one node under uniform top-k routing (without
+    replacement): P(a token picks one of the node's G experts) / (expected pairs to it),
+    (1 - C(E - G, k) / C(E, k)) / (k * G / E); 1 where no two pairs can share the node."""
+    miss = math.comb(num_experts - node_experts, topk) / math.comb(num_experts, topk)
+    return (1.0 - miss) / (topk * node_experts / num_experts)
+
+
+def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
+    """parm_hier: the EP group spans K nodes with g ranks on each (layout groups "ep_inter",
+    K ranks, and "ep_intra", g ranks), G = g * L experts per node. To each other node a rank
+    sends r*G pairs as u = r*G*node_row_share rows of row_p plus r*G - u secondary pairs of
+    2*max(p, 4) bytes (probability, row index); the relay sends each node member the K*r*L
+    pairs of its experts (row_p each). Then S1's AG(ESP), experts, RS(ESP); the node-local
+    sums go back K*r*L rows to each member and u rows to each node. Capacity caps r, and the
+    share of rows per pair is taken as under dropless routing."""
+    row, row_p, _, received, flops_per_row = _sizes(shape, layout, shape.num_tokens)
+    nodes = layout.group_size("ep_inter")
+    local_experts = shape.num_experts // layout.ep
+    node_experts = layout.ep // nodes * local_experts
+    r = shape.rows_per_expert(shape.num_tokens)
+    pairs = r * node_experts
+    rows = pairs * node_row_share(shape.num_experts, node_experts, shape.topk)
+    secondary = 2 * max(shape.prob_bytes, 4) if shape.prob_bytes else 0
+    fanned_out = nodes * r * local_experts
+    forward = [
+        Stage(FORWARD, "dispatch_inter_a2a", "all_to_all", "ep_inter",
+              rows * row_p + (pairs - rows) * secondary),
+        Stage(FORWARD, "dispatch_intra_a2a", "all_to_all", "ep_intra", fanned_out * row_p),
+        Stage(FORWARD, "dispatch_ag", "all_gather", "expt_tp", received * row_p),
+        Stage(FORWARD, "experts", COMPUTE, flops=layout.etp * received * flops_per_row),
+        Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
+        Stage(FORWARD, "combine_intra_a2a", "all_to_all", "ep_intra", fanned_out * row),
+        Stage(FORWARD, "combine_inter_a2a", "all_to_all", "ep_inter", rows * row),
+    ]
+    backward = _duals(forward)
+    if not sequence_parallel and layout.tp > 1:
+        forward.append(Stage(FORWARD, "restore_ag", "all_gather", "tp", shape.num_tokens * row))
+    return forward + backward
+
+
 def baseline_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
     """ds_baseline: every TP rank routes all N = t*n tokens of its TP group. [AG(TP) of the
     n*M input, sequence parallel only] -> A2A(EP) of k*N rows -> experts on R rows (fc1/fc2
@@ -243,6 +285,15 @@ _BUILTIN = (
              dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", chunked=True,
              default_chunks=4, chunk_candidates=(2, 4, 8), candidate=True,
              cost_plan=pipelined_cost),
+    # Not chunked: its relay expands the rows of every source node at once (the row index of
+    # a secondary pair points into the whole message), so a chunked version would need a plan
+    # per chunk for the primary/secondary split; and what chunking overlaps, the inter-node
+    # A2A with the intra-node collectives and the experts, is what parm_hier makes smaller.
+    Schedule("parm_hier", PARM, "deduplicated per node: one row per (token, node) over the "
+             "inter-node A2A [ep_inter], fan-out to the experts inside the node A2A [ep_intra] "
+             "-> AG [ESP] -> experts -> RS [ESP] -> node-local sum -> back the same way",
+             dispatcher=f"{_DISPATCHERS}.parm_hier:ParmHierTokenDispatcher",
+             cost_plan=hierarchical_cost),
     Schedule("parm", AUTO, "per layer, the performance model (--parm-profile) predicts every "
              "candidate schedule and runs the fastest",
              dispatcher=f"{_DISPATCHERS}.parm_auto:ParmAutoTokenDispatcher"),
