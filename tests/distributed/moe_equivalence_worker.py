@@ -2,13 +2,17 @@
 
 Launched once per world size by tests/distributed/test_dispatchers.py (torchrun, gloo):
 
-    torchrun --nproc-per-node 4 tests/distributed/moe_equivalence_worker.py OUT.json 2,2,2 1,4,1
+    torchrun --nproc-per-node 4 tests/distributed/moe_equivalence_worker.py OUT.json 2,2,2@2 1,4,1
 
 For each layout (tp, ep, etp) and routing case it builds ParmMoELayer with each dispatcher
 from the same weights and input, runs forward + backward and compares, on rank 0:
 output, input grad, router grad and every expert weight grad (each summed over the ranks
 that hold a part of it). It also checks the bytes each Parm dispatcher recorded against
-the design's formulas, computed here from the routing counts. Records go to OUT.json.
+the design's formulas, computed here from the routing. Records go to OUT.json.
+
+A layout may end in @P: the ranks count as P to a node (--parm-ranks-per-node, for the
+dispatchers, the performance model and the byte accounting), so that one launch on one
+machine has the several nodes parm_hier splits its dispatch by; without it, one node.
 
 Notation: D data-parallel replicas, S sequence, B micro-batch, M hidden, F expert FFN
 hidden, E experts, k top-k.
@@ -29,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_parm import platform  # noqa: E402
 
 S, B, M, F, E = 8, 2, 16, 32, 8
+NUM_CHUNKS = 3  # --parm-num-chunks of every layer (S2; parm also weighs S2 at 3 chunks)
 # Bytes are checked against formulas written out in expected_bytes for these.
-BYTE_FORMULAS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2")
+BYTE_FORMULAS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm_hier")
 
 
 def dispatchers(tp, ep, etp, sequence_parallel=True):
@@ -84,7 +89,8 @@ def latency_free_profile(path: str) -> str:
 PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free", "top1": None}
 
 
-def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None):
+def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
+              per_node=None):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part."""
     from megatron.core import parallel_state as ps
 
@@ -102,7 +108,8 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         sequence_parallel=sequence_parallel, moe_aux_loss_coeff=aux, moe_expert_capacity_factor=capacity,
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
-        params_dtype=torch.float32, parm_num_chunks=3, parm_profile=profile)
+        params_dtype=torch.float32, parm_num_chunks=NUM_CHUNKS, parm_profile=profile,
+        parm_ranks_per_node=per_node)
     spec = get_gpt_layer_parm_spec(num_experts=E)
     layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules)
     layer.train()
@@ -127,7 +134,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         x = data["x"][dp_rank].clone().requires_grad_()
         dy = data["dy"][dp_rank]
 
-    with track_comm() as stats, account_native_dispatchers():
+    with track_comm(per_node) as stats, account_native_dispatchers():
         out, _ = layer(x)
         out.backward(dy)
     full = {k: torch.zeros_like(data[k]) for k in ("x", "router", "fc1", "fc2")}
@@ -233,7 +240,96 @@ def expected_bytes(dispatcher, counts, me, tp, ep, etp, n_tokens):
     return out
 
 
-def check_layout(tp, ep, etp, records):
+def node_split(ep_ranks, per_node):
+    """An EP group's ranks by node, written out here apart from the dispatcher's own rule
+    (the suite's layouts split evenly)."""
+    blocks = {}
+    for rank in ep_ranks:
+        blocks.setdefault(rank // per_node, []).append(rank)
+    return list(blocks.values())
+
+
+def hier_traffic(maps, ep_ranks, per_node):
+    """parm_hier's rows, secondary pairs and pairs between the ranks of one EP group.
+
+    Returns, over sources and destination nodes, rows[src][b] (tokens of src with an expert
+    on node b), pairs[src][b] (its pairs to node b) and pairs to each EP rank, from the maps.
+    """
+    blocks = node_split(ep_ranks, per_node)
+    per_rank = E // len(ep_ranks)
+    rows, pairs, to_rank = {}, {}, {}
+    for src in ep_ranks:
+        for b, members in enumerate(blocks):
+            lo = ep_ranks.index(members[0]) * per_rank
+            on_node = maps[src][:, lo:lo + per_rank * len(members)]
+            rows[src, b] = int(on_node.any(dim=1).sum())
+            pairs[src, b] = int(on_node.sum())
+        for j, dst in enumerate(ep_ranks):
+            to_rank[src, dst] = int(maps[src][:, j * per_rank:(j + 1) * per_rank].sum())
+    return blocks, rows, pairs, to_rank
+
+
+def expected_hier_bytes(maps, me, ep, etp, per_node):
+    """parm_hier's bytes by the design's formulas, from every rank's routing map [W, n, E].
+
+    Between nodes (ep_inter): a row per (token, node) with its probability, a secondary pair
+    as (probability, row index), both fp32; the dispatch and its backward, then the combine
+    (rows only) and its backward. Inside a node (ep_intra): one row per pair with its
+    probability, as S1. AG/RS(ESP) as S1; counts: 2E integers per rank over ESP x EP.
+    """
+    from megatron.core import parallel_state as ps
+
+    b = 4  # float32
+    row, prob, secondary = M * b, b, 2 * b
+    ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    etp_group = dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group())
+    blocks, rows, pairs, to_rank = hier_traffic(maps, ep_ranks, per_node)
+    node = next(i for i, members in enumerate(blocks) if me in members)
+    position = blocks[node].index(me)
+    relays = [members[position] for members in blocks]  # my ep_inter group
+    out = {}
+    if len(blocks) > 1:
+        rows_moved = sum(rows[me, i] + rows[src, node] for i, src in enumerate(relays) if src != me)
+        secondaries = sum(pairs[me, i] - rows[me, i] + pairs[src, node] - rows[src, node]
+                          for i, src in enumerate(relays) if src != me)
+        out[("all_to_all", "ep_inter")] = rows_moved * (2 * row + prob) + secondaries * secondary
+    if len(blocks[node]) > 1:
+        # the relay forwards its sources' pairs to each member; each relay sends me mine
+        fanned = sum(to_rank[src, member] for src in relays for member in blocks[node] if member != me)
+        fanned += sum(to_rank[members[p], me] for members in blocks for p in range(len(members))
+                      if blocks[node][p] != me)
+        out[("all_to_all", "ep_intra")] = fanned * (2 * row + prob)
+    if etp * ep > 1:
+        out[("all_gather", "tp_ep_counts")] = (etp * ep - 1) * 2 * E * 8
+    if etp > 1:
+        def held(rank):  # pairs an ESP peer holds after the intra-node stage
+            group = [r for r in range(dist.get_world_size())
+                     if r % etp == rank % etp and r // (etp * ep) == rank // (etp * ep)]
+            j = group.index(rank)
+            return sum(int(maps[p][:, j * (E // ep):(j + 1) * (E // ep)].sum()) for p in group)
+        others = sum(held(q) for q in etp_group if q != me)
+        out[("all_gather", "expt_tp")] = (etp - 1) * held(me) * (2 * row + prob)
+        out[("reduce_scatter", "expt_tp")] = others * (2 * row + prob)
+    return out
+
+
+def shares_a_remote_node(maps, ep, etp, per_node):
+    """Whether a token of this rank picks two experts on one node other than its own."""
+    from megatron.core import parallel_state as ps
+
+    me = dist.get_rank()
+    ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    per_rank = E // ep
+    for members in node_split(ep_ranks, per_node):
+        if members[0] // per_node == me // per_node:
+            continue
+        lo = ep_ranks.index(members[0]) * per_rank
+        if bool((maps[me][:, lo:lo + per_rank * len(members)].sum(dim=1) > 1).any()):
+            return True
+    return False
+
+
+def check_layout(tp, ep, etp, per_node, records):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -244,6 +340,7 @@ def check_layout(tp, ep, etp, records):
     rank = dist.get_rank()
     num_replicas = dist.get_world_size() // tp
     layout = f"{tp},{ep},{etp}"
+    per_node = per_node or dist.get_world_size()
     for case_name, case in CASES.items():
         data = global_tensors(7 + len(records), num_replicas)
         results = {}
@@ -251,14 +348,15 @@ def check_layout(tp, ep, etp, records):
         for name in names:
             profile = PROFILE_PATHS.get(PARM_PROFILE[case_name]) if name == "parm" else None
             results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
-                                                       track=(case_name == "dropless"), profile=profile)
+                                                       track=(case_name == "dropless"), profile=profile,
+                                                       per_node=per_node)
             if name == "parm":
                 records.append(dict(layout=layout, case=case_name, dispatcher="parm", against="choice",
                                     quantity="schedule", choice=results[name].pop("choice")))
             else:
                 results[name].pop("choice")
             if totals is not None and name in BYTE_FORMULAS:
-                check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records)
+                check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, records)
         ref = reference(case, data, tp)
         for name in names[1:]:
             for key in ("y", "x", "router", "fc1", "fc2"):
@@ -278,7 +376,7 @@ def check_layout(tp, ep, etp, records):
         for name in dispatchers(tp, ep, etp, sequence_parallel=False):
             if name == "parm":
                 continue
-            full, _, _ = run_layer(name, case, tp, ep, etp, False, data)
+            full, _, _ = run_layer(name, case, tp, ep, etp, False, data, per_node=per_node)
             full.pop("choice")
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
@@ -287,16 +385,20 @@ def check_layout(tp, ep, etp, records):
         print(f"layout {layout}: done", flush=True)
 
 
-def check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records):
-    """Recorded bytes vs formulas from the routing counts (routing recomputed here)."""
+def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, records):
+    """Recorded bytes vs formulas from the routing (recomputed here)."""
     from reference_moe import route
 
     tokens = x_local.reshape(-1, M)
-    counts = (route(tokens, data["router"], CASES["dropless"][0]) > 0).sum(dim=0).long()
-    all_counts = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_counts, counts)
-    expected = expected_bytes(name, torch.stack(all_counts), dist.get_rank(), tp, ep, etp,
-                              tokens.shape[0])
+    routed = (route(tokens, data["router"], CASES["dropless"][0]) > 0).to(torch.uint8)
+    maps = [torch.zeros_like(routed) for _ in range(dist.get_world_size())]
+    dist.all_gather(maps, routed)
+    maps = torch.stack(maps).bool()  # [W, n, E]
+    if name == "parm_hier":
+        expected = expected_hier_bytes(maps, dist.get_rank(), ep, etp, per_node)
+    else:
+        expected = expected_bytes(name, maps.sum(dim=1).long(), dist.get_rank(), tp, ep, etp,
+                                  tokens.shape[0])
     measured = {k: v["intra"] + v["inter"] for k, v in
                 ((tuple(k), v) for k, v in totals.items())}
     mismatch = {f"{k[0]}/{k[1]}": (measured.get(k, 0), expected.get(k, 0))
@@ -304,8 +406,16 @@ def check_bytes(name, totals, x_local, data, tp, ep, etp, layout, records):
     # Sum the A2A(EP) bytes over the world: ds_baseline's duplication shows as a factor t.
     a2a = torch.tensor([float(measured.get(("all_to_all", "ep"), 0))])
     dist.all_reduce(a2a)
+    from megatron_parm.bench.report import is_metadata
+
+    # Token payload sent between nodes (routing counts are metadata, as in the report).
+    inter = torch.tensor([float(sum(v["inter"] for k, v in totals.items()
+                                    if not is_metadata(name, "/".join(k))))])
+    dist.all_reduce(inter)
     records.append(dict(layout=layout, case="bytes", dispatcher=name, against="formula",
-                        quantity="bytes", mismatch=mismatch, a2a_world=a2a.item()))
+                        quantity="bytes", mismatch=mismatch, a2a_world=a2a.item(),
+                        inter_world=inter.item(),
+                        shared_remote_node=shares_a_remote_node(maps, ep, etp, per_node)))
 
 
 PROFILE_PATHS = {}
@@ -325,8 +435,9 @@ def main():
     torch.manual_seed(0)
     records = []
     for spec in layouts:
-        tp, ep, etp = (int(v) for v in spec.split(","))
-        check_layout(tp, ep, etp, records)
+        sizes, _, per_node = spec.partition("@")
+        tp, ep, etp = (int(v) for v in sizes.split(","))
+        check_layout(tp, ep, etp, int(per_node) if per_node else None, records)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     if dist.get_rank() == 0:

@@ -4,6 +4,14 @@ One torchrun launch per world size runs every layout and case (see moe_equivalen
 the tests below read its records. The 4-rank launch also registers the catalog test's toy
 schedule (tests/toy_schedule.py), which must then run like every built-in one. Tolerance: 1e-5 relative (max abs error / max abs value),
 float32, for the layer output, input grad, router grad and every expert weight grad.
+
+A launch is one machine; each layout runs with a ranks-per-node setting (RANKS_PER_NODE,
+--parm-ranks-per-node) that gives parm_hier several nodes to split its EP groups by. Its
+EP groups then span K nodes with g EP ranks on each:
+    4 ranks, 2 per node: 2,2,2 K=2 g=1 (ETP 2); 1,4,1 K=2 g=2; 2,2,1 and 1,2,1 K=1 g=2;
+                         4,1,4 no EP
+    8 ranks:             2,4,2 at 4 per node K=2 g=2 (ETP 2); 2,2,2 at 4 per node K=1 g=2
+                         (ETP 2); 1,4,1 at 1 per node K=4 g=1
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from toy_schedule import TOY
 
 TOL = 1e-5
 LAYOUTS = {4: ["2,2,2", "1,4,1", "2,2,1", "4,1,4", "1,2,1"], 8: ["2,4,2", "2,2,2", "1,4,1"]}
+RANKS_PER_NODE = {4: {layout: 2 for layout in LAYOUTS[4]}, 8: {"2,4,2": 4, "2,2,2": 4, "1,4,1": 1}}
 CASES = ["dropless", "drop", "pad", "top1"]
 PARM = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
 TOY_WORLD = 4  # the launch that also runs the toy schedule
@@ -29,7 +38,8 @@ def records(tmp_path_factory):
     for world, layouts in LAYOUTS.items():
         path = tmp_path_factory.mktemp(f"w{world}") / "records.json"
         toy = ["--with-toy"] if world == TOY_WORLD else []
-        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *layouts)
+        specs = [f"{layout}@{RANKS_PER_NODE[world][layout]}" for layout in layouts]
+        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *specs)
         out[world] = json.loads(path.read_text())
     return out
 
@@ -88,7 +98,7 @@ def test_replicated_input_without_sequence_parallel(records, world, layout, disp
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
-@pytest.mark.parametrize("dispatcher", ["alltoall", "ds_baseline", "parm_s1", "parm_s2"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm_hier"])
 def test_bytes_match_design_formulas(records, world, layout, dispatcher):
     rows = _select(records, world, layout, case="bytes", dispatcher=dispatcher)
     assert len(rows) == world
@@ -114,13 +124,53 @@ def test_ds_baseline_sends_t_times_the_alltoall_bytes(records, world, layout):
         assert ds > s1
 
 
+@pytest.mark.parametrize("world,layout", list(_params()))
+def test_parm_hier_sends_fewer_inter_node_bytes(records, world, layout):
+    """Over the world, parm_hier's inter-node token bytes are at most S1's, and fewer when a
+    token picks two experts on one node other than its own (top-2 routing here), which
+    happens on every layout whose EP groups span several nodes with several experts on each.
+    (Routing counts are metadata: parm_hier exchanges 2E integers per rank, S1 E.)"""
+    from megatron_parm.perf_model import Layout
+
+    hier = _select(records, world, layout, case="bytes", dispatcher="parm_hier")
+    s1 = _select(records, world, layout, case="bytes", dispatcher="parm_s1")[0]["inter_world"]
+    shared = any(r["shared_remote_node"] for r in hier)
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    per_node = RANKS_PER_NODE[world][layout]
+    spans_nodes = Layout(tp, ep, etp, world // per_node, per_node).group_size("ep_inter") > 1
+    assert shared == spans_nodes  # the routing of this suite puts two experts on a node there
+    if shared:
+        assert hier[0]["inter_world"] < s1
+    else:
+        assert hier[0]["inter_world"] <= s1
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_parm_runs_both_schedules(records, world):
-    """With the default estimate tiny layers get S1; with a latency-free profile, S2."""
+def test_parm_runs_the_models_choice(records, world, tmp_path):
+    """parm runs what the performance model picks for the layer, with the profile the worker
+    gave it: the default estimate (tiny layers: an unchunked schedule, S1 or parm_hier) or a
+    latency-free one (pipelining pays: mostly S2). Both kinds run in every launch."""
+    from megatron_parm.dispatchers.parm_auto import default_profile_path
+    from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, load_profile
+    import moe_equivalence_worker as worker
+
+    profiles = {None: load_profile(default_profile_path()),
+                "latency-free": load_profile(worker.latency_free_profile(str(tmp_path / "p.yaml")))}
     chosen = {(r["layout"], r["case"]): r["choice"] for r in records[world] if r["against"] == "choice"}
     assert chosen, "parm recorded no choice"
-    assert {chosen[k] for k in chosen if k[1] in ("dropless", "top1")} == {"parm_s1"}
-    assert all(chosen[k].startswith("('parm_s2'") for k in chosen if k[1] in ("drop", "pad"))
+    for (layout, case), choice in chosen.items():
+        tp, ep, etp = (int(v) for v in layout.split(","))
+        per_node = RANKS_PER_NODE[world][layout]
+        topk, capacity, pad, _ = worker.CASES[case]
+        shape = LayerShape(num_tokens=worker.S * worker.B // tp, hidden_size=worker.M,
+                           ffn_hidden_size=worker.F, num_experts=worker.E, topk=topk,
+                           capacity_factor=capacity, pad_to_capacity=pad, dtype_bytes=4)
+        model = choose_schedule(shape, Layout(tp, ep, etp, world // per_node, per_node),
+                                profiles[worker.PARM_PROFILE[case]],
+                                extra_chunks=(worker.NUM_CHUNKS,))
+        assert choice == str(model.schedule), (layout, case, model.describe())
+    assert "parm_s1" in chosen.values()
+    assert any(choice.startswith("('parm_s2'") for choice in chosen.values())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[TOY_WORLD])

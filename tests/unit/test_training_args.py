@@ -67,6 +67,16 @@ def test_bad_layout_names_flag():
                                                       "--moe-token-dispatcher-type", "alltoall"])
 
 
+def test_ranks_per_node_must_divide_the_world():
+    assert "--parm-ranks-per-node (3) must divide the world size (4)" in error(
+        TINY_GPT + ["--parm-ranks-per-node", "3"])
+    assert "--parm-ranks-per-node must be a positive integer" in error(
+        TINY_GPT + ["--parm-ranks-per-node", "0"])
+    args = parse_args(TINY_GPT + ["--parm-ranks-per-node", "2", "--moe-token-dispatcher-type",
+                                  "parm_hier"], world_size=4)
+    assert args.parm_ranks_per_node == 2
+
+
 def test_unknown_config_key_and_dispatcher():
     assert "--config" in error(["--config", "nope.yaml"])
     with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
