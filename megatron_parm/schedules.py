@@ -201,8 +201,10 @@ def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
     sends r*G pairs as u = r*G*node_row_share rows of row_p plus r*G - u secondary pairs of
     2*max(p, 4) bytes (probability, row index); the relay sends each node member the K*r*L
     pairs of its experts (row_p each). Then S1's AG(ESP), experts, RS(ESP); the node-local
-    sums go back K*r*L rows to each member and u rows to each node. Capacity caps r, and the
-    share of rows per pair is taken as under dropless routing."""
+    sums go back K*r*L rows to each member and u rows to each node. The relay's expansion of
+    its K*r*G pairs and their sum on the way back are local passes beyond S1's, one operation
+    per element (compute stages). Capacity caps r, and the share of rows per pair is taken as
+    under dropless routing."""
     row, row_p, _, received, flops_per_row = _sizes(shape, layout, shape.num_tokens)
     nodes = layout.group_size("ep_inter")
     local_experts = shape.num_experts // layout.ep
@@ -212,14 +214,17 @@ def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
     rows = pairs * node_row_share(shape.num_experts, node_experts, shape.topk)
     secondary = 2 * max(shape.prob_bytes, 4) if shape.prob_bytes else 0
     fanned_out = nodes * r * local_experts
+    relay_pass = nodes * pairs * shape.hidden_size
     forward = [
         Stage(FORWARD, "dispatch_inter_a2a", "all_to_all", "ep_inter",
               rows * row_p + (pairs - rows) * secondary),
+        Stage(FORWARD, "relay_expand", COMPUTE, flops=relay_pass),
         Stage(FORWARD, "dispatch_intra_a2a", "all_to_all", "ep_intra", fanned_out * row_p),
         Stage(FORWARD, "dispatch_ag", "all_gather", "expt_tp", received * row_p),
         Stage(FORWARD, "experts", COMPUTE, flops=layout.etp * received * flops_per_row),
         Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
         Stage(FORWARD, "combine_intra_a2a", "all_to_all", "ep_intra", fanned_out * row),
+        Stage(FORWARD, "relay_sum", COMPUTE, flops=relay_pass),
         Stage(FORWARD, "combine_inter_a2a", "all_to_all", "ep_inter", rows * row),
     ]
     backward = _duals(forward)
@@ -285,14 +290,14 @@ _BUILTIN = (
              dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", chunked=True,
              default_chunks=4, chunk_candidates=(2, 4, 8), candidate=True,
              cost_plan=pipelined_cost),
-    # Not chunked: its relay expands the rows of every source node at once (the row index of
-    # a secondary pair points into the whole message), so a chunked version would need a plan
-    # per chunk for the primary/secondary split; and what chunking overlaps, the inter-node
-    # A2A with the intra-node collectives and the experts, is what parm_hier makes smaller.
+    # Not chunked: its relay expands the rows of every source node at once (a secondary
+    # pair's row index points into the whole message), so chunks would need plans of their
+    # own for the primary / secondary split, and S2's overlap gains at most ~1.2x over S1 on
+    # the emulated cluster (docs/benchmark.md). Composing the two is left undone.
     Schedule("parm_hier", PARM, "deduplicated per node: one row per (token, node) over the "
              "inter-node A2A [ep_inter], fan-out to the experts inside the node A2A [ep_intra] "
              "-> AG [ESP] -> experts -> RS [ESP] -> node-local sum -> back the same way",
-             dispatcher=f"{_DISPATCHERS}.parm_hier:ParmHierTokenDispatcher",
+             dispatcher=f"{_DISPATCHERS}.parm_hier:ParmHierTokenDispatcher", candidate=True,
              cost_plan=hierarchical_cost),
     Schedule("parm", AUTO, "per layer, the performance model (--parm-profile) predicts every "
              "candidate schedule and runs the fastest",

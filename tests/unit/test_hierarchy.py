@@ -134,3 +134,21 @@ def test_node_plan_split_sizes():
     # S1's member side, its sources in arrival order [relay][source node]: EP 0, 2, 1, 3
     assert plan.member.gathered_chunk_sizes().tolist() == [3, 11, 7, 15]
     assert plan.member.etp_split_sizes() == [36]
+
+
+def test_the_model_prefers_hier_only_where_its_rows_pay():
+    """Fewer inter-node rows against the relay's extra passes: parm_hier predicts faster than
+    S1 for a large top-2 layer across nodes, not for a tiny one, and never for top-1."""
+    from megatron_parm.perf_model import load_profile, predict
+
+    profile = load_profile("emulated_nvlink_measured")
+    layout = Layout(tp=2, ep=2, etp=2, nodes=2, ranks_per_node=2)
+
+    def ratio(**fields):
+        shape = LayerShape(**{**SHAPE.__dict__, **fields})
+        return (predict("parm_hier", shape, layout, profile).total_s
+                / predict("parm_s1", shape, layout, profile).total_s)
+
+    assert ratio(num_tokens=4096, hidden_size=256) < 0.95
+    assert ratio(num_tokens=8) > 1.0
+    assert ratio(num_tokens=4096, hidden_size=256, topk=1) > 1.0
