@@ -292,8 +292,9 @@ _BUILTIN = (
              cost_plan=pipelined_cost),
     # Not chunked: its relay expands the rows of every source node at once (a secondary
     # pair's row index points into the whole message), so chunks would need plans of their
-    # own for the primary / secondary split, and S2's overlap gains at most ~1.2x over S1 on
-    # the emulated cluster (docs/benchmark.md). Composing the two is left undone.
+    # own for the primary / secondary split; not built. Where the inter-node link dominates,
+    # S2's overlap gains more than parm_hier's deduplication (docs/benchmark.md): composing
+    # them is the next step there; until then `parm` weighs one against the other.
     Schedule("parm_hier", PARM, "deduplicated per node: one row per (token, node) over the "
              "inter-node A2A [ep_inter], fan-out to the experts inside the node A2A [ep_intra] "
              "-> AG [ESP] -> experts -> RS [ESP] -> node-local sum -> back the same way",

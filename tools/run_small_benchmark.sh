@@ -16,7 +16,7 @@ OUT=${1:-docs/bench}
 PY=${PY:-.venv/bin/python}
 GRID=${GRID:-configs/bench/small.yaml}
 ITERS=${ITERS:-3}
-DISPATCHERS=${DISPATCHERS:-alltoall,allgather,ds_baseline,parm_s1,parm_s2,parm}
+DISPATCHERS=${DISPATCHERS:-alltoall,allgather,ds_baseline,parm_s1,parm_s2,parm_hier,parm}
 mkdir -p "$OUT"
 
 run() {  # label emulator-shaping-args...
