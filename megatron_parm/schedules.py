@@ -38,6 +38,7 @@ KINDS = (NATIVE, BASELINE, PARM, AUTO)
 
 FORWARD, BACKWARD = "forward", "backward"
 COMPUTE = "compute"
+EXPERTS = "experts"  # the compute stage of the experts (other compute stages are local passes)
 COLLECTIVE_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 # The dual of each collective: what the backward pass of a forward collective runs.
 DUAL = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
@@ -165,7 +166,7 @@ def deduplicated_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
     forward = [
         Stage(FORWARD, "dispatch_a2a", "all_to_all", "ep", to_peer * row_p),
         Stage(FORWARD, "dispatch_ag", "all_gather", "expt_tp", received * row_p),
-        Stage(FORWARD, "experts", COMPUTE, flops=layout.etp * received * flops_per_row),
+        Stage(FORWARD, EXPERTS, COMPUTE, flops=layout.etp * received * flops_per_row),
         Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
         Stage(FORWARD, "combine_a2a", "all_to_all", "ep", to_peer * row),
     ]
@@ -221,7 +222,7 @@ def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
         Stage(FORWARD, "relay_expand", COMPUTE, flops=relay_pass),
         Stage(FORWARD, "dispatch_intra_a2a", "all_to_all", "ep_intra", fanned_out * row_p),
         Stage(FORWARD, "dispatch_ag", "all_gather", "expt_tp", received * row_p),
-        Stage(FORWARD, "experts", COMPUTE, flops=layout.etp * received * flops_per_row),
+        Stage(FORWARD, EXPERTS, COMPUTE, flops=layout.etp * received * flops_per_row),
         Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
         Stage(FORWARD, "combine_intra_a2a", "all_to_all", "ep_intra", fanned_out * row),
         Stage(FORWARD, "relay_sum", COMPUTE, flops=relay_pass),
@@ -244,7 +245,7 @@ def baseline_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
         forward.append(Stage(FORWARD, "input_ag", "all_gather", "tp", shape.num_tokens * row))
     forward += [
         Stage(FORWARD, "dispatch_a2a", "all_to_all", "ep", to_peer * row_p),
-        Stage(FORWARD, "experts", COMPUTE, flops=received * flops_per_row),
+        Stage(FORWARD, EXPERTS, COMPUTE, flops=received * flops_per_row),
         Stage(FORWARD, "expert_ar", "all_reduce", "expt_tp", 2.0 * received * row / layout.etp),
         Stage(FORWARD, "combine_a2a", "all_to_all", "ep", to_peer * row),
     ]

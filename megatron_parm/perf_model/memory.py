@@ -55,7 +55,7 @@ from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.shape import LayerShape
 from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts
 from megatron_parm.perf_model.volumes import build_plan
-from megatron_parm.schedules import COMPUTE, FORWARD
+from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 GIB = 2 ** 30
@@ -132,7 +132,7 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
     """r: rows through this rank's experts in one layer (uniform routing): the forward expert
     flops of the dispatcher's cost plan over the flops of one row."""
     flops = sum(step.flops for step in build_plan(dispatcher, shape, layout)
-                if step.kind == COMPUTE and step.direction == FORWARD)
+                if step.kind == COMPUTE and step.direction == FORWARD and step.name == EXPERTS)
     return flops / shape.expert_flops_per_row(layout.etp)
 
 

@@ -152,3 +152,12 @@ def test_the_model_prefers_hier_only_where_its_rows_pay():
     assert ratio(num_tokens=4096, hidden_size=256) < 0.95
     assert ratio(num_tokens=8) > 1.0
     assert ratio(num_tokens=4096, hidden_size=256, topk=1) > 1.0
+
+
+def test_the_planner_counts_expert_rows_not_the_relay_passes():
+    """The planner's memory model reads the rows through the experts from the cost plan's
+    expert stage; parm_hier's relay passes are compute stages too but carry no expert rows."""
+    from megatron_parm.perf_model.memory import expert_rows
+
+    layout = Layout(tp=1, ep=4, etp=1, nodes=2, ranks_per_node=2)
+    assert expert_rows(SHAPE, layout, "parm_hier") == pytest.approx(expert_rows(SHAPE, layout, "parm_s1"))
