@@ -153,6 +153,7 @@ def main(argv=None):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
+    from megatron_parm.comm.accounting import launcher_ranks_per_node
     from megatron_parm.parallel import initialize_model_parallel
 
     configs = load_grid(args.grid) if args.grid else [{}]
@@ -177,7 +178,7 @@ def main(argv=None):
                                   median_ms=timing.median_ms, times_ms=timing.times_ms, choice=timing.choice,
                                   bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
                                   world_size=dist.get_world_size(),
-                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+                                  local_world_size=launcher_ranks_per_node() or 0)
                     record.update({k: v for k, v in vars(spec).items() if k not in ("extra", "params_dtype")})
                     f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
