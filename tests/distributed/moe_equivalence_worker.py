@@ -250,10 +250,10 @@ def node_split(ep_ranks, per_node):
 
 
 def hier_traffic(maps, ep_ranks, per_node):
-    """parm_hier's rows, secondary pairs and pairs between the ranks of one EP group.
+    """What parm_hier moves between the ranks of one EP group, from the routing maps.
 
-    Returns, over sources and destination nodes, rows[src][b] (tokens of src with an expert
-    on node b), pairs[src][b] (its pairs to node b) and pairs to each EP rank, from the maps.
+    Returns the node blocks, rows[src, b] (tokens of src with an expert on node b),
+    pairs[src, b] (its pairs to node b) and to_rank[src, dst] (its pairs to EP rank dst).
     """
     blocks = node_split(ep_ranks, per_node)
     per_rank = E // len(ep_ranks)
@@ -313,7 +313,7 @@ def expected_hier_bytes(maps, me, ep, etp, per_node):
     return out
 
 
-def shares_a_remote_node(maps, ep, etp, per_node):
+def shares_a_remote_node(maps, ep, per_node):
     """Whether a token of this rank picks two experts on one node other than its own."""
     from megatron.core import parallel_state as ps
 
@@ -415,7 +415,7 @@ def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, reco
     records.append(dict(layout=layout, case="bytes", dispatcher=name, against="formula",
                         quantity="bytes", mismatch=mismatch, a2a_world=a2a.item(),
                         inter_world=inter.item(),
-                        shared_remote_node=shares_a_remote_node(maps, ep, etp, per_node)))
+                        shared_remote_node=shares_a_remote_node(maps, ep, per_node)))
 
 
 PROFILE_PATHS = {}
