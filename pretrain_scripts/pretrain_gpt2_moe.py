@@ -1,11 +1,12 @@
 """Pretrain a GPT-2 MoE model with Parm's dispatchers on Megatron-Core.
 
-One process (CPU):
+One process (rank 0 of 1; gloo on CPU, NCCL on a GPU):
     python pretrain_scripts/pretrain_gpt2_moe.py --config configs/gpt2_tiny_moe.yaml \
         --data-path data/cache/gpt_text_document
 
-One node, 4 ranks (torchrun; on CPU it uses gloo):
-    torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt2_moe.py \
+One node, 4 ranks (megatron_parm.launch is torchrun with one-line errors and clean
+stops; plain torchrun works too; on CPU it uses gloo):
+    python -m megatron_parm.launch --nproc-per-node 4 pretrain_scripts/pretrain_gpt2_moe.py \
         --config configs/gpt2_tiny_moe.yaml --tensor-model-parallel-size 2 \
         --expert-model-parallel-size 2 --sequence-parallel --moe-token-dispatcher-type parm_s2
 
@@ -15,14 +16,21 @@ run_emulated.sh (the emulated multi-node cluster). Flags are Megatron-LM's; see 
 
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm.training.arguments import parse_args  # noqa: E402
 from megatron_parm.training.trainer import pretrain  # noqa: E402
 
-if __name__ == "__main__":
-    args = parse_args(model_type="gpt")  # all checks run here, before any process group
+
+def main(argv=None):
+    args = parse_args(argv, model_type="gpt")  # all checks run here, before any process group
     pretrain(args)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -15,6 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
+
 from megatron_parm.bench.report import (group_results, load_records, markdown_table,  # noqa: E402
                                         ordered_dispatchers, plot_speedups, summarize)
 
@@ -61,4 +65,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -31,6 +31,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
+
 from megatron_parm.perf_model import Layout, save_profile  # noqa: E402
 from megatron_parm.perf_model import calibrate as cal  # noqa: E402
 
@@ -282,4 +286,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -37,8 +37,18 @@ from argparse import Namespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
+
 from megatron_parm.checkpointing.hf_gpt2 import is_hf_gpt2_dir  # noqa: E402
 from megatron_parm.checkpointing.paths import CheckpointError  # noqa: E402
+
+
+# The layout flags of training, as this tool names them for the target layout.
+TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
+                "--expert-model-parallel-size": "--target-expert-parallel-size",
+                "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,31 +85,26 @@ def main(argv=None) -> int:
                                    ("--upcycle", args.upcycle),
                                    ("--target-*-size", any(t is not None for t in targets))) if on]
     if len(modes) != 1:
-        raise SystemExit(f"convert_checkpoint: give exactly one of --to-single-file, "
-                         f"--from-single-file, --from-hf, --upcycle, --target-*-size "
-                         f"(got {modes or 'none'})")
-    try:
-        if args.to_single_file:
-            return to_single_file(resolve_source(args.load), args.to_single_file)
-        if not args.save:
-            raise SystemExit("convert_checkpoint: --save is required")
-        if args.from_single_file:
-            return from_single_file(args)
-        if args.from_hf:
-            return from_hf(args)
-        if args.upcycle:
-            return upcycle(args)
-        return relayout(resolve_source(args.load), args)
-    except CheckpointError as err:
-        print(f"convert_checkpoint: FAILED: {err}", file=sys.stderr)
-        return 1
+        raise ValueError(f"give exactly one of --to-single-file, --from-single-file, --from-hf, "
+                         f"--upcycle, --target-*-size (got {', '.join(modes) or 'none'})")
+    if args.to_single_file:
+        return to_single_file(resolve_source(args.load), args.to_single_file)
+    if not args.save:
+        raise ValueError("--save is required")
+    if args.from_single_file:
+        return from_single_file(args)
+    if args.from_hf:
+        return from_hf(args)
+    if args.upcycle:
+        return upcycle(args)
+    return relayout(resolve_source(args.load), args)
 
 
 def resolve_source(load):
     from megatron_parm.checkpointing.paths import resolve_load
 
     if not load:
-        raise SystemExit("convert_checkpoint: --load is required")
+        raise ValueError("--load is required")
     return resolve_load(load)  # (folder, iteration); raises CheckpointError
 
 
@@ -167,7 +172,7 @@ def upcycle(args) -> int:
     from megatron_parm.checkpointing.verify import crc32, tensor_checksums
 
     if not args.num_experts:
-        raise SystemExit("convert_checkpoint: --upcycle needs --num-experts")
+        raise ValueError("--upcycle needs --num-experts")
     dense, origin = read_dense(args.load)
     moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
                        args.seed)
@@ -216,12 +221,27 @@ def relayout(source, args) -> int:
     try:
         validate_layout(world, tp, ep, etp, saved.get("num_experts"))
     except ValueError as err:
-        raise SystemExit(f"convert_checkpoint: target layout: {err}".replace(
-            "--tensor-model", "--target-tensor-model"))
+        message = str(err)
+        for flag, target_flag in TARGET_FLAGS.items():
+            message = message.replace(flag, target_flag)
+        raise ValueError(f"target layout ({world} ranks, --target-world-size): {message}") from err
+    from megatron_parm.training.model import build_config
+
+    try:  # Megatron-Core's own checks of the model against the layout, before any rank starts
+        build_config(target_args(saved, (tp, ep, etp), world))
+    except (ValueError, AssertionError) as err:
+        raise ValueError(f"target layout tp={tp} ep={ep} etp={etp} does not fit the model in "
+                         f"{source[0]}: {err}") from err
     expected = tensor_checksums(read_full(source[0]).tensors)
     port = _free_port()
-    mp.spawn(_relayout_worker, args=(world, port, source[0], args.save, (tp, ep, etp), saved),
-             nprocs=world, join=True)
+    errors = mp.get_context("spawn").SimpleQueue()  # a rank's CheckpointError, as text
+    try:
+        mp.spawn(_relayout_worker, nprocs=world, join=True,
+                 args=(world, port, source[0], args.save, (tp, ep, etp), saved, errors))
+    except mp.ProcessExitedException as err:
+        if err.exit_code != cli.USER_ERROR or errors.empty():
+            raise
+        raise CheckpointError(errors.get()) from None
     from megatron_parm.checkpointing.paths import checkpoint_dir
 
     path = checkpoint_dir(args.save, source[1])
@@ -239,10 +259,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _relayout_worker(rank, world, port, source, target_root, layout, saved):
+def target_args(saved: dict, layout, world: int) -> Namespace:
+    """The training flags of the target layout's ranks: the saved ones, in LAYOUT."""
+    tp, ep, etp = layout
+    args = Namespace(**saved)
+    args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
+    args.expert_tensor_parallel_size = etp
+    args.sequence_parallel = tp > 1  # no weights depend on it; Megatron's alltoall needs it
+    args.moe_token_dispatcher_type = "alltoall"
+    args.use_distributed_optimizer = False
+    args.data_parallel_size = world // tp
+    return args
+
+
+def _relayout_worker(rank, world, port, source, target_root, layout, saved, errors):
+    """One rank of the target layout: load SOURCE, save it under TARGET_ROOT. A CheckpointError
+    goes to ERRORS and the rank exits with cli.USER_ERROR; the parent raises it."""
     import warnings
 
     warnings.filterwarnings("ignore")
+    try:
+        _relayout_rank(rank, world, port, source, target_root, layout, saved)
+    except ValueError as err:
+        if not cli.is_user_error(err):
+            raise
+        errors.put(str(err))
+        sys.exit(cli.USER_ERROR)
+
+
+def _relayout_rank(rank, world, port, source, target_root, layout, saved):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron_parm.checkpointing import load_checkpoint, read_checkpoint_info, save_checkpoint
@@ -254,13 +299,7 @@ def _relayout_worker(rank, world, port, source, target_root, layout, saved):
     )
 
     tp, ep, etp = layout
-    args = Namespace(**saved)
-    args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
-    args.expert_tensor_parallel_size = etp
-    args.sequence_parallel = tp > 1  # no weights depend on it; Megatron's alltoall needs it
-    args.moe_token_dispatcher_type = "alltoall"
-    args.use_distributed_optimizer = False
-    args.data_parallel_size = world // tp
+    args = target_args(saved, layout, world)
     initialize_distributed()
     initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type)
     set_seed(args.seed)
@@ -277,4 +316,4 @@ def _relayout_worker(rank, world, port, source, target_root, layout, saved):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

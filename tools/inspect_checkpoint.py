@@ -15,6 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
+
 from megatron_parm.checkpointing.paths import (  # noqa: E402
     CheckpointError,
     is_checkpoint_dir,
@@ -76,27 +80,23 @@ def main(argv=None) -> int:
     parser.add_argument("--verify", action="store_true", help="Also read every tensor (CRC32).")
     parser.add_argument("--no-tensors", action="store_true", help="Do not list the tensors.")
     args = parser.parse_args(argv)
-    try:
-        if not os.path.isdir(args.path):
-            raise CheckpointError(f"{args.path}: no such directory")
-        if is_checkpoint_dir(args.path):
-            describe(args.path, not args.no_tensors, args.verify)
-            return 0
-        tracked = read_tracker(args.path)
-        found = list_checkpoints(args.path)
-        print(f"{args.path}: {len(found)} checkpoints, tracker -> "
-              f"{tracked if tracked is not None else '(none)'}"
-              + (f"; unfinished saves: {', '.join(list_partial(args.path))}" if list_partial(args.path) else ""))
-        if not found:
-            raise CheckpointError(f"{args.path}: no iter_NNNNNNN checkpoint folders")
-        for index, (_, path) in enumerate(found):
-            last = index == len(found) - 1
-            describe(path, show_tensors=last and not args.no_tensors, verify=args.verify)
+    if not os.path.isdir(args.path):
+        raise CheckpointError(f"{args.path}: no such directory")
+    if is_checkpoint_dir(args.path):
+        describe(args.path, not args.no_tensors, args.verify)
         return 0
-    except CheckpointError as err:
-        print(f"inspect_checkpoint: {err}", file=sys.stderr)
-        return 1
+    tracked = read_tracker(args.path)
+    found = list_checkpoints(args.path)
+    print(f"{args.path}: {len(found)} checkpoints, tracker -> "
+          f"{tracked if tracked is not None else '(none)'}"
+          + (f"; unfinished saves: {', '.join(list_partial(args.path))}" if list_partial(args.path) else ""))
+    if not found:
+        raise CheckpointError(f"{args.path}: no iter_NNNNNNN checkpoint folders")
+    for index, (_, path) in enumerate(found):
+        last = index == len(found) - 1
+        describe(path, show_tensors=last and not args.no_tensors, verify=args.verify)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -117,4 +117,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megatron_parm import cli
+
+    cli.run(main)

@@ -30,6 +30,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
+
 from megatron_parm import schedules  # noqa: E402
 from megatron_parm.perf_model import (LayerShape, Layout, choose_schedule,  # noqa: E402
                                       comm_volumes, load_profile, modelled_dispatchers, predict)
@@ -342,4 +346,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -19,12 +19,13 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Importing megatron.core warns about optional CUDA extensions that a CPU setup never has.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm.data.preprocess import preprocess_jsonl  # noqa: E402
 from megatron_parm.data.tokenizers import add_tokenizer_args  # noqa: E402
@@ -74,4 +75,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -58,14 +58,19 @@ from megatron_parm.training.model import FORWARD_STEPS, build_model, moe_layers
 
 
 def initialize_distributed() -> None:
-    """Join the job's process group (env:// from torchrun, srun + torchrun or the emulator)
-    and apply the CPU redirects when there is no GPU. Safe to call more than once."""
+    """Join the job's process group (env:// from torchrun, srun + torchrun or the emulator;
+    without RANK, as with plain `python script.py`, a group of one process) and apply the CPU
+    redirects when there is no GPU. Safe to call more than once."""
     if not torch.distributed.is_initialized():
+        one_process = {} if "RANK" in os.environ else dict(
+            store=torch.distributed.HashStore(), rank=0, world_size=1)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group("nccl", timeout=timedelta(minutes=10))
+            torch.distributed.init_process_group("nccl", timeout=timedelta(minutes=10),
+                                                 **one_process)
         else:
-            torch.distributed.init_process_group("gloo", timeout=timedelta(minutes=10))
+            torch.distributed.init_process_group("gloo", timeout=timedelta(minutes=10),
+                                                 **one_process)
     platform.setup()
 
 

@@ -297,7 +297,7 @@ def test_missing_expert_chunk_refused_naming_it(runs, tmp_path):
     with open(path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     proc = convert("--load", str(tmp_path / "ckpt"), "--to-single-file", str(tmp_path / "x.pt"))
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert key in proc.stderr and "layer 1 expert 3" in proc.stderr, proc.stderr
 
 
@@ -311,7 +311,7 @@ def test_truncated_expert_tensor_refused_naming_it(runs, tmp_path):
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == key)
     os.truncate(path / info.relative_path, info.offset + info.length // 2)
     proc = convert("--load", str(tmp_path / "ckpt"), "--to-single-file", str(tmp_path / "x.pt"))
-    assert proc.returncode == 1 and key in proc.stderr and "truncated" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and key in proc.stderr and "truncated" in proc.stderr, proc.stderr
 
 
 def test_single_file_with_damaged_expert_refused_naming_it(runs, tmp_path):
@@ -325,7 +325,7 @@ def test_single_file_with_damaged_expert_refused_naming_it(runs, tmp_path):
     del data["tensors"][removed]
     torch.save(data, tmp_path / "bad.pt")
     proc = convert("--from-single-file", str(tmp_path / "bad.pt"), "--save", str(tmp_path / "out"))
-    assert proc.returncode == 1, proc.stdout
+    assert proc.returncode == 2, proc.stdout
     assert f"{key}: float32(2, 3, 256, 64), expected float32(2, 4, 256, 64)" in proc.stderr, proc.stderr
     assert f"{removed}: missing" in proc.stderr, proc.stderr
     assert not (tmp_path / "out/latest_checkpointed_iteration.txt").exists()
