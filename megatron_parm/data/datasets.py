@@ -18,6 +18,7 @@ Notation: b micro batch size, s sequence length.
 import contextlib
 import os
 import re
+import struct
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy
@@ -35,7 +36,13 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import (
+    _INDEX_HEADER,
+    DType,
+    IndexedDataset,
+    get_bin_path,
+    get_idx_path,
+)
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -86,8 +93,69 @@ def parse_data_path(data_path: Union[str, Sequence[str], None]) -> Blend:
     for prefix in prefixes:
         if not (os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))):
             raise ValueError(
-                f"--data-path: no such indexed dataset: {prefix} (.bin/.idx not found)")
+                f"--data-path: no such indexed dataset: {prefix} (.bin/.idx not found; build it "
+                f"with tools/preprocess_data.py)")
+        check_indexed_dataset(prefix)
     return prefixes, weights
+
+
+# .idx: header, version (u64), dtype code (u8), sequence count (u64), document count (u64), then
+# int32 sequence lengths, int64 sequence byte offsets into .bin, int64 document boundaries,
+# and (multimodal datasets only) one int8 mode per sequence.
+_IDX_FIXED = len(_INDEX_HEADER) + 8 + 1 + 8 + 8
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    """Refuse a damaged PREFIX.idx / PREFIX.bin before Megatron-Core maps them: a header, size
+    or length that does not match raises ValueError naming the file, what was expected, what
+    was found and how to rebuild it. Reads only the header and the last index entries."""
+    idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    rebuild = "; rebuild the dataset with tools/preprocess_data.py"
+
+    def refuse(path, what):
+        raise ValueError(f"--data-path: {path}: {what}{rebuild}")
+
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as index:
+        fixed = index.read(_IDX_FIXED)
+        if len(fixed) < _IDX_FIXED:
+            refuse(idx_path, f"{idx_size} bytes, shorter than the {_IDX_FIXED}-byte header "
+                             f"(truncated)")
+        header, (version, code, num_sequences, num_documents) = \
+            fixed[:len(_INDEX_HEADER)], struct.unpack("<QBQQ", fixed[len(_INDEX_HEADER):])
+        if header != _INDEX_HEADER:
+            refuse(idx_path, f"starts with {header!r}, expected {_INDEX_HEADER!r} (not a "
+                             f"Megatron indexed-dataset index)")
+        if version != 1:
+            refuse(idx_path, f"format version {version}, expected 1")
+        try:
+            itemsize = DType.size(DType.dtype_from_code(code))
+        except (ValueError, KeyError):
+            refuse(idx_path, f"token type code {code} is not one of Megatron's")
+        expected = _IDX_FIXED + num_sequences * (4 + 8) + num_documents * 8
+        if idx_size not in (expected, expected + num_sequences):  # + modes if multimodal
+            refuse(idx_path, f"{idx_size} bytes, expected {expected} for the {num_sequences} "
+                             f"sequences and {num_documents} document boundaries its header "
+                             f"lists (truncated or corrupted)")
+        if num_sequences == 0:
+            last_end = 0
+        else:
+            index.seek(_IDX_FIXED + (num_sequences - 1) * 4)
+            (last_length,) = struct.unpack("<i", index.read(4))
+            index.seek(_IDX_FIXED + num_sequences * 4 + (num_sequences - 1) * 8)
+            (last_offset,) = struct.unpack("<q", index.read(8))
+            last_end = last_offset + last_length * itemsize
+        if num_documents:
+            index.seek(_IDX_FIXED + num_sequences * 12 + (num_documents - 1) * 8)
+            (last_boundary,) = struct.unpack("<q", index.read(8))
+            if last_boundary != num_sequences:
+                refuse(idx_path, f"its last document ends at sequence {last_boundary}, expected "
+                                 f"{num_sequences} (corrupted)")
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != last_end:
+        refuse(bin_path, f"{bin_size} bytes, expected {last_end} ({last_end // itemsize} tokens of "
+                         f"{itemsize} bytes) as {os.path.basename(idx_path)} says "
+                         f"({'truncated' if bin_size < last_end else 'not the data of this index'})")
 
 
 def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:

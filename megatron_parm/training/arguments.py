@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import yaml
 
-from megatron_parm.data.datasets import add_data_args
+from megatron_parm.data.datasets import add_data_args, parse_data_path
 from megatron_parm.data.tokenizers import add_tokenizer_args
 from megatron_parm import schedules
 from megatron_parm.parallel import validate_layout
@@ -171,18 +171,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required (on the command line "
                              f"or in --config)")
-    if not args.data_path:
-        raise ValueError("--data-path is required (an indexed dataset prefix from "
-                         "tools/preprocess_data.py)")
-    for prefix in args.data_path:
-        try:
-            float(prefix)
-            continue  # a blend weight
-        except ValueError:
-            pass
-        if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-            raise ValueError(f"--data-path: no indexed dataset at {prefix} ({prefix}.bin / "
-                             f"{prefix}.idx not found; build it with tools/preprocess_data.py)")
+    parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
     if args.tokenizer_type == "SentencePieceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")

@@ -313,7 +313,7 @@ def test_batch_sampler_data_parallel_and_resume():
 
 def test_data_errors_name_the_flag(data_dir, spm_tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"--data-path: no such indexed dataset: .*missing "
-                                         r"\(.bin/.idx not found\)"):
+                                         r"\(.bin/.idx not found; build it with "):
         parse_data_path([str(tmp_path / "missing")])
     prefix = str(data_dir / "gpt_text_document")
     assert parse_data_path(prefix) == ([prefix], None)
