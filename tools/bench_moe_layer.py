@@ -98,10 +98,13 @@ def spec_from_args(args, **overrides):
 
 
 def load_grid(path):
-    """Configurations of a grid file: the cartesian product of `grid`, each with `fixed` on top.
+    """Configurations of a grid file: the cartesian product of `grid`, each with `fixed` on top,
+    less those `exclude_if` matches.
 
-    File: {fixed: {field: value}, grid: {field: [values]}, exclude_if: optional python
-    expression over the fields}; fields are those of MoELayerSpec.
+    File: {fixed: {field: value}, grid: {field: [values]}, exclude_if: [rule, ...]}; fields are
+    those of MoELayerSpec. A configuration is left out when it meets every condition of any
+    rule; a condition is `field: value` (equal) or `field: {op: value}` with op one of
+    GRID_OPERATORS. Nothing in the file is evaluated as code.
     """
     import itertools
 
@@ -114,18 +117,56 @@ def load_grid(path):
     unknown = set(data) - {"name", "description", "fixed", "grid", "exclude_if"}
     if unknown:
         raise ValueError(f"--grid {path}: unknown keys {sorted(unknown)}")
+    rules = _exclusion_rules(data.get("exclude_if"), path)
     grid = data.get("grid") or {}
     keys = list(grid)
     configs = []
     for values in itertools.product(*(grid[k] for k in keys)):
         config = dict(data.get("fixed") or {})
         config.update(zip(keys, values))
-        if data.get("exclude_if") and eval(data["exclude_if"], {}, dict(config)):  # noqa: S307
+        if any(_meets(config, rule, path) for rule in rules):
             continue
         configs.append(config)
     if not configs:
         raise ValueError(f"--grid {path}: no configuration left")
     return configs
+
+
+GRID_OPERATORS = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
+                  "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+                  "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
+                  "in": lambda a, b: a in b, "not_in": lambda a, b: a not in b}
+
+
+def _exclusion_rules(rules, path):
+    """exclude_if as a list of {field: (operator, value)} rules; refuses anything else."""
+    if rules is None:
+        return []
+    example = "e.g. [{capacity_factor: {ne: null}, seq_length: {lt: 1024}}]"
+    if not isinstance(rules, list) or not all(isinstance(rule, dict) and rule for rule in rules):
+        raise ValueError(f"--grid {path}: exclude_if must be a list of rules, each a mapping of "
+                         f"fields to conditions ({example}); expressions are not evaluated")
+    parsed = []
+    for rule in rules:
+        conditions = {}
+        for field, condition in rule.items():
+            if isinstance(condition, dict):
+                if len(condition) != 1 or next(iter(condition)) not in GRID_OPERATORS:
+                    raise ValueError(f"--grid {path}: exclude_if: {field}: {condition!r} is not "
+                                     f"one of {', '.join(GRID_OPERATORS)} with a value")
+                conditions[field] = next(iter(condition.items()))
+            else:
+                conditions[field] = ("eq", condition)
+        parsed.append(conditions)
+    return parsed
+
+
+def _meets(config, rule, path) -> bool:
+    try:
+        return all(GRID_OPERATORS[op](config.get(field), value)
+                   for field, (op, value) in rule.items())
+    except TypeError as err:
+        raise ValueError(f"--grid {path}: exclude_if cannot compare {rule} with {config}: {err}") from err
 
 
 def format_table(spec, results, diffs) -> str:

@@ -40,6 +40,7 @@ from megatron_parm.checkpointing.paths import (
     read_tracker,
     resolve_load,
 )
+from megatron_parm.checkpointing.safe_load import load_torch_file, read_sharded_objects
 from megatron_parm.checkpointing.verify import (
     check_complete,
     check_request,
@@ -214,12 +215,11 @@ def read_checkpoint_info(path: str) -> dict:
     """The common (non-tensor) part of a checkpoint, after checking the folder is whole:
     {'iteration', 'args', 'model_info', 'layout', ...}. No process group needed."""
     check_complete(path)
-    from megatron.core import dist_checkpointing
-
-    try:
-        return dist_checkpointing.load_common_state_dict(path)
-    except Exception as err:
-        raise CheckpointError(f"{path}/common.pt cannot be read ({type(err).__name__}: {err})") from err
+    common = load_torch_file(os.path.join(path, "common.pt"))  # plain data only
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{path}/common.pt holds a {type(common).__name__}, not a "
+                              f"checkpoint's common state")
+    return common
 
 
 def check_model_flags(saved_args: Optional[dict], args, path: str) -> None:
@@ -280,6 +280,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     try:
         common = read_checkpoint_info(path)
         check_model_flags(common.get("args"), args, path)
+        # Megatron-Core's loader unpickles these without restriction: read them safely first.
+        read_sharded_objects(path, read_metadata(path))
     except CheckpointError as err:
         problems.append(str(err))
     problems = _agree(problems)

@@ -21,6 +21,7 @@ from typing import Dict
 import torch
 
 from megatron_parm.checkpointing.paths import CheckpointError, partial_dir, publish
+from megatron_parm.checkpointing.safe_load import load_safely, load_torch_file
 from megatron_parm.checkpointing.verify import (
     check_complete,
     compare_checksums,
@@ -41,8 +42,8 @@ class FullCheckpoint:
 
 
 def read_full(path: str) -> FullCheckpoint:
-    import torch.distributed.checkpoint as dcp
-
+    """Every tensor of the checkpoint folder PATH, whole, its objects and its common state;
+    every pickle in it read with safe_load's allow-lists."""
     check_complete(path)
     metadata = read_metadata(path)
     entries = tensor_entries(metadata)
@@ -50,9 +51,9 @@ def read_full(path: str) -> FullCheckpoint:
                for key, entry in entries.items()}
     objects = {key: io.BytesIO() for key in metadata.state_dict_metadata if key not in entries}
     state = {**tensors, **objects}
-    # DCP's planner replaces each byte entry by the object unpickled from it.
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    # The planner replaces each byte entry by the object read (safely) from it.
+    load_safely(state, path)
+    common = load_torch_file(os.path.join(path, "common.pt"))
     return FullCheckpoint(tensors, {key: state[key] for key in objects}, common)
 
 
@@ -98,10 +99,7 @@ def load_single_file(file_path: str) -> FullCheckpoint:
     """Read a single file and check every tensor against the checksums stored with it."""
     if not os.path.isfile(file_path):
         raise CheckpointError(f"--from-single-file {file_path}: no such file")
-    try:
-        data = torch.load(file_path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointError(f"{file_path} cannot be read ({type(err).__name__}: {err})") from err
+    data = load_torch_file(file_path, "--from-single-file")  # plain data only
     if not isinstance(data, dict) or data.get("format") != SINGLE_FILE_FORMAT:
         raise CheckpointError(f"{file_path} is not a {SINGLE_FILE_FORMAT} "
                               f"(written by tools/convert_checkpoint.py --to-single-file)")

@@ -119,9 +119,9 @@ def resolve_load(load: str, save: Optional[str] = None) -> Optional[Tuple[str, i
 
 
 def _iteration_from_common(path: str) -> int:
-    import torch
+    from megatron_parm.checkpointing.safe_load import load_torch_file
 
-    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    common = load_torch_file(os.path.join(path, "common.pt"), "--load")
     return int(common.get("iteration", 0))
 
 

@@ -26,16 +26,14 @@ _SHOWN = 8  # problems listed in one error message before "... and N more"
 
 
 def read_metadata(path: str):
-    """torch DCP's index of a checkpoint folder (.metadata), with a clear error if unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """torch DCP's index of a checkpoint folder (.metadata), read safely, with a clear error if
+    unreadable."""
+    from megatron_parm.checkpointing.safe_load import load_dcp_metadata
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path}: .metadata missing (not a torch_dist checkpoint, or a "
                               f"save that did not finish)")
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as err:  # a truncated or garbled pickle: say which file
-        raise CheckpointError(f"{path}/.metadata is corrupted ({type(err).__name__}: {err})") from err
+    return load_dcp_metadata(os.path.join(path, ".metadata"))  # refuses anything but metadata
 
 
 def tensor_entries(metadata) -> Dict[str, "object"]:
