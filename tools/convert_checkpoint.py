@@ -269,6 +269,8 @@ def target_args(saved: dict, layout, world: int) -> Namespace:
     args.moe_token_dispatcher_type = "alltoall"
     args.use_distributed_optimizer = False
     args.data_parallel_size = world // tp
+    args.override_opt_param_scheduler = False
+    args.use_checkpoint_opt_param_scheduler = True  # a conversion keeps the schedule as saved
     return args
 
 

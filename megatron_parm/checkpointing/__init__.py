@@ -41,6 +41,7 @@ from megatron_parm.checkpointing.paths import (
     resolve_load,
 )
 from megatron_parm.checkpointing.safe_load import load_torch_file, read_sharded_objects
+from megatron_parm.checkpointing.scheduler import check_schedule, schedule_differences
 from megatron_parm.checkpointing.verify import (
     check_complete,
     check_request,
@@ -280,6 +281,11 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     try:
         common = read_checkpoint_info(path)
         check_model_flags(common.get("args"), args, path)
+        if scheduler is not None and common.get("optimizer_step") is not None \
+                and "opt_param_scheduler" in common:
+            check_schedule(path, common["opt_param_scheduler"], scheduler,
+                           (common.get("args") or {}).get("global_batch_size"),
+                           getattr(args, "global_batch_size", None))
         # Megatron-Core's loader unpickles these without restriction: read them safely first.
         read_sharded_objects(path, read_metadata(path))
     except CheckpointError as err:
@@ -307,7 +313,14 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     if optimizer is not None and has_optimizer:
         _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"])
     if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
+        differences = schedule_differences(state["opt_param_scheduler"], scheduler, None, None)
         scheduler.load_state_dict(state["opt_param_scheduler"])
+        if differences:
+            kept = ("the command line's (--override-opt_param-scheduler)"
+                    if scheduler.override_opt_param_scheduler else
+                    "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
+            notes.append(f"learning-rate schedule: {kept}; they differ in "
+                         + "; ".join(flag for flag, _ in differences))
 
     rng_restored = False
     saved_rng = common.get("rng_state")

@@ -35,9 +35,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from megatron_parm.checkpointing.paths import CheckpointError
 
 # numpy's random state (numpy.random.get_state()) is an uint32 array: what torch.load needs to
-# rebuild one. numpy 2 names the module numpy._core; numpy 1 numpy.core.
+# rebuild one (numpy 2 names the module numpy._core; numpy 1 numpy.core). Allowed for every
+# weights-only load of this process, Megatron-Core's own included (torch.serialization's
+# safe_globals() context would drop, on exit, what Megatron-Core registered at import).
 _NUMPY_ARRAY_GLOBALS = [getattr(numpy, "_core", numpy.core).multiarray._reconstruct,
                         numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+torch.serialization.add_safe_globals(_NUMPY_ARRAY_GLOBALS)
 
 # What torch DCP 2.x writes into .metadata: (module, name).
 _DCP_METADATA_CLASSES = {
@@ -63,8 +66,7 @@ def load_torch_file(path: str, what: str = "") -> Any:
     """torch.load(PATH) of plain data only; CheckpointError naming PATH otherwise."""
     name = f"{what} {path}".strip()
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as err:
         raise CheckpointError(f"{name}: no such file") from err
     except pickle.UnpicklingError as err:
@@ -77,8 +79,7 @@ def load_torch_file(path: str, what: str = "") -> Any:
 def load_object_bytes(data: bytes, where: str) -> Any:
     """One ShardedObject's pickle (bytes from a .distcp file), plain data only."""
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{where}: {REFUSED.format(what=_unsupported(err))}") from None
     except Exception as err:  # noqa: BLE001

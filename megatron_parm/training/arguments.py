@@ -114,6 +114,13 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="On SIGTERM (Slurm's time limit or preemption), finish the "
                             "iteration, save (with --save) and stop.")
+    group.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="On resume, take the learning-rate schedule (--lr, --min-lr, "
+                            "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, "
+                            "--weight-decay, --train-iters) from the command line, not the "
+                            "checkpoint. Without this or the next flag a difference is an error.")
+    group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="On resume, keep the checkpoint's learning-rate schedule.")
     group.add_argument("--skip-train", action="store_true",
                        help="Load --load, evaluate (--eval-iters batches) and stop.")
     group.add_argument("--eval-interval", type=int, default=1000)
@@ -241,6 +248,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("save_interval", "exit_interval"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                         "exclude each other (the command line's schedule, or the checkpoint's)")
     if args.skip_train and not args.load:
         raise ValueError("--skip-train needs --load (the checkpoint to evaluate)")
     for flag in ("train_iters", "log_interval", "eval_interval"):

@@ -206,7 +206,12 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
         lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant")
+        wd_incr_style="constant",
+        # On resume (Megatron-LM's rules, checked in checkpointing.scheduler): the command
+        # line's schedule, the checkpoint's, or (neither flag) refuse a difference.
+        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
+        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
+                                                   False))
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -282,7 +287,9 @@ def pretrain(args) -> dict:
 
     iteration, consumed_samples = 0, 0
     if checkpoint is not None:
-        loaded = load_checkpoint(checkpoint[0], model, optimizer, scheduler, args)
+        # --skip-train only evaluates: the learning-rate schedule is neither needed nor checked.
+        loaded = load_checkpoint(checkpoint[0], model, optimizer,
+                                 None if args.skip_train else scheduler, args)
         iteration, consumed_samples = loaded["iteration"], loaded["consumed_samples"]
         print_rank_0(f"> loaded checkpoint {checkpoint[0]} at iteration {iteration} "
                      f"(consumed samples {consumed_samples}, RNG states "
