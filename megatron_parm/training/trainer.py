@@ -412,7 +412,6 @@ def pretrain(args) -> dict:
             summary["exit_reason"] = "exit-interval"
             break
 
-    exit_signal.close()
     summary["iteration"] = iteration
     if args.save and iteration > start_iteration and saved_at != iteration:
         summary["checkpoint"] = save_checkpoint(args.save, iteration, model, optimizer,
@@ -420,6 +419,7 @@ def pretrain(args) -> dict:
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {summary['checkpoint']}")
     elif args.save and saved_at == iteration:
         summary["checkpoint"] = os.path.join(args.save, f"iter_{iteration:07d}")
+    exit_signal.close()  # after the save: a second SIGTERM must not cut it short
     tensorboard.close()
     print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
                  if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
