@@ -23,7 +23,7 @@ demo: install
 
 # A 4-rank forward/backward of one MoE layer with every dispatcher, side by side.
 layer-demo: install
-	$(PY) -m torch.distributed.run --nproc-per-node 4 tools/bench_moe_layer.py \
+	$(PY) -m megatron_parm.launch --nproc-per-node 4 tools/bench_moe_layer.py \
 		--tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
 		--expert-tensor-parallel-size 2 --sequence-parallel
 

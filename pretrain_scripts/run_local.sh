@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPT-2 MoE (or BERT MoE) pretraining on one node with torchrun; gloo on CPU, NCCL on GPUs.
+# GPT-2 MoE (or BERT MoE) pretraining on one node with torchrun (megatron_parm.launch: a
+# user's mistake in one line, Ctrl-C or SIGTERM saves and stops); gloo on CPU, NCCL on GPUs.
 #
 #   pretrain_scripts/run_local.sh                                # GPT-2 MoE tiny, 4 ranks, parm
 #   NPROC=4 DISPATCHER=alltoall pretrain_scripts/run_local.sh --train-iters 100
@@ -29,7 +30,8 @@ OUTPUT_ARGS=(--save "$RUN_DIR/checkpoints" --tensorboard-dir "$RUN_DIR/tensorboa
 
 mkdir -p "$RUN_DIR"
 echo "run folder: $RUN_DIR (log: $RUN_DIR/train.log)"
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run \
+# tee ignores Ctrl-C so that the ranks can still log while they save and stop.
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m megatron_parm.launch \
     --nproc-per-node "$NPROC" --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
     "$SCRIPT" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \
-    "${OUTPUT_ARGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
+    "${OUTPUT_ARGS[@]}" --exit-signal-handler "$@" 2>&1 | (trap '' INT; tee "$RUN_DIR/train.log")
