@@ -112,8 +112,8 @@ def optional_packages_note() -> Optional[str]:
     missing = [name for module, name in OPTIONAL_PACKAGES if importlib.util.find_spec(module) is None]
     if not missing:
         return None
-    return (f"optional packages not installed: {', '.join(missing)} (Megatron-Core uses its "
-            f"PyTorch implementations instead: same results, fewer fused kernels)")
+    return (f"optional packages not installed: {', '.join(missing)} (Megatron-Core falls back "
+            f"to its PyTorch implementations)")
 
 
 # ---------------------------------------------------------------------------------------------

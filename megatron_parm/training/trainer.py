@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 from megatron_parm import platform
+from megatron_parm.cli import optional_packages_note
 from megatron_parm.checkpointing import (
     check_model_flags,
     find_checkpoint,
@@ -260,6 +261,8 @@ def pretrain(args) -> dict:
                  f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
                  f"dispatcher {args.moe_token_dispatcher_type}, "
                  f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}")
+    if optional_packages_note():  # Megatron-Core's own warnings about them are hidden
+        print_rank_0(f"> {optional_packages_note()}")
     print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
                  f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
 
