@@ -116,14 +116,36 @@ def _summary(sums) -> str:
             f"{count_experts(sums)} [layer, expert] slices, all checksums equal")
 
 
-def to_single_file(source, file_path) -> int:
-    from megatron_parm.checkpointing.full import load_single_file, read_full, save_single_file
+def checksums(tensors, what: str):
+    """Every tensor's checksums (verify.tensor_checksums), as a stage with a progress bar."""
     from megatron_parm.checkpointing.verify import tensor_checksums
+    from megatron_parm.training.log import Progress, stage
 
-    full = read_full(source[0])
-    expected = tensor_checksums(full.tensors)
-    save_single_file(full, file_path)
-    load_single_file(file_path)  # reads it back, verifying every checksum
+    with stage(f"checksums of {len(tensors)} tensors ({what})"):
+        bar = Progress(len(tensors), unit="tensors")
+        sums = tensor_checksums(tensors, on_tensor=bar.update)
+        bar.clear()
+    return sums
+
+
+def read_checkpoint(path: str):
+    from megatron_parm.checkpointing.full import read_full
+    from megatron_parm.training.log import stage
+
+    with stage(f"reading {path}"):
+        return read_full(path)
+
+
+def to_single_file(source, file_path) -> int:
+    from megatron_parm.checkpointing.full import load_single_file, save_single_file
+    from megatron_parm.training.log import stage
+
+    full = read_checkpoint(source[0])
+    expected = checksums(full.tensors, "the source")
+    with stage(f"writing {file_path}"):
+        save_single_file(full, file_path, expected)
+    with stage(f"reading {file_path} back and comparing every checksum"):
+        load_single_file(file_path)
     print(f"wrote {file_path} from {source[0]}: {_summary(expected)}")
     return 0
 
@@ -132,51 +154,60 @@ def write_verified(full, save: str, iteration: int, what: str, description: str,
                    expected=None) -> int:
     """Write FULL as SAVE/iter_N, read it back and compare every tensor's checksum."""
     from megatron_parm.checkpointing.full import verify_against, write_full
-    from megatron_parm.checkpointing.verify import tensor_checksums
+    from megatron_parm.checkpointing.paths import checkpoint_dir
+    from megatron_parm.training.log import stage
 
-    expected = expected or tensor_checksums(full.tensors)
-    path = write_full(save, iteration, full)
-    verify_against(path, expected, what)
+    expected = expected or checksums(full.tensors, "to write")
+    with stage(f"writing {checkpoint_dir(save, iteration)}"):
+        path = write_full(save, iteration, full)
+    with stage(f"reading {path} back and comparing every checksum"):
+        verify_against(path, expected, what)
     print(f"wrote {path} {description}: {_summary(expected)}")
     return 0
 
 
 def from_single_file(args) -> int:
     from megatron_parm.checkpointing.full import load_single_file
+    from megatron_parm.training.log import stage
 
-    full = load_single_file(args.from_single_file)  # verifies the file's own checksums
+    with stage(f"reading {args.from_single_file} and checking its checksums"):
+        full = load_single_file(args.from_single_file)
     return write_verified(full, args.save, int(full.common.get("iteration", 0)),
                           "--from-single-file", f"from {args.from_single_file}")
 
 
 def from_hf(args) -> int:
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+    from megatron_parm.training.log import stage
 
-    return write_verified(hf_gpt2_to_full(args.from_hf), args.save, 0, "--from-hf",
+    with stage(f"reading Hugging Face GPT-2 {args.from_hf}"):
+        full = hf_gpt2_to_full(args.from_hf)
+    return write_verified(full, args.save, 0, "--from-hf",
                           f"from Hugging Face GPT-2 {args.from_hf}")
 
 
 def read_dense(load):
     """(FullCheckpoint, description) of --load: a Hugging Face GPT-2 directory or one of ours."""
-    from megatron_parm.checkpointing.full import read_full
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+    from megatron_parm.training.log import stage
 
     if load and is_hf_gpt2_dir(load):
-        return hf_gpt2_to_full(load), f"Hugging Face GPT-2 {load}"
+        with stage(f"reading Hugging Face GPT-2 {load}"):
+            return hf_gpt2_to_full(load), f"Hugging Face GPT-2 {load}"
     folder = resolve_source(load)[0]
-    return read_full(folder), folder
+    return read_checkpoint(folder), folder
 
 
 def upcycle(args) -> int:
     from megatron_parm.checkpointing.upcycle import upcycle as upcycle_full
-    from megatron_parm.checkpointing.verify import crc32, tensor_checksums
+    from megatron_parm.checkpointing.verify import crc32
 
     if not args.num_experts:
         raise ValueError("--upcycle needs --num-experts")
     dense, origin = read_dense(args.load)
     moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
                        args.seed)
-    expected = tensor_checksums(moe.tensors)
+    expected = checksums(moe.tensors, f"{args.num_experts} experts per layer")
     # Every expert of every layer must be the dense MLP of that layer.
     for name in ("linear_fc1.weight", "linear_fc2.weight", "linear_fc1.bias", "linear_fc2.bias"):
         if f"decoder.layers.mlp.{name}" not in dense.tensors:
@@ -204,9 +235,10 @@ def relayout(source, args) -> int:
 
     from megatron_parm.checkpointing import read_checkpoint_info
     from megatron_parm.checkpointing.full import verify_against
-    from megatron_parm.checkpointing.verify import tensor_checksums
-    from megatron_parm.checkpointing.full import read_full
+    from megatron_parm.checkpointing.paths import checkpoint_dir
     from megatron_parm.parallel import validate_layout
+    from megatron_parm.training.log import stage
+    from megatron_parm.training.model import build_config
 
     info = read_checkpoint_info(source[0])
     saved = info.get("args")
@@ -225,27 +257,25 @@ def relayout(source, args) -> int:
         for flag, target_flag in TARGET_FLAGS.items():
             message = message.replace(flag, target_flag)
         raise ValueError(f"target layout ({world} ranks, --target-world-size): {message}") from err
-    from megatron_parm.training.model import build_config
-
     try:  # Megatron-Core's own checks of the model against the layout, before any rank starts
         build_config(target_args(saved, (tp, ep, etp), world))
     except (ValueError, AssertionError) as err:
         raise ValueError(f"target layout tp={tp} ep={ep} etp={etp} does not fit the model in "
                          f"{source[0]}: {err}") from err
-    expected = tensor_checksums(read_full(source[0]).tensors)
+    expected = checksums(read_checkpoint(source[0]).tensors, "the source")
     port = _free_port()
     errors = mp.get_context("spawn").SimpleQueue()  # a rank's CheckpointError, as text
-    try:
-        mp.spawn(_relayout_worker, nprocs=world, join=True,
-                 args=(world, port, source[0], args.save, (tp, ep, etp), saved, errors))
-    except mp.ProcessExitedException as err:
-        if err.exit_code != cli.USER_ERROR or errors.empty():
-            raise
-        raise CheckpointError(errors.get()) from None
-    from megatron_parm.checkpointing.paths import checkpoint_dir
-
+    with stage(f"resharding for tp={tp} ep={ep} etp={etp} on {world} local processes"):
+        try:
+            mp.spawn(_relayout_worker, nprocs=world, join=True,
+                     args=(world, port, source[0], args.save, (tp, ep, etp), saved, errors))
+        except mp.ProcessExitedException as err:
+            if err.exit_code != cli.USER_ERROR or errors.empty():
+                raise
+            raise CheckpointError(errors.get()) from None
     path = checkpoint_dir(args.save, source[1])
-    verify_against(path, expected, "conversion to the target layout")
+    with stage(f"reading {path} back and comparing every checksum"):
+        verify_against(path, expected, "conversion to the target layout")
     print(f"wrote {path} for tp={tp} ep={ep} etp={etp} ({world} ranks) from {source[0]}: "
           f"{_summary(expected)}")
     return 0

@@ -2,9 +2,12 @@
 
     python tools/inspect_checkpoint.py runs/x/checkpoints            # every iteration, latest's tensors
     python tools/inspect_checkpoint.py runs/x/checkpoints/iter_0000020 --verify   # + CRC32 of all
+    diff <(python tools/inspect_checkpoint.py A --verify | grep crc32) \
+         <(python tools/inspect_checkpoint.py B --verify | grep crc32)    # which tensors differ
 
 Checks each published checkpoint is whole (files, chunk coverage, data file lengths) and
-exits non-zero naming the tensor when one is not. --verify also reads every tensor.
+exits non-zero naming the tensor when one is not. --verify also reads every tensor and prints
+its CRC32 (and one per [layer, expert] of the expert tensors).
 """
 
 from __future__ import annotations
@@ -71,7 +74,22 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
         from megatron_parm.checkpointing.verify import count_experts, tensor_checksums
 
         sums = tensor_checksums(read_full(path).tensors)
-        print(f"  read every tensor: {len(sums)} tensors, {count_experts(sums)} [layer, expert] slices")
+        print(f"  read every tensor: {len(sums)} tensors, {count_experts(sums)} [layer, expert] "
+              f"slices; CRC32 of each (diff these lines between two checkpoints):")
+        for line in checksum_lines(sums):
+            print(f"    {line}")
+
+
+def checksum_lines(sums):
+    """'crc32 1a2b3c4d key dtype(shape)' per tensor, then one line per [layer, expert] slice
+    of expert tensors ('crc32 ... key[layer 0, expert 1]'), sorted by key: no path, no size on
+    disk, so that two checkpoints of the same model can be compared with diff."""
+    for key in sorted(sums):
+        info = sums[key]
+        yield f"crc32 {info['crc32']:08x} {key} {info['dtype']}{tuple(info['shape'])}"
+        for layer, row in enumerate(info.get("experts", [])):
+            for expert, value in enumerate(row):
+                yield f"crc32 {value:08x} {key}[layer {layer}, expert {expert}]"
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm.data.preprocess import preprocess_jsonl  # noqa: E402
 from megatron_parm.data.tokenizers import add_tokenizer_args  # noqa: E402
+from megatron_parm.training.log import Progress  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -64,14 +65,30 @@ def main(argv=None):
         "merge_file": args.merge_file,
     }
     start = time.time()
+    num_lines = count_lines(args.input)
+    progress = Progress(num_lines, unit="documents")
+    print(f"tokenizing {args.input} ({num_lines} lines) with {args.tokenizer_type}, "
+          f"{args.workers} worker(s) ...", flush=True)
     prefixes = preprocess_jsonl(
         args.input, args.output_prefix, tokenizer_args, json_keys=args.json_keys,
         append_eod=args.append_eod, split=args.split_sentences, workers=args.workers,
-        log_interval=args.log_interval,
+        log_interval=args.log_interval, on_document=progress.update,
     )
+    progress.clear()
     for key, prefix in prefixes.items():
         print(f"{key}: wrote {prefix}.bin and {prefix}.idx")
     print(f"done in {time.time() - start:.1f} s")
+
+
+def count_lines(path: str) -> int:
+    """Lines of a file (the progress bar's total), counted in 1 MiB blocks."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--input: file not found: {path}")
+    count = 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            count += block.count(b"\n")
+    return count
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def verify_against(path: str, expected: Dict[str, dict], what: str) -> FullCheck
     return full
 
 
-def save_single_file(full: FullCheckpoint, file_path: str) -> Dict[str, dict]:
-    sums = tensor_checksums(full.tensors)
+def save_single_file(full: FullCheckpoint, file_path: str, sums=None) -> Dict[str, dict]:
+    """Write FULL as one torch.save file with its tensors' checksums (SUMS, computed if None)."""
+    sums = sums or tensor_checksums(full.tensors)
     os.makedirs(os.path.dirname(os.path.abspath(file_path)), exist_ok=True)
     torch.save({"format": SINGLE_FILE_FORMAT, "version": 1, "tensors": full.tensors,
                 "objects": full.objects, "common": full.common, "checksums": sums},

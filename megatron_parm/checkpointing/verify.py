@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -193,8 +193,10 @@ def crc32(tensor: torch.Tensor) -> int:
     return zlib.crc32(data)
 
 
-def tensor_checksums(tensors: Dict[str, torch.Tensor]) -> Dict[str, dict]:
-    """key -> {'shape', 'dtype', 'crc32'} and, for expert tensors, one crc32 per [layer, expert]."""
+def tensor_checksums(tensors: Dict[str, torch.Tensor],
+                     on_tensor: Optional[Callable[[int], None]] = None) -> Dict[str, dict]:
+    """key -> {'shape', 'dtype', 'crc32'} and, for expert tensors, one crc32 per [layer, expert].
+    on_tensor(n) is called after each tensor with the number done (a progress bar)."""
     sums = {}
     for key, tensor in tensors.items():
         info = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
@@ -203,6 +205,8 @@ def tensor_checksums(tensors: Dict[str, torch.Tensor]) -> Dict[str, dict]:
             info["experts"] = [[crc32(tensor[l, e]) for e in range(tensor.shape[1])]
                                for l in range(tensor.shape[0])]
         sums[key] = info
+        if on_tensor is not None:
+            on_tensor(len(sums))
     return sums
 
 

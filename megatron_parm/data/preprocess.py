@@ -10,7 +10,7 @@ import json
 import multiprocessing
 import os
 import re
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -118,11 +118,13 @@ def output_prefix_for(output_prefix: str, key: str, split_sentences_: bool) -> s
 def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_args: Dict,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                      split: bool = False, workers: int = 1,
-                     log_interval: Optional[int] = None) -> Dict[str, str]:
+                     log_interval: Optional[int] = None,
+                     on_document: Optional[Callable[[int], None]] = None) -> Dict[str, str]:
     """Tokenize a JSON-lines file into one indexed dataset per json key.
 
     tokenizer_args: the tokenizer flags as a dict (tokenizer_type, tokenizer_model, ...).
     Returns {key: dataset prefix}. Documents that tokenize to nothing are skipped.
+    on_document(n) is called after each document with the number done (a progress bar).
     """
     if not os.path.isfile(input_path):
         raise ValueError(f"--input: file not found: {input_path}")
@@ -157,6 +159,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_args: Dict,
                 # add_document takes any array-like; numpy avoids a torch.__array__ detour.
                 builders[key].add_document(tokens, [len(s) for s in sentences])
             num_documents += 1
+            if on_document is not None:
+                on_document(num_documents)
             if log_interval and num_documents % log_interval == 0:
                 print(f"processed {num_documents} documents", flush=True)
     finally:

@@ -7,6 +7,7 @@ read these logs too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -84,10 +85,11 @@ class TensorBoard:
 
 class Progress:
     """A one-line progress bar with ETA, redrawn in place; only on a terminal (log files,
-    Slurm output and pytest get the iteration lines alone)."""
+    Slurm output and pytest get the iteration lines alone). unit: what is counted ('it',
+    'documents', 'tensors', ...)."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.total, self.start = total, start
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, unit: str = "it"):
+        self.total, self.start, self.unit = max(total, 1), start, unit
         self.enabled = enabled and sys.stdout.isatty()
         self.t0 = time.time()
 
@@ -98,10 +100,11 @@ class Progress:
         rate = done / max(time.time() - self.t0, 1e-9)
         eta = (self.total - iteration) / rate if rate > 0 else 0.0
         width = 30
-        filled = int(width * iteration / self.total)
+        filled = min(width, int(width * iteration / self.total))
         bar = "#" * filled + "." * (width - filled)
         sys.stdout.write(f"\r [{bar}] {iteration}/{self.total} "
-                         f"{rate:.2f} it/s ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}  ")
+                         f"{rate:.2f} {self.unit}/s ETA "
+                         f"{time.strftime('%H:%M:%S', time.gmtime(eta))}  ")
         sys.stdout.flush()
 
     def clear(self) -> None:
@@ -109,3 +112,13 @@ class Progress:
         if self.enabled:
             sys.stdout.write("\r" + " " * 79 + "\r")
             sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def stage(description: str):
+    """Print 'DESCRIPTION ...' when a stage of a tool starts and '  done in X s' when it ends:
+    one line each, on a terminal or in a log."""
+    print(f"{description} ...", flush=True)
+    start = time.time()
+    yield
+    print(f"  done in {time.time() - start:.1f} s", flush=True)
