@@ -1,0 +1,113 @@
+"""The command blocks of README.md, docs/*.md and data/README.md run as documented.
+
+A command block is a fenced block marked bash, sh, shell or console. The line above it says what
+this test does with it, visibly in the Markdown source:
+
+    <!-- doc-test: run -->              run here (CPU, well under a minute on 2 cores)
+    <!-- doc-test: skip: <reason> -->   not run, for the reason given (root, a download, longer
+                                        than a minute, placeholders for the reader's folders)
+
+A block without either, or a command written as an indented block, fails the test: new
+commands cannot be skipped silently. Blocks run with bash -e from a copy of the repository
+(the virtual environment and the prepared data linked in), with this Python's bin directory
+first on PATH, so `python` and `.venv/bin/python` are the project's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOC_FILES = sorted([REPO / "README.md", REPO / "data/README.md", *(REPO / "docs").glob("*.md")])
+COMMAND_LANGUAGES = {"bash", "sh", "shell", "console"}
+MARKER = re.compile(r"^<!-- doc-test: (run|skip: .+) -->$")
+# An indented line that starts like a command: it belongs in a marked fenced block.
+INDENTED_COMMAND = re.compile(r"^ {4}(\$ )?(\.venv/bin/)?(python3?|torchrun|make|bash|sbatch|sudo|"
+                              r"pretrain_scripts/|tools/)\b")
+_COPY_SKIPPED = {".git", ".venv", "__pycache__", ".pytest_cache", "runs", "outputs", "build",
+                 "dist"}
+
+
+def command_blocks(path: Path):
+    """(line number, marker or None, text) of each command block; raises on indented commands."""
+    lines = path.read_text().splitlines()
+    blocks, fence, body, start, marker = [], None, [], 0, None
+    for number, line in enumerate(lines, start=1):
+        if fence is None:
+            match = re.match(r"^```(\w*)\s*$", line)
+            if match:
+                fence, body, start = match.group(1), [], number
+                previous = next((l for l in reversed(lines[:number - 1]) if l.strip()), "")
+                marker = MARKER.match(previous.strip())
+            elif INDENTED_COMMAND.match(line):
+                blocks.append((number, "indented", line.strip()))
+        elif line.startswith("```"):
+            if fence in COMMAND_LANGUAGES:
+                blocks.append((start, marker.group(1) if marker else None, "\n".join(body)))
+            fence = None
+        else:
+            body.append(line)
+    return blocks
+
+
+def _all_blocks():
+    return [(path, number, marker, text) for path in DOC_FILES
+            for number, marker, text in command_blocks(path)]
+
+
+def _block_id(block) -> str:
+    path, number, _, _ = block
+    return f"{path.relative_to(REPO)}:{number}"
+
+
+RUN_BLOCKS = [block for block in _all_blocks() if block[2] == "run"]
+
+
+def test_every_command_block_is_run_or_says_why_not():
+    problems = []
+    for path, number, marker, text in _all_blocks():
+        where = f"{path.relative_to(REPO)}:{number}"
+        if marker == "indented":
+            problems.append(f"{where}: command in an indented block; put it in a ```bash block "
+                            f"with a doc-test marker: {text}")
+        elif marker is None:
+            problems.append(f"{where}: command block without <!-- doc-test: run --> or "
+                            f"<!-- doc-test: skip: <reason> --> on the line above")
+    assert not problems, "\n".join(problems)
+    assert len(RUN_BLOCKS) >= 6, RUN_BLOCKS  # the one-process launch, plan_schedule, data, ...
+
+
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory, prepared_data):
+    """The working tree without build outputs, .venv and data/cache linked to the real ones."""
+    copy = tmp_path_factory.mktemp("docs") / "repo"
+
+    def skipped(directory, names):
+        return [name for name in names if name in _COPY_SKIPPED or name.endswith(".egg-info")
+                or (Path(directory) == REPO / "data" and name == "cache")]
+
+    shutil.copytree(REPO, copy, ignore=skipped, symlinks=True)
+    if (REPO / ".venv").exists():
+        (copy / ".venv").symlink_to(REPO / ".venv")
+    (copy / "data/cache").symlink_to(REPO / "data/cache")
+    return copy
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=_block_id)
+def test_documented_command_runs(block, repo_copy):
+    path, number, _, text = block
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=repo_copy, env=env,
+                          capture_output=True, text=True, timeout=600)
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{path.relative_to(REPO)}:{number} failed:\n{text}\n{output}"
+    assert "Traceback" not in proc.stdout + proc.stderr, output
