@@ -7,8 +7,8 @@
                          entry points in one process)
     optional_packages_note()   one line naming the optional packages that are not installed
 
-A user's mistake is an argparse error, or a ValueError (CheckpointError is one) raised by this
-project's own code: it is printed as one line `error: <message>` by the first rank that sees it
+A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
+project's code raises (a `raise` statement in it, not a library's or Python's own): it is printed as one line `error: <message>` by the first rank that sees it
 (ranks claim the report in torchrun's store; without one, rank 0 prints), with exit status 2 and
 no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
 Ranks that fail after another one has reported stay silent (their failure is almost always the
@@ -121,13 +121,15 @@ def optional_packages_note() -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 
 def is_user_error(error: BaseException) -> bool:
-    """An argparse error, or a ValueError raised by this project's code (not by a library)."""
+    """An argparse error, or a ValueError that a `raise` statement of this project's code
+    raised: not one from a library, nor one Python raised inside our code (`a, b = [1]`)."""
     if isinstance(error, UsageError):
         return True
     if not isinstance(error, ValueError):
         return False
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and _is_project_file(frames[-1].filename)
+    return bool(frames) and _is_project_file(frames[-1].filename) and \
+        (frames[-1].line or "").lstrip().startswith("raise")
 
 
 def _is_project_file(filename: str) -> bool:

@@ -42,6 +42,7 @@ import torch
 from megatron_parm.checkpointing import CHECKPOINT_VERSION
 from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.paths import CheckpointError
+from megatron_parm.checkpointing.safe_load import load_torch_file
 from megatron_parm.data.vocab import padded_vocab_size
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -106,11 +107,7 @@ def read_hf_gpt2(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     if weights_file.endswith(".safetensors"):
         weights = read_safetensors(weights_file)
     else:
-        try:
-            weights = torch.load(weights_file, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(f"{weights_file} cannot be read ({type(err).__name__}: "
-                                  f"{err})") from err
+        weights = load_torch_file(weights_file)  # plain data only
     weights = {(key[len("transformer."):] if key.startswith("transformer.") else key): value
                for key, value in weights.items()}
     return config, weights

@@ -158,7 +158,10 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--config: file not found: {path}")
     with open(path) as f:
-        values = yaml.safe_load(f) or {}
+        try:
+            values = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config: {path} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(values, dict):
         raise ValueError(f"--config: {path} must hold a mapping of flag names to values")
     known = {action.dest for action in parser._actions}
