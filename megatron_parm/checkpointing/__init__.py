@@ -294,15 +294,15 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     problems = []
     common = None
     try:
-        common = read_checkpoint_info(path)
+        common = read_checkpoint_info(path)  # common.pt and .metadata, read safely
+        # Megatron-Core's loader unpickles these without restriction: read them safely first.
+        read_sharded_objects(path, read_metadata(path))
         check_model_flags(common.get("args"), args, path)
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
             check_schedule(path, common["opt_param_scheduler"], scheduler,
                            (common.get("args") or {}).get("global_batch_size"),
                            getattr(args, "global_batch_size", None))
-        # Megatron-Core's loader unpickles these without restriction: read them safely first.
-        read_sharded_objects(path, read_metadata(path))
     except CheckpointError as err:
         problems.append(str(err))
     problems = _agree(problems)

@@ -1,0 +1,318 @@
+"""A user's mistakes and stops on 4 gloo ranks: one line, printed once, nothing changed.
+
+One torchrun launch of 4 ranks (this file run as a script) trains a tiny checkpoint, then runs
+every bad input below through the pretraining script's entry point (cli.call, what cli.run does
+before it exits), in the same 4 processes one after the other, each rank recording its exit
+status and output; then resumes the checkpoint with a longer run under each scheduler flag.
+The tests check, per bad input: status 2 on every rank, the message exactly once over all
+ranks, no traceback, the files it could have touched unchanged (and a planted payload not run).
+
+Separate launches check what a process sees end to end: megatron_parm.launch with 4 ranks for a
+mistake found before any process group exists and one found after (exit status 2, one line,
+no torchrun report), a conversion to an impossible layout, and SIGTERM during a run (the
+checkpoint published, exit status 0, no process left).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from launch import free_port, torchrun  # noqa: E402
+
+TINY = ["--config", "configs/gpt2_tiny_moe.yaml", "--tensor-model-parallel-size", "2",
+        "--expert-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr-warmup-iters", "1", "--eval-iters", "0",
+        "--log-interval", "1"]
+DATA = "data/cache/gpt_text_document"
+
+
+def bad_inputs(run: Path) -> dict:
+    """name -> (flags added to TINY, a piece of the expected one-line message)."""
+    ckpt = str(run / "ckpt")
+    return {
+        "unknown dispatcher": (["--moe-token-dispatcher-type", "foo"],
+                               "error: argument --moe-token-dispatcher-type: invalid choice: 'foo'"),
+        "chunks 0": (["--parm-num-chunks", "0"], "error: --parm-num-chunks must be >= 1, got 0"),
+        "layout that does not divide": (
+            ["--tensor-model-parallel-size", "3"],
+            "error: --tensor-model-parallel-size (3) must divide the world size (4)"),
+        "ds_baseline with ETP not dividing TP": (
+            ["--moe-token-dispatcher-type", "ds_baseline", "--expert-model-parallel-size", "1",
+             "--expert-tensor-parallel-size", "4"],
+            "needs --expert-tensor-parallel-size (4) to divide --tensor-model-parallel-size (2)"),
+        "missing data path": (["--data-path", str(run / "nowhere_text_document")],
+                              "error: --data-path: no such indexed dataset"),
+        "truncated .idx": (["--data-path", str(run / "short_idx")],
+                           f"error: --data-path: {run}/short_idx.idx: "),
+        "truncated .bin": (["--data-path", str(run / "short_bin")],
+                           f"error: --data-path: {run}/short_bin.bin: "),
+        "unknown YAML key": (["--config", str(run / "typo.yaml")],
+                             "unknown keys num_layer (keys are flag names"),
+        "empty --load": (["--load", str(run / "empty")], "no checkpoint found"),
+        "mismatched model shape": (["--load", ckpt, "--save", ckpt, "--hidden-size", "128"],
+                                   "it was saved with --hidden-size 64, this run has 128"),
+        "another schedule": (["--load", ckpt, "--save", ckpt, "--train-iters", "4"],
+                             "give --override-opt_param-scheduler to use the command line's"),
+        "malicious checkpoint object": (["--load", str(run / "evil")],
+                                        "refused: it holds a reference to posix.mkdir"),
+    }
+
+
+class Payload:
+    """Unpickling this calls os.mkdir(path): the test checks the folder never appears."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def prepare_inputs(run: Path) -> None:
+    """Damaged copies of the shipped dataset, a config with a typo, an empty folder."""
+    shutil.copy(REPO / f"{DATA}.idx", run / "short_idx.idx")
+    shutil.copy(REPO / f"{DATA}.bin", run / "short_idx.bin")
+    os.truncate(run / "short_idx.idx", os.path.getsize(run / "short_idx.idx") - 24)
+    shutil.copy(REPO / f"{DATA}.idx", run / "short_bin.idx")
+    shutil.copy(REPO / f"{DATA}.bin", run / "short_bin.bin")
+    os.truncate(run / "short_bin.bin", os.path.getsize(run / "short_bin.bin") // 2)
+    config = (REPO / "configs/gpt2_tiny_moe.yaml").read_text()
+    (run / "typo.yaml").write_text(config.replace("num_layers:", "num_layer:"))
+    (run / "empty").mkdir()
+
+
+def fingerprint(paths) -> str:
+    """A hash of every file (name, size, content) under PATHS."""
+    digest = hashlib.sha256()
+    for root in paths:
+        for path in sorted(Path(root).rglob("*")) if Path(root).is_dir() else [Path(root)]:
+            if path.is_file():
+                digest.update(str(path).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def learning_rates(stdout: str) -> dict:
+    return {int(it): float(lr) for it, lr in
+            re.findall(r"iteration +(\d+)/ +\d+ \|.*?learning rate: ([\d.E+-]+)", stdout)}
+
+
+def worker(run_dir: str) -> None:
+    """Every rank: the tiny checkpoint, each bad input, the resumes; rank r writes rank_r.json."""
+    sys.path.insert(0, str(REPO / "pretrain_scripts"))
+    import torch
+
+    from megatron_parm import cli
+    from megatron_parm.checkpointing.full import read_full, write_full
+    from megatron_parm.training.trainer import initialize_distributed
+    from pretrain_gpt2_moe import main
+
+    initialize_distributed()
+    rank = torch.distributed.get_rank()
+    run = Path(run_dir)
+    results = {"cases": {}, "resumes": {}}
+
+    def call(argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = cli.call(main, TINY + argv)
+        torch.distributed.barrier()
+        return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+    results["train"] = call(["--train-iters", "2", "--save", str(run / "ckpt")])
+    if rank == 0:
+        prepare_inputs(run)
+        full = read_full(str(run / "ckpt/iter_0000002"))
+        full.objects[sorted(full.objects)[0]] = Payload(run / "payload-ran")
+        write_full(str(run / "evil"), 2, full)
+    torch.distributed.barrier()
+    watched = [run / name for name in ("ckpt", "evil", "short_idx.idx", "short_idx.bin",
+                                       "short_bin.idx", "short_bin.bin", "typo.yaml", "empty")]
+    results["before"] = fingerprint(watched)
+    for name, (flags, _) in bad_inputs(run).items():
+        results["cases"][name] = call(flags)
+    results["after"] = fingerprint(watched)
+    results["payload_ran"] = (run / "payload-ran").exists()
+
+    # The same checkpoint resumed for 2 more iterations under each flag, and a fresh 4-iteration
+    # run: --override takes its schedule, --use-checkpoint stays at the end of the saved one.
+    for name, flags in (("override", ["--override-opt_param-scheduler"]),
+                        ("use checkpoint", ["--use-checkpoint-opt_param-scheduler"])):
+        shutil.copytree(run / "ckpt", run / f"ckpt-{name}", dirs_exist_ok=True) if rank == 0 else None
+        torch.distributed.barrier()
+        results["resumes"][name] = call(["--train-iters", "4", "--load", str(run / f"ckpt-{name}"),
+                                         *flags])
+    results["resumes"]["fresh"] = call(["--train-iters", "4"])
+    (run / f"rank_{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, prepared_data):
+    run = tmp_path_factory.mktemp("user_errors")
+    torchrun(str(Path(__file__).relative_to(REPO)), 4, "worker", str(run), timeout=900)
+    return run, [json.loads((run / f"rank_{r}.json").read_text()) for r in range(4)]
+
+
+def test_training_step_ran(ranks):
+    _, results = ranks
+    assert [r["train"]["status"] for r in results] == [0, 0, 0, 0]
+    assert "> saved checkpoint at iteration 2" in results[0]["train"]["stdout"]
+
+
+@pytest.mark.parametrize("name", list(bad_inputs(Path("RUN"))))
+def test_bad_input_is_one_line_printed_once(name, ranks):
+    run, results = ranks
+    expected = bad_inputs(run)[name][1]
+    cases = [r["cases"][name] for r in results]
+    assert [c["status"] for c in cases] == [2, 2, 2, 2], cases
+    errors = [line for c in cases for line in (c["stdout"] + c["stderr"]).splitlines()
+              if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    everything = "".join(c["stdout"] + c["stderr"] for c in cases)
+    assert everything.count(expected) == 1, (expected, everything[-3000:])
+    assert "Traceback" not in everything, everything[-3000:]
+
+
+def test_bad_inputs_change_nothing_and_run_no_payload(ranks):
+    _, results = ranks
+    assert results[0]["before"] == results[0]["after"]
+    assert not any(r["payload_ran"] for r in results)
+
+
+def test_resume_follows_the_flag_that_says_which_schedule(ranks):
+    _, results = ranks
+    resumes = results[0]["resumes"]
+    assert all(r["resumes"][name]["status"] == 0 for r in results for name in resumes)
+    override, kept, fresh = (learning_rates(resumes[name]["stdout"])
+                             for name in ("override", "use checkpoint", "fresh"))
+    assert sorted(override) == sorted(kept) == [3, 4] and sorted(fresh) == [1, 2, 3, 4]
+    assert override == {3: fresh[3], 4: fresh[4]}  # the command line's 4-iteration schedule
+    assert override[3] > 3.0e-4 and kept == {3: 3.0e-4, 4: 3.0e-4}  # the saved one had ended
+    assert "learning-rate schedule: the command line's" in resumes["override"]["stdout"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: separate launches
+# ---------------------------------------------------------------------------------------------
+
+def _env(marker: str = "") -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARM_TEST_LAUNCH=marker)
+    env.pop("PYTHONWARNINGS", None)
+    return env
+
+
+def launch(*args, timeout=300, marker: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4", "--master-addr",
+         "127.0.0.1", "--master-port", str(free_port()), "pretrain_scripts/pretrain_gpt2_moe.py",
+         *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(marker))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-token-dispatcher-type", "foo"],                   # before any process group
+     "error: argument --moe-token-dispatcher-type: invalid choice: 'foo'"),
+    (["--load", "/nonexistent/checkpoints"],                   # after the process groups exist
+     "error: --load /nonexistent/checkpoints: no such directory"),
+])
+def test_launch_reports_a_mistake_once_with_status_2(flags, message, prepared_data):
+    proc = launch(*TINY, *flags)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-4000:]
+    assert output.count(message) == 1, output[-4000:]
+    assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1
+    assert "Traceback" not in output and "usage:" not in output, output[-4000:]
+    assert "ChildFailedError" not in output and "exitcode" not in output, output[-4000:]
+
+
+def test_conversion_to_an_impossible_layout_is_one_line(tmp_path):
+    import torch
+
+    from megatron_parm.checkpointing.full import FullCheckpoint, write_full
+
+    write_full(str(tmp_path / "ckpt"), 3, FullCheckpoint(
+        {"decoder.final_layernorm.weight": torch.ones(4)}, {},
+        {"iteration": 3, "args": {"num_experts": 4, "num_attention_heads": 4}}))
+    proc = subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", "--load", str(tmp_path / "ckpt"),
+         "--save", str(tmp_path / "out"), "--target-tensor-parallel-size", "2",
+         "--target-expert-parallel-size", "3"], cwd=REPO, capture_output=True, text=True,
+        timeout=300, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: target layout (6 ranks, --target-world-size): --num-experts (4) must be "
+        "divisible by --target-expert-parallel-size (3)"], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _pids_with_marker(marker: str):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"PARM_TEST_LAUNCH={marker}".encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
+    """SIGTERM to the launcher and every rank at once, as Slurm sends it at a time limit."""
+    marker = uuid.uuid4().hex
+    log_path = tmp_path / "log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             "pretrain_scripts/pretrain_gpt2_moe.py", *TINY, "--train-iters", "1000",
+             "--save", str(tmp_path / "ckpt"), "--exit-signal-handler"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(marker))
+        try:
+            deadline = time.time() + 300
+            while " iteration        2/" not in log_path.read_text():
+                assert launcher.poll() is None and time.time() < deadline, log_path.read_text()
+                time.sleep(0.2)
+            stop = time.time()
+            for pid in _pids_with_marker(marker):
+                os.kill(pid, signal.SIGTERM)
+            status = launcher.wait(timeout=120)
+            took = time.time() - stop
+        finally:
+            for pid in _pids_with_marker(marker):
+                os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+    output = log_path.read_text()
+    stopped = int(re.search(r"> exit signal received: stopping after iteration (\d+)",
+                            output).group(1))
+    assert status == 0, output[-4000:]
+    assert took < 30, (took, output[-4000:])  # well inside torchrun's grace period
+    assert (tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text() == str(stopped)
+    assert (tmp_path / f"ckpt/iter_{stopped:07d}/metadata.json").is_file()
+    assert f"> saved checkpoint at iteration {stopped}" in output
+    assert "Traceback" not in output, output[-4000:]
+    assert "launch: SIGTERM received: passed to 4 rank(s)" in output
+    assert _pids_with_marker(marker) == []
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "worker":
+        sys.exit("usage: torchrun --nproc-per-node 4 tests/e2e/test_user_errors.py worker RUN_DIR")
+    worker(sys.argv[2])
