@@ -8,9 +8,9 @@
     optional_packages_note()   one line naming the optional packages that are not installed
 
 A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
-project's code raises (a `raise` statement in it, not a library's or Python's own): it is printed as one line `error: <message>` by the first rank that sees it
-(ranks claim the report in torchrun's store; without one, rank 0 prints), with exit status 2 and
-no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
+project's code raises (a `raise` statement in it, not a library's or Python's own): it is
+printed as one line `error: <message>` by the first rank that sees it (ranks claim the report
+in torchrun's store; without one, rank 0 prints), with exit status 2 and no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
 Ranks that fail after another one has reported stay silent (their failure is almost always the
 consequence: a peer left a collective). MEGATRON_PARM_DEBUG=1 prints every rank's traceback.
 

@@ -70,7 +70,8 @@ def bad_inputs(run: Path) -> dict:
                                    "it was saved with --hidden-size 64, this run has 128"),
         "another schedule": (["--load", ckpt, "--save", ckpt, "--train-iters", "4"],
                              "give --override-opt_param-scheduler to use the command line's"),
-        "malicious checkpoint object": (["--load", str(run / "evil")],
+        # otherwise a valid resume: without the safe read, Megatron-Core's loader runs it
+        "malicious checkpoint object": (["--load", str(run / "evil"), "--train-iters", "2"],
                                         "refused: it holds a reference to posix.mkdir"),
     }
 
