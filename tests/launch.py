@@ -21,6 +21,21 @@ def _quiet_env(env=None) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
 
 
+def pids_with_marker(marker: str):
+    """Processes whose environment holds MARKER, e.g. PARM_TEST_LAUNCH=<uuid> (a test's launch
+    and all its descendants)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
 def convert_checkpoint(*args, timeout: int = 600) -> subprocess.CompletedProcess:
     """tools/convert_checkpoint.py ARGS from the repo root; the caller checks the result."""
     return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)],

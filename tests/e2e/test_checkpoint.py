@@ -28,7 +28,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from launch import convert_checkpoint as convert, free_port, torchrun  # noqa: E402
+from launch import convert_checkpoint as convert, free_port, pids_with_marker, torchrun  # noqa: E402
 
 BASE = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "10", "--lr-warmup-iters", "1",
@@ -165,27 +165,13 @@ def crash_launch(script: str, run: Path) -> str:
         try:
             returncode = proc.wait(timeout=600)
         finally:
-            for pid in _pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
+            for pid in pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
     assert returncode != 0, "the crash run should have failed"
     return log_path.read_text()[-20000:]
-
-
-def _pids_with_marker(marker: str):
-    """Processes whose environment holds MARKER (this test's launch and its descendants)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker.encode() in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(scope="module")

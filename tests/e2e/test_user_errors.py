@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from launch import free_port, torchrun  # noqa: E402
+from launch import free_port, pids_with_marker, torchrun  # noqa: E402
 
 TINY = ["--config", "configs/gpt2_tiny_moe.yaml", "--tensor-model-parallel-size", "2",
         "--expert-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
@@ -262,19 +262,6 @@ def test_conversion_to_an_impossible_layout_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _pids_with_marker(marker: str):
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if f"PARM_TEST_LAUNCH={marker}".encode() in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
 def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     """SIGTERM to the launcher and every rank at once, as Slurm sends it at a time limit."""
     marker = uuid.uuid4().hex
@@ -292,12 +279,12 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
                 assert launcher.poll() is None and time.time() < deadline, log_path.read_text()
                 time.sleep(0.2)
             stop = time.time()
-            for pid in _pids_with_marker(marker):
+            for pid in pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
                 os.kill(pid, signal.SIGTERM)
             status = launcher.wait(timeout=120)
             took = time.time() - stop
         finally:
-            for pid in _pids_with_marker(marker):
+            for pid in pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
                 os.kill(pid, signal.SIGKILL)
             launcher.wait()
     output = log_path.read_text()
@@ -310,7 +297,7 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     assert f"> saved checkpoint at iteration {stopped}" in output
     assert "Traceback" not in output, output[-4000:]
     assert "launch: SIGTERM received: passed to 4 rank(s)" in output
-    assert _pids_with_marker(marker) == []
+    assert pids_with_marker(f"PARM_TEST_LAUNCH={marker}") == []
 
 
 if __name__ == "__main__":
