@@ -323,7 +323,10 @@ def main(argv=None):
     try:
         settings = resolve_settings(args)
         layout, shape, num_moe_layers = build_model(settings)
-        profile = load_profile(args.parm_profile)
+        try:
+            profile = load_profile(args.parm_profile)
+        except ValueError as error:
+            raise ValueError(f"--parm-profile: {error}") from error
         chunks = parse_chunks(args.parm_chunk_candidates)
         sequence_parallel = settings["sequence_parallel"] or layout.tp == 1
         choice = choose_schedule(shape, layout, profile, chunks, sequence_parallel)

@@ -49,7 +49,7 @@ def bad_inputs(run: Path) -> dict:
     return {
         "unknown dispatcher": (["--moe-token-dispatcher-type", "foo"],
                                "error: argument --moe-token-dispatcher-type: invalid choice: 'foo'"),
-        "chunks 0": (["--parm-num-chunks", "0"], "error: --parm-num-chunks must be >= 1, got 0"),
+        "chunks 0": (["--parm-num-chunks", "0"], "error: --parm-num-chunks must be an integer >= 1, got 0"),
         "layout that does not divide": (
             ["--tensor-model-parallel-size", "3"],
             "error: --tensor-model-parallel-size (3) must divide the world size (4)"),
