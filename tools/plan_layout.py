@@ -35,6 +35,10 @@ for path in (REPO_ROOT, TOOLS):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from megatron_parm import cli  # noqa: E402
+
+cli.setup_warnings()
+
 from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
@@ -358,4 +362,4 @@ def emit(args, result, spec, cluster, profile, precision, settings):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -301,4 +301,7 @@ def write_report(results, meta, output, with_json):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, REPO_ROOT)
+    from megatron_parm import cli
+
+    cli.run(main)
