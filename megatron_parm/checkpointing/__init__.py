@@ -17,8 +17,10 @@ any dispatcher; plus the learning-rate schedule, the iteration, the consumed sam
 rank's RNG states (restored when the layout is the same; a new layout reseeds, which is said).
 A save is written to iter_N.partial/ and published by renaming it to iter_N/ once every rank
 has finished, then the tracker file is replaced: a kill during a save leaves the previous
-checkpoint in place and tracked. Loading checks the folder is whole and that every tensor the
-model asks for exists with the same global shape, and raises CheckpointError naming the tensor
+checkpoint in place and tracked. Loading reads every pickle of the folder with an allow-list
+first (safe_load: nothing in a checkpoint runs code), checks the folder is whole, that every
+tensor the model asks for exists with the same global shape and that the learning-rate schedule
+agrees (scheduler: Megatron-LM's flags), and raises CheckpointError naming the tensor or flag
 otherwise. Every rank calls save_checkpoint / load_checkpoint (they are collective).
 """
 
