@@ -103,8 +103,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _has_cuda() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_available())
+    if "torch" not in sys.modules:  # this module never imports torch itself
+        return False
+    from megatron_parm.platform import device
+
+    return device.is_cuda()
 
 
 def optional_packages_note() -> Optional[str]:

@@ -28,11 +28,11 @@ from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_parm import platform  # noqa: E402
 from megatron_parm import schedules  # noqa: E402
+from megatron_parm.platform import device  # noqa: E402
 
 # Every schedule but the automatic choice (which runs one of them).
 DEFAULT_DISPATCHERS = ",".join(schedules.names(schedules.NATIVE, schedules.BASELINE, schedules.PARM))
@@ -193,7 +193,8 @@ def format_table(spec, results, diffs) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(device.backend())
     platform.setup()
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -185,17 +185,18 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))  # every rank exits 2 with the same message, before any group
 
-    import torch
     import torch.distributed as dist
 
     from megatron_parm import platform
     from megatron_parm.bench import calibrate as measure
     from megatron_parm.parallel import initialize_model_parallel
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    from megatron_parm.platform import device as seam
+
+    seam.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(seam.backend())
     platform.setup()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    device = seam.current()
     initialize_model_parallel(layout.tp, layout.ep, layout.etp)
     from megatron.core import parallel_state
 

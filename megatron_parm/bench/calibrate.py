@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_parm.comm import collectives
 from megatron_parm.comm.accounting import track_comm
 from megatron_parm.perf_model.calibrate import Point, expert_flops
+from megatron_parm.platform import device as seam
 
 
 def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
@@ -38,8 +39,8 @@ def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
 
 
 def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        seam.synchronize()
 
 
 def _slowest(local_times: List[float], device) -> List[float]:

@@ -17,6 +17,8 @@ from typing import List
 import numpy
 import torch
 
+from megatron_parm.platform import device
+
 
 def capture() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -27,8 +29,8 @@ def capture() -> dict:
         "torch": torch.get_rng_state(),
         "tracker": {name: value.clone() for name, value in get_cuda_rng_tracker().get_states().items()},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.is_cuda():
+        state["cuda"] = device.get_rng_state()
     return state
 
 
@@ -44,6 +46,6 @@ def restore(state: dict) -> None:
     random.setstate(state["random"])
     numpy.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state:
+        device.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states({name: value.clone() for name, value in state["tracker"].items()})

@@ -16,6 +16,7 @@ from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
 from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
+from megatron_parm.platform import device
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ DEFAULT_PROFILES = {"cuda": "nvlink_ib_estimate", "cpu": "emulated_pcie"}
 
 
 def default_profile_path() -> str:
-    return resolve_profile(DEFAULT_PROFILES["cuda" if torch.cuda.is_available() else "cpu"])
+    return resolve_profile(DEFAULT_PROFILES["cuda" if device.is_cuda() else "cpu"])
 
 
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):

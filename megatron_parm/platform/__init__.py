@@ -11,7 +11,8 @@ Rules:
 - Every redirect is listed in ``REDIRECTS`` with the reason it exists, and is as narrow as
   the call site allows (a Megatron module attribute rather than torch where possible).
 
-This module imports nothing from the rest of megatron_parm at import time; the uneven
+This module imports nothing from the rest of megatron_parm at import time but its device seam
+(``megatron_parm.platform.device``, the one place that asks torch.cuda); the uneven
 collectives redirect borrows the padding collectives of ``megatron_parm.comm``.
 """
 
@@ -22,6 +23,8 @@ import logging
 from typing import Callable, Dict, List
 
 import torch
+
+from megatron_parm.platform import device
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ REDIRECTS: Dict[str, str] = {
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    return device.is_cuda()
 
 
 def applied() -> List[str]:

@@ -282,6 +282,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _cuda_available() -> bool:
-    import torch
+    from megatron_parm.platform import device
 
-    return torch.cuda.is_available()
+    return device.is_cuda()

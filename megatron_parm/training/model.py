@@ -20,6 +20,7 @@ from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.platform import device
 from megatron_parm.specs import get_bert_layer_parm_spec, get_gpt_layer_parm_spec
 
 def build_config(args) -> ParmTransformerConfig:
@@ -48,7 +49,7 @@ def build_config(args) -> ParmTransformerConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not device.is_cuda(),
         params_dtype=torch.float32,
         parm_num_chunks=args.parm_num_chunks,
         parm_profile=args.parm_profile,
@@ -89,8 +90,8 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
             share_embeddings_and_output_weights=True,
             add_binary_head=args.bert_binary_head,
         )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    if device.is_cuda():
+        model.to(device.current())
     return model
 
 
@@ -106,9 +107,10 @@ def moe_layers(model: torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 def _to_device(batch):
-    if not torch.cuda.is_available():
+    if not device.is_cuda():
         return batch
-    return {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    target = device.current()
+    return {k: v.to(target, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:

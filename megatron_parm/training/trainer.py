@@ -47,6 +47,7 @@ from megatron_parm.data.datasets import (
 )
 from megatron_parm.data.tokenizers import build_tokenizer
 from megatron_parm.parallel import initialize_model_parallel
+from megatron_parm.platform import device
 from megatron_parm.training.log import (
     Progress,
     TensorBoard,
@@ -65,13 +66,9 @@ def initialize_distributed() -> None:
     if not torch.distributed.is_initialized():
         one_process = {} if "RANK" in os.environ else dict(
             store=torch.distributed.HashStore(), rank=0, world_size=1)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group("nccl", timeout=timedelta(minutes=10),
-                                                 **one_process)
-        else:
-            torch.distributed.init_process_group("gloo", timeout=timedelta(minutes=10),
-                                                 **one_process)
+        device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(device.backend(), timeout=timedelta(minutes=10),
+                                             **one_process)
     platform.setup()
 
 
@@ -260,7 +257,7 @@ def pretrain(args) -> dict:
                  f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
                  f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
                  f"dispatcher {args.moe_token_dispatcher_type}, "
-                 f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}")
+                 f"{device.current().type}/{torch.distributed.get_backend()}")
     if optional_packages_note():  # Megatron-Core's own warnings about them are hidden
         print_rank_0(f"> {optional_packages_note()}")
     print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
