@@ -16,6 +16,18 @@ assumes a device or backend. A group of one rank returns its input untouched.
 
 Every call records its bytes in ``megatron_parm.comm.accounting`` under the group name the
 caller gives ("tp", "ep", "expt_tp"); name=None leaves a call unaccounted.
+
+Devices and streams: outputs are made with ``new_empty`` / ``new_zeros`` of the input, so on
+its device. On NCCL, ``Pending.wait()`` is ``work.wait()``: the current stream waits for the
+collective's stream, the host does not. The input and output of an in-flight collective must
+not be freed (and their memory reused) before the collective has run on its stream: a
+``Pending`` keeps references to them until it is waited on. That rule is enough on every
+backend: once waited on, the current stream is ordered after the collective, so memory freed
+afterwards and reused by later work on the current stream is safe. No ``record_stream`` is
+needed for it (ProcessGroupNCCL also records its tensors on its stream itself, unless
+TORCH_NCCL_AVOID_RECORD_STREAMS=1, in which case it stashes them instead; gloo copies CUDA
+tensors through the host inside the work). Waiting on a Pending is required, as with any
+async collective: every Pending made here is waited on by its caller.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from megatron_parm.comm.accounting import get_comm_stats
 
 
 @lru_cache(maxsize=None)
-def _is_gloo(group) -> bool:
+def is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
@@ -53,16 +65,22 @@ def record_bytes(kind: str, name: Optional[str], group, bytes_per_peer: Sequence
 
 
 class Pending:
-    """An in-flight collective; ``wait()`` returns its result (once)."""
+    """An in-flight collective; ``wait()`` returns its result (once).
 
-    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+    keep: the tensors the collective reads and writes, held until the wait (see above).
+    """
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor], keep: Sequence[torch.Tensor] = ()):
         self._work = work
         self._finish = finish
+        self._keep = tuple(keep)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        return self._finish()
+        result = self._finish()
+        self._keep = ()
+        return result
 
 
 def _done(tensor: torch.Tensor) -> Pending:
@@ -94,7 +112,7 @@ def start_all_to_all(tensor: torch.Tensor, group, name: str,
     record_bytes("all_to_all", name, group, [s * row for s in input_splits])
     work = dist.all_to_all_single(out, tensor, output_splits, input_splits, group=group,
                                   async_op=True)
-    return Pending(work, lambda: out)
+    return Pending(work, lambda: out, keep=(tensor, out))
 
 
 def start_all_gather(tensor: torch.Tensor, group, name: str,
@@ -108,13 +126,16 @@ def start_all_gather(tensor: torch.Tensor, group, name: str,
     tail = tuple(tensor.shape[1:])
     if split_sizes is None or len(set(int(s) for s in split_sizes)) == 1:
         out = tensor.new_empty((rows * size,) + tail)
-        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=group, async_op=True)
-        return Pending(work, lambda: out)
+        tensor = tensor.contiguous()
+        work = dist.all_gather_into_tensor(out, tensor, group=group, async_op=True)
+        return Pending(work, lambda: out, keep=(tensor, out))
     split_sizes = [int(s) for s in split_sizes]
     longest = max(split_sizes)
     padded = [tensor.new_empty((longest,) + tail) for _ in range(size)]
-    work = dist.all_gather(padded, _pad_rows(tensor, longest), group=group, async_op=True)
-    return Pending(work, lambda: torch.cat([p[:s] for p, s in zip(padded, split_sizes)]))
+    sent = _pad_rows(tensor, longest)
+    work = dist.all_gather(padded, sent, group=group, async_op=True)
+    return Pending(work, lambda: torch.cat([p[:s] for p, s in zip(padded, split_sizes)]),
+                   keep=(sent, *padded))
 
 
 def start_reduce_scatter(tensor: torch.Tensor, group, name: str,
@@ -131,23 +152,26 @@ def start_reduce_scatter(tensor: torch.Tensor, group, name: str,
     row = _row_bytes(tensor)
     record_bytes("reduce_scatter", name, group, [s * row for s in split_sizes])
     me = group.rank()
-    if _is_gloo(group):
+    if is_gloo(group):
         # gloo's reduce_scatter costs as much as an all_reduce of the whole tensor; sending
         # chunk j to rank j and summing what arrives moves (g-1)/g of it, as a ring would.
         mine = split_sizes[me]
         received = tensor.new_empty((size * mine,) + tail)
-        work = dist.all_to_all_single(received, tensor.contiguous(), [mine] * size, split_sizes,
+        tensor = tensor.contiguous()
+        work = dist.all_to_all_single(received, tensor, [mine] * size, split_sizes,
                                       group=group, async_op=True)
-        return Pending(work, lambda: received.view((size, mine) + tail).sum(dim=0))
+        return Pending(work, lambda: received.view((size, mine) + tail).sum(dim=0),
+                       keep=(tensor, received))
     if len(set(split_sizes)) == 1:
         out = tensor.new_empty((split_sizes[0],) + tail)
-        work = dist.reduce_scatter_tensor(out, tensor.contiguous(), group=group, async_op=True)
-        return Pending(work, lambda: out)
+        tensor = tensor.contiguous()
+        work = dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True)
+        return Pending(work, lambda: out, keep=(tensor, out))
     longest = max(split_sizes)
     chunks = [_pad_rows(c, longest) for c in torch.split(tensor, split_sizes, dim=0)]
     out = tensor.new_empty((longest,) + tail)
     work = dist.reduce_scatter(out, chunks, group=group, async_op=True)
-    return Pending(work, lambda: out[: split_sizes[me]])
+    return Pending(work, lambda: out[: split_sizes[me]], keep=(*chunks, out))
 
 
 def start_all_reduce(tensor: torch.Tensor, group, name: str) -> Pending:
@@ -159,7 +183,7 @@ def start_all_reduce(tensor: torch.Tensor, group, name: str) -> Pending:
     record_bytes("all_reduce", name, group, [2 * total // size] * size)
     out = tensor.clone()
     work = dist.all_reduce(out, group=group, async_op=True)
-    return Pending(work, lambda: out)
+    return Pending(work, lambda: out, keep=(out,))
 
 
 # ----------------------------------------------------------------------------------------

@@ -10,6 +10,14 @@ Notation (as in docs/design.md):
 Group names used for byte accounting: "tp" (attention TP), "ep", "expt_tp" (ESP), and for
 routing metadata "tp_ep_counts" / "ep_counts" (E integers per rank) and "tp_routing"
 (ds_baseline's routing map, one byte per token and expert).
+
+Devices: rows, probs and everything that indexes them live on the rows' device; the routing
+counts are gathered there too (NCCL only moves device tensors) and brought to the host in one
+copy per layer call (``_exchange_counts``): the one host synchronisation a dispatcher makes
+itself, since the collectives need split sizes on the host, as Megatron's alltoall does.
+From then on the plan (RoutingPlan, split sizes, chunk sizes, tokens per expert) is host
+data, and index tensors built from it are copied to the rows' device without a host wait.
+Megatron's ``permute`` (shared with alltoall) adds the synchronisation of its masked_select.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, permute, sort_
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
+from megatron_parm.platform import device as devices
+from megatron_parm.platform.device import HOST
 
 
 @dataclass
@@ -76,6 +86,8 @@ class RoutingPlan:
         ).reshape(-1)
 
     def tokens_per_local_expert(self) -> torch.Tensor:
+        """[L] rows per local expert, on the host as Megatron's experts take them (SequentialMLP
+        and TEGroupedMLP read them as a list; grouped_gemm's gmm needs its batch sizes on the CPU)."""
         lo = self.me_ep * self.num_local_experts
         return self.counts[:, :, lo : lo + self.num_local_experts].sum(dim=(0, 1))
 
@@ -92,17 +104,27 @@ def split_count(counts: torch.Tensor, index: int, num_chunks: int) -> torch.Tens
 
 
 def chunk_row_index(counts_per_expert: torch.Tensor, index: int, num_chunks: int) -> torch.Tensor:
-    """Rows of chunk ``index`` in an expert-sorted tensor with counts_per_expert rows per expert."""
+    """Rows of chunk ``index`` in an expert-sorted tensor with counts_per_expert rows per expert
+    (host counts in, a host index out: see chunk_row_indices for the device)."""
     starts = torch.cumsum(counts_per_expert, 0) - counts_per_expert
     parts = [split_count(counts_per_expert, i, num_chunks) for i in range(index + 1)]
     offsets = starts + sum(parts[:index], torch.zeros_like(counts_per_expert))
-    pieces = [torch.arange(int(o), int(o) + int(p)) for o, p in zip(offsets, parts[index])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    pieces = [torch.arange(int(o), int(o) + int(p), device=HOST) for o, p in zip(offsets, parts[index])]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=HOST)
+
+
+def chunk_row_indices(counts_per_expert: torch.Tensor, num_chunks: int, device) -> List[torch.Tensor]:
+    """chunk_row_index of every chunk, on ``device``: built on the host from host counts and
+    copied in one transfer that does not wait (the host never waits for the device here)."""
+    host = [chunk_row_index(counts_per_expert, i, num_chunks) for i in range(num_chunks)]
+    together = torch.cat(host).to(device, non_blocking=True)
+    return list(together.split([len(index) for index in host]))
 
 
 def sort_order(num_sources: int, num_local_experts: int) -> tuple:
-    """Chunk orders that turn [source][local expert] into [local expert][source] and back."""
-    idx = torch.arange(num_sources * num_local_experts)
+    """Chunk orders that turn [source][local expert] into [local expert][source] and back
+    (host tensors: Megatron's sort_chunks_by_idxs reads them as lists)."""
+    idx = torch.arange(num_sources * num_local_experts, device=HOST)
     to_expert_major = idx.reshape(num_sources, num_local_experts).T.ravel()
     to_source_major = idx.reshape(num_local_experts, num_sources).T.ravel()
     return to_expert_major, to_source_major
@@ -184,19 +206,23 @@ class ParmTokenDispatcher(MoETokenDispatcher):
                  num_routers: int = 1):
         """Sort (token, expert) pairs by expert; returns rows, probs, counts [E].
 
+        counts: on the host with padding to capacity (known without looking), else on the
+        rows' device (_exchange_counts brings them to the host with everyone else's).
         num_routers: how many ranks' routing decisions the map concatenates; with padding
         to capacity each of them padded to its own capacity, so the map holds that many
         capacities per expert.
         """
+        num_out_tokens = None  # only padding to capacity reads it
         if self.drop_and_pad:
             routed_by_one = routing_map.size(0) // num_routers
             capacity = num_routers * get_capacity(routed_by_one * self.topk, self.num_experts,
                                                   self.config.moe_expert_capacity_factor)
-            counts = torch.full((self.num_experts,), capacity, dtype=torch.long)
+            counts = torch.full((self.num_experts,), capacity, dtype=torch.long, device=HOST)
+            num_out_tokens = capacity * self.num_experts
         else:
-            counts = routing_map.sum(dim=0).long().cpu()
+            counts = routing_map.sum(dim=0).long()
         rows, row_probs, self._sorted_indices = permute(
-            tokens, routing_map, probs=probs, num_out_tokens=int(counts.sum()),
+            tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
             drop_and_pad=self.drop_and_pad)
         self._routing_map = routing_map
         self._permuted_shape = tokens.shape
@@ -211,11 +237,12 @@ class ParmTokenDispatcher(MoETokenDispatcher):
     # -- routing counts -----------------------------------------------------------------
 
     def _exchange_counts(self, counts: torch.Tensor, group, name: str, num_etp: int) -> torch.Tensor:
-        """Gather every rank's counts [E] over ``group`` (ordered EP-major, ESP-minor)."""
+        """Gather every rank's counts [E] over ``group`` (ordered EP-major, ESP-minor), on the
+        host: the gather runs on the device, then one copy to the host (a host sync on GPUs)."""
         if self.drop_and_pad:  # every count is the capacity: nothing to exchange
             return counts.expand(self.ep_size, num_etp, -1).clone()
         gathered = start_all_gather(counts.view(1, -1), group, name).wait()
-        return gathered.view(self.ep_size, num_etp, self.num_experts).cpu()
+        return devices.to_host(gathered.view(self.ep_size, num_etp, self.num_experts))
 
     def build_plan(self, counts: torch.Tensor) -> RoutingPlan:
         """The plan of a dispatch where every ESP peer routes its own tokens (S1, S2)."""

@@ -83,7 +83,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         return Layout(tp=self.attn_tp_size, ep=self.ep_size, etp=self.etp_size,
                       nodes=world // per_node, ranks_per_node=per_node)
 
-    def _choose(self, num_tokens: int, dtype: torch.dtype) -> None:
+    def _choose(self, num_tokens: int, dtype: torch.dtype, where: torch.device) -> None:
         self._last_tokens = num_tokens
         if num_tokens in self.choices:
             choice = self.choices[num_tokens]
@@ -94,13 +94,13 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                 ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
                 num_experts=self.num_experts, topk=self.topk,
                 capacity_factor=cfg.moe_expert_capacity_factor, pad_to_capacity=self.drop_and_pad,
-                dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+                dtype_bytes=dtype.itemsize,
                 gated_linear_unit=bool(cfg.gated_linear_unit))
             requested = getattr(cfg, "parm_num_chunks", None)
             choice = choose_schedule(shape, self._layout(), self.profile,
                                      sequence_parallel=bool(cfg.sequence_parallel),
                                      extra_chunks=(requested,) if requested and requested > 1 else ())
-            self._check_agreement(choice)
+            self._check_agreement(choice, where)
             self.choices[num_tokens] = choice
             if dist.get_rank() == 0:
                 logger.info("parm: layer %s, %d tokens per rank: %s", self.layer_number, num_tokens,
@@ -109,10 +109,12 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         if self.active.pipelined:
             self.active.num_chunks = choice.num_chunks
 
-    def _check_agreement(self, choice) -> None:
+    def _check_agreement(self, choice, where: torch.device) -> None:
+        """Once per token count: every rank chose the same (on ``where``, the rows' device,
+        as NCCL needs; the comparison below is a host sync, paid on the first call only)."""
         # The choice as two integers: the schedule's place in the catalog, and its chunks.
         code = torch.tensor([list(self.schedules).index(choice.dispatcher), choice.num_chunks],
-                            dtype=torch.long)
+                            dtype=torch.long, device=where)
         low, high = code.clone(), code.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -123,7 +125,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        self._choose(hidden_states.numel() // hidden_states.shape[-1], hidden_states.dtype)
+        self._choose(hidden_states.numel() // hidden_states.shape[-1], hidden_states.dtype,
+                     hidden_states.device)
         return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
 
     def token_dispatch(self, hidden_states, probs):

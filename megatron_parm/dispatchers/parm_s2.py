@@ -11,8 +11,16 @@ flight, and D of chunk i-1 follows as soon as its RS lands. The backward pass ru
 same five-stage pipeline with the dual collectives (A2A, AG, expert backward, RS, A2A).
 
 Collectives are asynchronous torch.distributed calls on the groups Megatron built; gloo
-and NCCL both run collectives of different groups concurrently, and nothing here names a
-device.
+and NCCL both run collectives of different groups concurrently.
+
+On GPUs (NCCL) every wait is a stream wait: ``Pending.wait`` calls ``work.wait()``, which
+makes the current stream wait for the collective's stream and returns at once, so the host
+keeps issuing chunk i+1's A2A [EP] while chunk i's AG/RS [ESP] (another communicator, another
+stream) and its expert GEMMs are still queued. Nothing in the pipeline reads a device value
+on the host (no .item(), .tolist(), .cpu() between chunks): every split size comes from the
+host plan made before the first chunk, and the chunks' row indices are copied to the rows'
+device once, up front. Tensors a collective reads or writes stay referenced by its Pending
+until it is waited on (see megatron_parm.comm.collectives).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from megatron_parm.dispatchers.base import (
     can_pack,
     pack_rows,
     unpack_rows,
-    chunk_row_index,
+    chunk_row_indices,
     sort_by_local_expert,
     unsort_by_local_expert,
 )
@@ -79,13 +87,14 @@ class _ChunkedExperts:
     """The forward and backward pipelines of one S2 layer call."""
 
     def __init__(self, dispatcher: "ParmS2TokenDispatcher", plan: RoutingPlan, num_chunks: int,
-                 expert_fn: Callable):
+                 expert_fn: Callable, device: torch.device):
         self.d = dispatcher
         self.num_chunks = num_chunks
         self.expert_fn = expert_fn
         self.plans = [plan.chunk(i, num_chunks) for i in range(num_chunks)]
         mine = plan.counts[plan.me_ep, plan.me_etp]
-        self.rows = [chunk_row_index(mine, i, num_chunks) for i in range(num_chunks)]
+        # This rank's rows of each chunk, on the rows' device (index_select / index_copy_).
+        self.rows = chunk_row_indices(mine, num_chunks, device)
         self.saved: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     # stage helpers: (chunk index, tensors) -> PendingTuple
@@ -203,7 +212,7 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
 
     def dispatch_compute_combine(self, rows: torch.Tensor, row_probs: torch.Tensor,
                                  expert_fn: Callable) -> torch.Tensor:
-        pipeline = _ChunkedExperts(self, self.plan, self.num_chunks, expert_fn)
+        pipeline = _ChunkedExperts(self, self.plan, self.num_chunks, expert_fn, rows.device)
         self.plan = None
         if not torch.is_grad_enabled():
             return pipeline.forward(rows, row_probs, build_graph=False)

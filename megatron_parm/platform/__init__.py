@@ -7,7 +7,10 @@ redirects exactly those places so that the same code runs on CPU with the gloo b
 Rules:
 - Nothing here runs at import time: entry points and tests call ``setup()`` explicitly.
 - ``setup()`` changes nothing CUDA-related where CUDA is available, so GPU runs use Megatron
-  unchanged (the one fix it still applies there is ``missing_te``, a no-op when TE imports).
+  unchanged. Two redirects are not about CUDA and apply there too (``WITH_CUDA``):
+  ``missing_te`` (a no-op when TE imports) and ``uneven_collectives`` (only for process groups
+  on gloo: several ranks sharing one GPU over gloo, as tools/gpu_check.sh does; NCCL groups go
+  to Megatron's own calls).
 - Every redirect is listed in ``REDIRECTS`` with the reason it exists, and is as narrow as
   the call site allows (a Megatron module attribute rather than torch where possible).
 
@@ -49,7 +52,9 @@ REDIRECTS: Dict[str, str] = {
     "uneven_collectives": (
         "gloo's list all_gather and reduce_scatter need equal sizes; Megatron's gather with "
         "output_split_sizes and reduce-scatter with input_split_sizes (alltoall dispatcher, "
-        "ETP>1) pad every split to the largest and trim."
+        "ETP>1) pad every split to the largest and trim. On gloo groups only; there, CUDA "
+        "tensors are reduce-scattered by the dispatchers' all_to_all_single way too, which "
+        "gloo runs on CUDA tensors (its reduce_scatter is not relied on for them)."
     ),
     "sp_layernorm": (
         "Megatron's local LayerNorm (WrappedTorchNorm) refuses sequence_parallel=True "
@@ -92,13 +97,18 @@ def applied() -> List[str]:
     return list(_APPLIED)
 
 
+# Redirects that are not about CUDA and so also apply where it is present.
+WITH_CUDA = ("missing_te", "uneven_collectives")
+
+
 def setup() -> None:
-    """Apply every CPU redirect once; do nothing where CUDA is present."""
+    """Apply every CPU redirect once; where CUDA is present, only those of WITH_CUDA."""
     if _APPLIED:
         return
     if cuda_available():
-        _patch_missing_te()
-        _APPLIED.append("missing_te")
+        for name in WITH_CUDA:
+            _PATCHES[name]()
+            _APPLIED.append(name)
         return
     for name, patch in _PATCHES.items():
         patch()
@@ -235,18 +245,19 @@ def _patch_uneven_collectives() -> None:
     from megatron.core.tensor_parallel import mappings
 
     # The padding collectives live with the dispatchers' own (name=None: not accounted).
-    from megatron_parm.comm.collectives import start_all_gather, start_reduce_scatter
+    from megatron_parm.comm.collectives import is_gloo, start_all_gather, start_reduce_scatter
 
     gather_orig: Callable = mappings._gather_along_first_dim
     scatter_orig: Callable = mappings._reduce_scatter_along_first_dim
 
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
-        if output_split_sizes is None or group.size() == 1:
+        if output_split_sizes is None or group.size() == 1 or not is_gloo(group):
             return gather_orig(input_, group, output_split_sizes, use_global_buffer)
         return start_all_gather(input_, group, None, output_split_sizes).wait()
 
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if input_split_sizes is None or group.size() == 1:
+        if group.size() == 1 or not is_gloo(group) or \
+                (input_split_sizes is None and not input_.is_cuda):
             return scatter_orig(input_, group, input_split_sizes, use_global_buffer)
         return start_reduce_scatter(input_, group, None, input_split_sizes).wait()
 

@@ -10,7 +10,7 @@ how to wait for it and how to time it; nothing else in the project names ``torch
     HOST                 the CPU, named as the place of data that must live on the host
                          (split sizes, routing counts): a factory given device=HOST makes a
                          host tensor on purpose, one without a device makes it by accident
-    set_device(index)    bind this process to its GPU (no-op on CPU)
+    set_device(index)    bind this process to its GPU (no-op on CPU); device_count()
     backend()            "nccl" on CUDA, "gloo" on CPU
     to_host(tensor)      one device -> host copy (a host synchronisation on CUDA)
     synchronize()        wait for the device (no-op on CPU)
@@ -49,6 +49,10 @@ def current() -> torch.device:
 def set_device(index: int) -> None:
     if is_cuda():
         torch.cuda.set_device(index)
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if is_cuda() else 0
 
 
 def backend() -> str:

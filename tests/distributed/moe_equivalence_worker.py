@@ -14,6 +14,13 @@ A layout may end in @P: the ranks count as P to a node (--parm-ranks-per-node, f
 dispatchers, the performance model and the byte accounting), so that one launch on one
 machine has the several nodes parm_hier splits its dispatch by; without it, one node.
 
+Every schedule also runs once more under tests/device_sim.py's simulated device (placement
+errors, host syncs).
+
+Everything runs on megatron_parm.platform.device.current(): the CPU here; on a machine with
+one GPU (tools/gpu_check.sh, stage a) every rank puts its tensors on that GPU and gloo moves
+them, so the same comparisons check the CUDA path with the same tolerances.
+
 Notation: D data-parallel replicas, S sequence, B micro-batch, M hidden, F expert FFN
 hidden, E experts, k top-k.
 """
@@ -31,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import platform  # noqa: E402
+from megatron_parm.platform import device  # noqa: E402
 
 S, B, M, F, E = 8, 2, 16, 32, 8
 NUM_CHUNKS = 3  # --parm-num-chunks of every layer (S2; parm also weighs S2 at 3 chunks)
@@ -62,13 +70,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def global_tensors(seed: int, num_replicas: int):
     gen = torch.Generator().manual_seed(seed)
-    return {
+    tensors = {
         "x": torch.randn(num_replicas, S, B, M, generator=gen),
         "dy": torch.randn(num_replicas, S, B, M, generator=gen),
         "router": torch.randn(E, M, generator=gen) * 0.5,
         "fc1": torch.randn(E, F, M, generator=gen) * 0.2,
         "fc2": torch.randn(E, M, F, generator=gen) * 0.2,
     }
+    return {name: tensor.to(device.current()) for name, tensor in tensors.items()}
 
 
 def latency_free_profile(path: str) -> str:
@@ -90,8 +99,11 @@ PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free",
 
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
-              per_node=None):
-    """Forward + backward on this rank; returns full-size tensors holding this rank's part."""
+              per_node=None, num_chunks=NUM_CHUNKS, simulate=None):
+    """Forward + backward on this rank; returns full-size tensors holding this rank's part.
+
+    simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
+    """
     from megatron.core import parallel_state as ps
 
     from megatron_parm.bench.native_accounting import account_native_dispatchers
@@ -108,10 +120,10 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         sequence_parallel=sequence_parallel, moe_aux_loss_coeff=aux, moe_expert_capacity_factor=capacity,
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
-        params_dtype=torch.float32, parm_num_chunks=NUM_CHUNKS, parm_profile=profile,
+        params_dtype=torch.float32, parm_num_chunks=num_chunks, parm_profile=profile,
         parm_ranks_per_node=per_node)
     spec = get_gpt_layer_parm_spec(num_experts=E)
-    layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules)
+    layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules).to(device.current())
     layer.train()
 
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -134,6 +146,16 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         x = data["x"][dp_rank].clone().requires_grad_()
         dy = data["dy"][dp_rank]
 
+    if simulate is not None:
+        from device_sim import covering_backward, mark_device, mark_module, parm_autograd_functions
+
+        mark_module(layer)
+        mark_device(x, dy)
+        with simulate, covering_backward(simulate, parm_autograd_functions()):
+            out, _ = layer(x)
+            simulate.forward_syncs = len(simulate.syncs)
+            out.backward(dy)
+        return None
     with track_comm(per_node) as stats, account_native_dispatchers():
         out, _ = layer(x)
         out.backward(dy)
@@ -381,8 +403,28 @@ def check_layout(tp, ep, etp, per_node, records):
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
                                     against="reference", quantity=key, err=rel_err(full[key], ref[key])))
+    simulated_device(tp, ep, etp, per_node, layout, records)
     if rank == 0:
         print(f"layout {layout}: done", flush=True)
+
+
+def simulated_device(tp, ep, etp, per_node, layout, records):
+    """Each non-native schedule's layer call (forward and backward) under the simulated device,
+    parm_s2 also with one chunk ("parm_s2:1"): any host tensor meeting a device tensor, and
+    every host sync with its call site."""
+    from device_sim import SimulatedDevice
+
+    data = global_tensors(123, dist.get_world_size() // tp)
+    runs = [(name, name, 3) for name in dispatchers(tp, ep, etp)[1:]] + [("parm_s2:1", "parm_s2", 1)]
+    for case_name in ("dropless", "pad"):
+        for label, name, chunks in runs:
+            sim = SimulatedDevice(raise_on_mixing=False)
+            run_layer(name, CASES[case_name], tp, ep, etp, tp > 1, data, num_chunks=chunks,
+                      simulate=sim, per_node=per_node)
+            records.append(dict(layout=layout, case=f"device-sim-{case_name}", dispatcher=label,
+                                against="simulated-device", mixing=sim.mixing,
+                                syncs_forward=sim.syncs[:sim.forward_syncs],
+                                syncs_backward=sim.syncs[sim.forward_syncs:]))
 
 
 def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, records):
@@ -429,6 +471,8 @@ def main():
         args.remove("--with-toy")
         register_toy()
     out_path, layouts = args[0], args[1:]
+    if device.is_cuda():  # every rank on the one GPU (or spread over several)
+        device.set_device(int(os.environ.get("LOCAL_RANK", "0")) % device.device_count())
     dist.init_process_group("gloo")
     platform.setup()
     PROFILE_PATHS["latency-free"] = latency_free_profile(out_path + f".rank{dist.get_rank()}.profile.yaml")
@@ -441,10 +485,14 @@ def main():
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     if dist.get_rank() == 0:
-        # Numeric records are identical on all ranks (all-reduced); byte records are per rank.
-        merged = [r for r in records if r["case"] != "bytes"]
+        # Numeric records are identical on all ranks (all-reduced); byte and simulated-device
+        # records are per rank.
+        def per_rank(record):
+            return record["case"] == "bytes" or record["case"].startswith("device-sim")
+
+        merged = [r for r in records if not per_rank(r)]
         for rank, recs in enumerate(gathered):
-            merged += [dict(r, rank=rank) for r in recs if r["case"] == "bytes"]
+            merged += [dict(r, rank=rank) for r in recs if per_rank(r)]
         with open(out_path, "w") as f:
             json.dump(merged, f)
     dist.destroy_process_group()

@@ -189,3 +189,49 @@ def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
     assert against == {"alltoall", "reference"}, against
     bad = {(r["against"], r["quantity"]): r["err"] for r in rows if not r["err"] <= TOL}
     assert not bad, f"{TOY.name} differs: {bad}"
+
+
+# Host syncs a Parm layer call may make (call sites, as device_sim records them): the one
+# device -> host copy of the gathered routing counts, and Megatron's permute, whose two
+# masked_selects Megatron's alltoall pays as well; parm's agreement check on its first call.
+OWN_SYNC = ("to", "megatron_parm.platform.device.to_host")
+PERMUTE_SYNC = ("masked_select", "megatron.core.transformer.moe.moe_utils.permute")
+FIRST_CALL_SYNC = ("equal", "megatron_parm.dispatchers.parm_auto._check_agreement")
+
+
+def _simulated(records, world, layout, case):
+    """Every rank's record of each non-native schedule the layout runs, and of parm_s2 with one
+    chunk ("parm_s2:1")."""
+    rows = _select(records, world, layout, case=f"device-sim-{case}")
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    expected = [name for name in PARM if schedules.get(name).unsupported(tp, ep, etp) is None]
+    for name in expected + ["parm_s2:1"]:
+        assert sum(r["dispatcher"] == name for r in rows) == world, (name, rows)
+    return rows
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("case", ["dropless", "pad"])
+def test_no_host_tensor_meets_device_rows(records, world, layout, case):
+    """Every tensor a dispatcher makes and uses with the rows is made on their device."""
+    bad = {(r["dispatcher"], r["rank"]): r["mixing"] for r in _simulated(records, world, layout, case)
+           if r["mixing"]}
+    assert not bad, f"host tensors used with device tensors: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("case", ["dropless", "pad"])
+def test_host_syncs_per_layer_call(records, world, layout, case):
+    """One device -> host copy per layer call (the gathered counts; none when padding to
+    capacity, where the counts are known), none in the backward, none per S2 chunk."""
+    for r in _simulated(records, world, layout, case):
+        forward = [tuple(s) for s in r["syncs_forward"]]
+        assert r["syncs_backward"] == [], (r["dispatcher"], r["syncs_backward"])
+        own = forward.count(OWN_SYNC)
+        assert own == (1 if case == "dropless" else 0), (r["dispatcher"], forward)
+        allowed = {OWN_SYNC, PERMUTE_SYNC} | ({FIRST_CALL_SYNC} if r["dispatcher"] == "parm" else set())
+        assert set(forward) <= allowed, (r["dispatcher"], forward)
+    by_name = {(r["dispatcher"], r["rank"]): r["syncs_forward"]
+               for r in _simulated(records, world, layout, case)}
+    for rank in range(world):
+        assert by_name[("parm_s2", rank)] == by_name[("parm_s2:1", rank)]  # c = 3 vs c = 1
