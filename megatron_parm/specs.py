@@ -85,6 +85,17 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
     return with_parm_moe(get_gpt_layer_with_transformer_engine_spec(*args, **kwargs))
 
 
+def layer_spec(model_type: str, num_experts, transformer_impl: str = "local",
+               moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """The transformer-layer spec with ParmMoELayer for a model type and implementation
+    (checked first by megatron_parm.training.implementation.check_implementation)."""
+    if transformer_impl == "transformer_engine":
+        return get_gpt_layer_parm_te_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    if model_type == "gpt":
+        return get_gpt_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    return get_bert_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+
+
 def get_bert_layer_parm_spec(num_experts: int, moe_grouped_gemm: bool = False) -> ModuleSpec:
     """Megatron's local BERT layer spec (padding attention mask) with a ParmMoELayer MLP.
 

@@ -88,8 +88,11 @@ def read_latest_iteration(root: str) -> Optional[int]:
 
 
 def _unwrap(model):
-    # Megatron-LM stores the model under its own names (decoder.layers...), not DDP's module.*
-    return getattr(model, "module", model)
+    # Megatron-LM stores the model under its own names (decoder.layers...), not DDP's module.*;
+    # the model may sit in DDP and in Float16Module (--bf16 / --fp16).
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool):
@@ -105,48 +108,80 @@ def _sharded_state_dict(model, optimizer, is_loading: bool):
     return state, targets
 
 
+def _optimizer_parts(optimizer):
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            if hasattr(part, "get_parameters") and not getattr(part, "is_stub_optimizer", False)]
+
+
 def _optimizer_state(optimizer, model_state, is_loading: bool):
     """Adam's moments as ShardedTensors named after their parameter's global key
     ('optimizer.state.exp_avg.decoder.layers...'), in one flat dict for all of Megatron's
     chained optimizers (dense and expert): unlike optimizer.sharded_state_dict, whose keys
     carry the index of the chained optimizer and whose non-tensor part has one entry per
     chained optimizer, nothing here depends on how the layout groups the parameters.
-    The step, common to all parameters, is saved once."""
+    The step, common to all parameters, is saved once.
+
+    With --bf16 / --fp16 (Megatron's Float16OptimizerWithFloat16Params) the optimizer steps
+    on fp32 copies of the bf16/fp16 parameters: those main parameters are saved too, as
+    'optimizer.state.fp32_param...' (Megatron's name), so a resumed run continues from the
+    exact fp32 values rather than from their rounded bf16 copies."""
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,
     )
 
     tensors, targets, step = {}, {}, None
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(part, "get_parameters") or getattr(part, "is_stub_optimizer", False):
-            continue
-        if hasattr(part, "float16_groups") or hasattr(part, "shard_fp32_from_float16_groups"):
-            raise CheckpointError("checkpoints of mixed-precision or distributed optimizers are "
-                                  "not supported yet (this trainer keeps fp32 parameters)")
+
+    def add(sharded_param, value, name):
+        sharded = make_sharded_optimizer_tensor(sharded_param, value, prefix=f"optimizer.state.{name}")
+        # One key holds every layer (a layer axis): name the entry by key and offset.
+        entry = f"{sharded.key}@{','.join(map(str, sharded.global_offset))}"
+        tensors[entry] = sharded
+        targets[entry] = value
+
+    for part in _optimizer_parts(optimizer):
+        if hasattr(part, "shard_fp32_from_float16_groups"):
+            raise CheckpointError("checkpoints of the distributed optimizer "
+                                  "(--use-distributed-optimizer) are not supported yet")
         if is_loading:
             part.init_state_fn(part.optimizer, part.config)  # creates the moments to load into
-        params = part.get_parameters()
-        sharded_params = get_param_id_to_sharded_param_map(model_state, params)
+        params = part.get_parameters()  # what the optimizer steps on: fp32 main params, if any
+        # The model parameter behind each optimizer parameter (itself, or the bf16/fp16
+        # parameter whose main_param it is): the model state names it.
+        model_param = {id(p.main_param): p for group in getattr(part, "float16_groups", [])
+                       for p in group}
+        sharded_params = get_param_id_to_sharded_param_map(
+            model_state, [model_param.get(id(p), p) for p in params])
         for index, param in enumerate(params):
-            param_state = part.optimizer.state.get(param, {})
-            for name, value in param_state.items():
+            if id(param) in model_param:
+                add(sharded_params[index], param, "fp32_param")
+            for name, value in part.optimizer.state.get(param, {}).items():
                 if name == "step":
                     step = value
                 elif torch.is_tensor(value) and value.shape == param.shape:
-                    sharded = make_sharded_optimizer_tensor(sharded_params[index], value,
-                                                            prefix=f"optimizer.state.{name}")
-                    # One key holds every layer (a layer axis): name the entry by key and offset.
-                    entry = f"{sharded.key}@{','.join(map(str, sharded.global_offset))}"
-                    tensors[entry] = sharded
-                    targets[entry] = value
+                    add(sharded_params[index], value, name)
     return tensors, step, targets
 
 
-def _load_optimizer_state(optimizer, loaded: dict, targets: dict, step) -> None:
+def _loss_scaler_state(optimizer):
+    """The loss scaler's state (fp16 dynamic scaling), the same in every chained optimizer."""
+    for part in _optimizer_parts(optimizer):
+        scaler = getattr(part, "grad_scaler", None)
+        if scaler is not None:
+            return scaler.state_dict()
+    return None
+
+
+def _load_optimizer_state(optimizer, loaded: dict, targets: dict, step, scaler_state=None) -> None:
     with torch.no_grad():
         for key, target in targets.items():
             target.copy_(loaded[key])
+        for part in _optimizer_parts(optimizer):
+            # Mixed precision: the model's bf16/fp16 parameters follow the loaded main params.
+            if hasattr(part, "float16_groups"):
+                part._copy_main_params_to_model_params()
+            if scaler_state and getattr(part, "grad_scaler", None) is not None:
+                part.grad_scaler.load_state_dict(scaler_state)
     if step is None:
         return
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -197,6 +232,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
         state.pop("optimizer_state", None)
         state.pop("optimizer_step", None)
+    elif _loss_scaler_state(optimizer) is not None:
+        state["loss_scaler"] = _loss_scaler_state(optimizer)
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     if scheduler is not None:
@@ -328,7 +365,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     state = dist_checkpointing.load(request, path)
     _unwrap(model).load_state_dict(state["model"])
     if optimizer is not None and has_optimizer:
-        _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"])
+        _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],
+                              common.get("loss_scaler"))
     if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
         differences = schedule_differences(state["opt_param_scheduler"], scheduler, None, None)
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -73,9 +73,20 @@ REDIRECTS: Dict[str, str] = {
     ),
     "cuda_device_literals": (
         "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
-        "buffers), clip_grads and the pipeline schedules create small tensors with a literal "
-        "device='cuda'. Those three modules see a `torch` whose tensor factories read "
-        "'cuda' as the CPU; every other name is torch's own."
+        "buffers), the loss scalers (grad_scaler), clip_grads and the pipeline schedules "
+        "create small tensors with a literal device='cuda'. Those four modules see a `torch` "
+        "whose tensor factories read 'cuda' as the CPU; every other name is torch's own."
+    ),
+    "float16_param_types": (
+        "Float16OptimizerWithFloat16Params (--bf16 / --fp16) sorts parameters by "
+        "param.type() in 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' / "
+        "'torch.cuda.FloatTensor' and refuses anything else, so CPU parameters are refused. "
+        "While its constructor runs, Tensor.type() without arguments names a CPU tensor's "
+        "type as its CUDA counterpart; nothing else changes."
+    ),
+    "loss_scaler_state": (
+        "DynamicGradScaler.load_state_dict (--fp16 resume) moves the saved scale with "
+        ".cuda(current_device); on CPU the scale is copied onto the CPU instead."
     ),
     "clip_grads": (
         "get_grad_norm_fp32 computes the 2-norm through Megatron's local multi-tensor "
@@ -352,12 +363,50 @@ class _HostDeviceTorch:
 
 
 def _patch_cuda_device_literals() -> None:
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import clip_grads, grad_scaler
     from megatron.core.optimizer import optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    for module in (optimizer, clip_grads, schedules):
+    for module in (optimizer, clip_grads, grad_scaler, schedules):
         module.torch = _HostDeviceTorch()
+
+
+# ----------------------------------------------------------------------------------------
+# the mixed-precision optimizer's parameter types, the loss scaler's state
+# ----------------------------------------------------------------------------------------
+
+
+def _patch_float16_param_types() -> None:
+    from megatron.core.optimizer import optimizer
+
+    cls = optimizer.Float16OptimizerWithFloat16Params
+    construct = cls.__init__
+    tensor_type = torch.Tensor.type
+
+    def cuda_named_type(tensor, *args, **kwargs):
+        if not args and not kwargs and not tensor.is_cuda:
+            return tensor_type(tensor).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(tensor, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        torch.Tensor.type = cuda_named_type
+        try:
+            construct(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = tensor_type
+
+    cls.__init__ = __init__
+
+
+def _patch_loss_scaler_state() -> None:
+    from megatron.core.optimizer import grad_scaler
+
+    def load_state_dict(self, state_dict):
+        self._scale = state_dict["scale"].to(device.HOST)
+        self._growth_tracker = state_dict["growth_tracker"]
+        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+    grad_scaler.DynamicGradScaler.load_state_dict = load_state_dict
 
 
 # ----------------------------------------------------------------------------------------
@@ -406,5 +455,7 @@ _PATCHES: Dict[str, Callable[[], None]] = {
     "host_split_sizes": _patch_host_split_sizes,
     "missing_te": _patch_missing_te,
     "cuda_device_literals": _patch_cuda_device_literals,
+    "float16_param_types": _patch_float16_param_types,
+    "loss_scaler_state": _patch_loss_scaler_state,
     "clip_grads": _patch_clip_grads,
 }

@@ -19,6 +19,8 @@ from megatron_parm.data.datasets import add_data_args, parse_data_path
 from megatron_parm.data.tokenizers import add_tokenizer_args
 from megatron_parm import schedules
 from megatron_parm.parallel import validate_layout
+from megatron_parm.training import mixed_precision
+from megatron_parm.training.implementation import TRANSFORMER_IMPLS, check_implementation
 
 MODEL_TYPES = ("gpt", "bert")
 
@@ -50,6 +52,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--transformer-impl", default="local", choices=TRANSFORMER_IMPLS,
+                       help="Layer modules: Megatron-Core's own (local, the default here) or "
+                            "Transformer Engine's (needs transformer-engine and a GPU).")
 
     group = parser.add_argument_group("mixture of experts")
     group.add_argument("--num-experts", type=int, default=None)
@@ -75,6 +80,10 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--parm-ranks-per-node", type=int, default=None,
                        help="Ranks per node, for parm_hier's node groups and the performance "
                             "model; default: LOCAL_WORLD_SIZE (set by torchrun).")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="Run a layer's local experts as one grouped GEMM (TEGroupedMLP with "
+                            "--transformer-impl transformer_engine, else GroupedMLP: needs the "
+                            "grouped_gemm package, a GPU and --bf16).")
 
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -128,6 +137,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--tensorboard-dir", default=None)
 
+    mixed_precision.add_args(parser)
     add_data_args(parser)
     add_tokenizer_args(parser)
     return parser
@@ -279,6 +289,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          "distributed optimizer only wraps CUDA parameters")
     if args.model_type == "bert" and args.untie_embeddings_and_output_weights:
         raise ValueError("--untie-embeddings-and-output-weights is not supported for BERT")
+    mixed_precision.validate(args)
+    check_implementation(args.transformer_impl, args.moe_grouped_gemm, model_type=args.model_type,
+                         num_experts=args.num_experts, bf16=args.bf16,
+                         add_bias_linear=not args.disable_bias_linear, cuda=_cuda_available())
 
 
 def _cuda_available() -> bool:

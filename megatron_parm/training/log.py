@@ -24,7 +24,11 @@ def print_rank_0(message: str = "") -> None:
 def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
                    elapsed_ms: float, learning_rate: float, global_batch_size: int,
                    losses: Dict[str, float], tokens_per_second: float,
-                   grad_norm: Optional[float] = None, skipped: int = 0) -> str:
+                   grad_norm: Optional[float] = None, skipped: int = 0,
+                   loss_scale: float = 1.0, nan_iterations: int = 0) -> str:
+    """skipped: iterations of the interval whose update was skipped (fp16 overflow);
+    nan_iterations: those whose loss was inf or nan; loss_scale: the current loss scale
+    (1.0 without --fp16 / --loss-scale)."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
@@ -32,9 +36,11 @@ def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
     line += f" global batch size: {global_batch_size:5d} |"
     for name, value in losses.items():
         line += f" {name}: {value:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nan_iterations:3d} |"
     line += f" tokens per second: {tokens_per_second:.1f} |"
     return line
 

@@ -21,7 +21,9 @@ from megatron.core.transformer.utils import openai_gelu
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.platform import device
-from megatron_parm.specs import get_bert_layer_parm_spec, get_gpt_layer_parm_spec
+from megatron_parm.specs import layer_spec
+from megatron_parm.training import mixed_precision
+
 
 def build_config(args) -> ParmTransformerConfig:
     return ParmTransformerConfig(
@@ -50,7 +52,11 @@ def build_config(args) -> ParmTransformerConfig:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=not device.is_cuda(),
-        params_dtype=torch.float32,
+        params_dtype=mixed_precision.params_dtype(args),
+        bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
+        fp16=mixed_precision.params_dtype(args) == torch.float16,
+        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        transformer_impl=getattr(args, "transformer_impl", "local"),
         parm_num_chunks=args.parm_num_chunks,
         parm_profile=args.parm_profile,
         parm_ranks_per_node=args.parm_ranks_per_node,
@@ -58,7 +64,8 @@ def build_config(args) -> ParmTransformerConfig:
 
 
 def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> torch.nn.Module:
-    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any.
+    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any; with
+    --bf16 / --fp16 inside Megatron-Core's Float16Module.
 
     padded_vocab: the padded vocabulary of a checkpoint being resumed (it depends on the TP size
     it was saved with; keeping it lets the checkpoint load under another TP size).
@@ -69,10 +76,12 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
         raise ValueError(f"--load: the checkpoint's padded vocabulary ({vocab}) does not fit "
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                          f"(must be divisible by it) or the tokenizer ({vocab_size} tokens)")
+    spec = layer_spec(args.model_type, args.num_experts, config.transformer_impl,
+                      config.moe_grouped_gemm)
     if args.model_type == "gpt":
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_parm_spec(num_experts=args.num_experts),
+            transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
@@ -83,7 +92,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
         model = BertModel(
             config=config,
             num_tokentypes=2 if args.bert_binary_head else 0,
-            transformer_layer_spec=get_bert_layer_parm_spec(num_experts=args.num_experts),
+            transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
@@ -92,6 +101,16 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
         )
     if device.is_cuda():
         model.to(device.current())
+    return mixed_precision.wrap(model, config)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel / BertModel inside DDP and Float16Module."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
     return model
 
 
@@ -155,8 +174,7 @@ def bert_forward_step(data_iterator, model):
 
 
 def model_has_tokentypes(model) -> bool:
-    module = getattr(model, "module", model)
-    embedding = getattr(module, "embedding", None)
+    embedding = getattr(unwrap(model), "embedding", None)
     return getattr(embedding, "tokentype_embeddings", None) is not None
 
 

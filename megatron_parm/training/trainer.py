@@ -10,6 +10,7 @@ learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -56,7 +57,8 @@ from megatron_parm.training.log import (
     print_rank_0,
     validation_block,
 )
-from megatron_parm.training.model import FORWARD_STEPS, build_model, moe_layers
+from megatron_parm.training import mixed_precision
+from megatron_parm.training.model import FORWARD_STEPS, build_model, moe_layers, unwrap
 
 
 def initialize_distributed() -> None:
@@ -84,7 +86,9 @@ class ExpertLoad:
 
     def __init__(self, model):
         self.layers = moe_layers(model)  # none in a dense model
-        self.counts = [torch.zeros(layer.config.num_moe_experts) for layer in self.layers]
+        # On the device: counting adds no host sync; shares() reads them once per log line.
+        self.counts = [torch.zeros(layer.config.num_moe_experts, device=device.current())
+                       for layer in self.layers]
         for index, layer in enumerate(self.layers):
             layer.router.register_forward_hook(self._hook(index))
 
@@ -92,7 +96,7 @@ class ExpertLoad:
         def count(router, inputs, outputs):
             if router.training:
                 _, routing_map = outputs  # [tokens, E] bool
-                self.counts[index] += routing_map.sum(dim=0).float().cpu()
+                self.counts[index] += routing_map.sum(dim=0).float()
         return count
 
     def shares(self):
@@ -111,7 +115,7 @@ def mean_over_data_parallel(values: dict) -> dict:
     if not values:
         return {}
     names = sorted(values)
-    stacked = torch.tensor([float(values[name]) for name in names])
+    stacked = torch.tensor([float(values[name]) for name in names], device=device.current())
     torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
     stacked /= parallel_state.get_data_parallel_world_size()
     return dict(zip(names, stacked.tolist()))
@@ -134,12 +138,12 @@ def load_balancing_loss(num_steps: int) -> float:
     if "load_balancing_loss" not in tracker:
         return float("nan")
     entry = tracker["load_balancing_loss"]
-    values = entry["values"].detach().float().cpu().clone()
+    values = entry["values"].detach().float().clone()  # on the device: NCCL reduces it
     entry["values"].zero_()
     if entry.get("reduce_group") is not None:
         torch.distributed.all_reduce(values, group=entry["reduce_group"])
     torch.distributed.all_reduce(values)
-    values /= torch.distributed.get_world_size() * max(num_steps, 1)
+    values = values.cpu() / (torch.distributed.get_world_size() * max(num_steps, 1))
     moe = values[values != 0]
     return moe.mean().item() if moe.numel() else 0.0
 
@@ -191,13 +195,15 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     model = build_model(args, vocab_size, padded_vocab_size)
     config = model.config
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
+        grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
+        use_distributed_optimizer=args.use_distributed_optimizer)
     model = DistributedDataParallel(config, ddp_config, model)
+    # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-    ), [model])
+        **mixed_precision.optimizer_fields(args)), [model])
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
@@ -233,7 +239,7 @@ class ExitSignal:
     def any_rank(self) -> bool:
         if not self.enabled:
             return False
-        flag = torch.tensor([1.0 if self.received else 0.0])
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device.current())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -281,7 +287,7 @@ def pretrain(args) -> dict:
                                                             padded_vocab)
     num_params = sum(p.numel() for p in model.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
-                 f"{tokenizer.vocab_size} padded to {model.module.vocab_size}; "
+                 f"{tokenizer.vocab_size} padded to {unwrap(model).vocab_size}; "
                  f"{args.num_microbatches} micro-batches of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
 
@@ -324,6 +330,7 @@ def pretrain(args) -> dict:
     progress = Progress(args.train_iters, iteration, enabled=rank == 0)
     summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
     interval_losses, interval_steps, interval_start = {}, 0, time.time()
+    interval_skipped = interval_nan = 0  # Megatron-LM's skipped (overflow) and nan iterations
     choices = None
     exit_signal = ExitSignal(args.exit_signal_handler)
     start_iteration, saved_at = iteration, None
@@ -341,12 +348,15 @@ def pretrain(args) -> dict:
         update_successful, grad_norm, _ = optimizer.step()
         if update_successful:
             scheduler.step(increment=args.global_batch_size)
+        else:
+            interval_skipped += 1  # fp16: gradients overflowed, the loss scale was lowered
         iteration += 1
         consumed_samples += args.global_batch_size
         summary["iteration_times"].append(time.time() - step_start)
 
         losses = mean_over_data_parallel(average_microbatch_losses(losses_reduced))
         summary["losses"].append(losses["lm loss"])
+        interval_nan += any(not math.isfinite(value) for value in losses.values())
         for name, value in losses.items():
             interval_losses[name] = interval_losses.get(name, 0.0) + value
         interval_steps += 1
@@ -370,19 +380,26 @@ def pretrain(args) -> dict:
             tokens_per_second = args.global_batch_size * args.seq_length / elapsed
             shares = expert_load.shares()
             progress.clear()
+            loss_scale = optimizer.get_loss_scale().item()
             print_rank_0(iteration_line(iteration, args.train_iters, consumed_samples,
                                         elapsed * 1000.0, learning_rate, args.global_batch_size,
-                                        logged, tokens_per_second, grad_norm))
+                                        logged, tokens_per_second, grad_norm,
+                                        skipped=interval_skipped, loss_scale=loss_scale,
+                                        nan_iterations=interval_nan))
+            summary.setdefault("loss_scales", []).append((iteration, loss_scale))
+            summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval_skipped
             for layer_number, fractions in enumerate(shares, start=1):
                 print_rank_0(expert_load_line(layer_number, fractions))
             tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
                                  "train/learning-rate": learning_rate,
                                  "train/tokens-per-second": tokens_per_second,
                                  "train/grad-norm": grad_norm or 0.0,
+                                 "train/loss-scale": loss_scale,
                                  **{f"expert-load/layer-{l}-max-over-mean": max(f) * len(f)
                                     for l, f in enumerate(shares, start=1)}},
                                 iteration)
             interval_losses, interval_steps, interval_start = {}, 0, time.time()
+            interval_skipped = interval_nan = 0
 
         if args.eval_iters > 0 and (iteration % args.eval_interval == 0
                                     or iteration == args.train_iters):

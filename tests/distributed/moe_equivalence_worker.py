@@ -415,7 +415,7 @@ def simulated_device(tp, ep, etp, per_node, layout, records):
     from device_sim import SimulatedDevice
 
     data = global_tensors(123, dist.get_world_size() // tp)
-    runs = [(name, name, 3) for name in dispatchers(tp, ep, etp)[1:]] + [("parm_s2:1", "parm_s2", 1)]
+    runs = [(name, name, NUM_CHUNKS) for name in dispatchers(tp, ep, etp)[1:]] + [("parm_s2:1", "parm_s2", 1)]
     for case_name in ("dropless", "pad"):
         for label, name, chunks in runs:
             sim = SimulatedDevice(raise_on_mixing=False)

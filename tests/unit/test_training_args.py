@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_parm.training.arguments import parse_args
 from megatron_parm.training.log import iteration_line, validation_block
@@ -116,3 +117,41 @@ def test_moe_with_biases_needs_etp_1(tmp_path):
     args = parse_args(["--config", str(config), "--openai-gelu"] + layout
                       + ["--expert-tensor-parallel-size", "1"], world_size=4)
     assert args.openai_gelu and not args.disable_bias_linear
+
+
+def test_iteration_line_has_loss_scale_and_nan_iterations():
+    line = iteration_line(10, 100, 640, 123.44, 1e-4, 64, {"lm loss": 6.1}, 2048.0, 0.5,
+                          skipped=2, loss_scale=65536.0, nan_iterations=1)
+    assert ("| lm loss: 6.100000E+00 | loss scale: 65536.0 | grad norm: 0.500 | number of "
+            "skipped iterations:   2 | number of nan iterations:   1 | tokens per second:") in line
+
+
+def one_line_error(argv) -> str:
+    message = error(argv)
+    assert "\n" not in message, message
+    assert not torch.distributed.is_initialized()  # refused before any process group
+    return message
+
+
+def test_mixed_precision_flags():
+    args = parse_args(TINY_GPT + ["--bf16"], world_size=1)
+    assert args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.loss_scale is None
+    args = parse_args(TINY_GPT + ["--fp16"], world_size=1)
+    assert (args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window,
+            args.hysteresis) == (2.0 ** 32, 1.0, 1000, 2)  # Megatron-LM's defaults
+    assert not args.accumulate_allreduce_grads_in_fp32
+    assert "--bf16 and --fp16" in one_line_error(TINY_GPT + ["--bf16", "--fp16"])
+    assert "--initial-loss-scale" in one_line_error(TINY_GPT + ["--bf16", "--initial-loss-scale", "1024"])
+    assert "--loss-scale" in one_line_error(TINY_GPT + ["--loss-scale", "128"])
+    assert "--hysteresis" in one_line_error(TINY_GPT + ["--fp16", "--hysteresis", "0"])
+
+
+def test_expert_implementations_without_their_packages():
+    message = one_line_error(TINY_GPT + ["--bf16", "--moe-grouped-gemm"])
+    assert "--moe-grouped-gemm" in message and "grouped_gemm" in message
+    message = one_line_error(TINY_GPT + ["--transformer-impl", "transformer_engine"])
+    assert "--transformer-impl transformer_engine" in message and "transformer-engine" in message
+    message = one_line_error(TINY_GPT + ["--moe-grouped-gemm", "--transformer-impl",
+                                         "transformer_engine"])
+    assert "--transformer-impl transformer_engine" in message and "transformer-engine" in message
+    assert parse_args(TINY_GPT, world_size=1).transformer_impl == "local"
