@@ -364,6 +364,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
 
     state = dist_checkpointing.load(request, path)
     _unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        # Mixed precision: the optimizer's fp32 main params start from the loaded weights (then,
+        # where the checkpoint holds them, from its exact fp32 values below).
+        optimizer.reload_model_params()
     if optimizer is not None and has_optimizer:
         _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],
                               common.get("loss_scaler"))
