@@ -132,9 +132,11 @@ def sort_order(num_sources: int, num_local_experts: int) -> tuple:
 
 def sort_by_local_expert(rows: torch.Tensor, probs: Optional[torch.Tensor], chunk_sizes: torch.Tensor,
                          num_local_experts: int):
-    """[source][local expert] row chunks -> [local expert][source] (no-op for one expert)."""
+    """[source][local expert] row chunks -> [local expert][source] (no reordering for one
+    expert). The rows come out contiguous: grouped GEMMs (grouped_gemm, TE) require it, and
+    rows unpacked from a message with their probs are a strided view."""
     if num_local_experts == 1:
-        return rows, probs
+        return rows.contiguous(), probs
     order, _ = sort_order(chunk_sizes.numel() // num_local_experts, num_local_experts)
     return sort_chunks_by_idxs(rows, chunk_sizes, order, probs=probs)
 

@@ -99,11 +99,14 @@ PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free",
 
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
-              per_node=None, num_chunks=NUM_CHUNKS, simulate=None):
+              per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part.
 
     simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
+    grouped: Megatron's GroupedMLP experts (--moe-grouped-gemm) on tests/fake_grouped_gemm.py,
+    in bf16 as GroupedMLP requires. bf16: the layer in bf16. Results come back in float32.
     """
+    bf16 = bf16 or grouped
     from megatron.core import parallel_state as ps
 
     from megatron_parm.bench.native_accounting import account_native_dispatchers
@@ -120,9 +123,12 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         sequence_parallel=sequence_parallel, moe_aux_loss_coeff=aux, moe_expert_capacity_factor=capacity,
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
-        params_dtype=torch.float32, parm_num_chunks=num_chunks, parm_profile=profile,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
+        moe_grouped_gemm=grouped, parm_num_chunks=num_chunks, parm_profile=profile,
         parm_ranks_per_node=per_node)
-    spec = get_gpt_layer_parm_spec(num_experts=E)
+    if bf16:
+        data = {name: tensor.to(torch.bfloat16) for name, tensor in data.items()}
+    spec = get_gpt_layer_parm_spec(num_experts=E, moe_grouped_gemm=grouped)
     layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules).to(device.current())
     layer.train()
 
@@ -132,10 +138,10 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     fs = F // etp
     with torch.no_grad():
         layer.router.weight.copy_(data["router"])
-        for l, expert in enumerate(layer.experts.local_experts):
+        for l, (fc1, fc2) in enumerate(expert_weights(layer, num_local)):
             e = ep_rank * num_local + l
-            expert.linear_fc1.weight.copy_(data["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs])
-            expert.linear_fc2.weight.copy_(data["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs])
+            fc1.copy_(data["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs])
+            fc2.copy_(data["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs])
 
     rows = S // tp
     shard = slice(tp_rank * rows, (tp_rank + 1) * rows)
@@ -155,12 +161,14 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
             out, _ = layer(x)
             simulate.forward_syncs = len(simulate.syncs)
             out.backward(dy)
-        return None
-    with track_comm(per_node) as stats, account_native_dispatchers():
-        out, _ = layer(x)
-        out.backward(dy)
-    full = {k: torch.zeros_like(data[k]) for k in ("x", "router", "fc1", "fc2")}
-    full["y"] = torch.zeros_like(data["x"])
+        stats = None
+    else:
+        with track_comm(per_node) as stats, account_native_dispatchers():
+            out, _ = layer(x)
+            out.backward(dy)
+    # Collected and summed in float32 (also in a bf16 run).
+    full = {k: torch.zeros_like(data[k], dtype=torch.float32) for k in ("x", "router", "fc1", "fc2")}
+    full["y"] = torch.zeros_like(data["x"], dtype=torch.float32)
     # A part replicated over TP is contributed by TP rank 0 only.
     if sequence_parallel or tp == 1:
         full["y"][dp_rank, shard] = out.detach()
@@ -169,16 +177,30 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         full["y"][dp_rank] = out.detach()
         full["x"][dp_rank] = x.grad
     full["router"] += layer.router.weight.grad
-    for l, expert in enumerate(layer.experts.local_experts):
+    for l, (fc1, fc2) in enumerate(expert_weights(layer, num_local, grads=True)):
         e = ep_rank * num_local + l
-        full["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs] = expert.linear_fc1.weight.grad
-        full["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs] = expert.linear_fc2.weight.grad
+        full["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs] = fc1
+        full["fc2"][e, :, etp_rank * fs:(etp_rank + 1) * fs] = fc2
     for t in full.values():
         dist.all_reduce(t)
     totals = stats.totals() if track else None
     choice = getattr(layer.token_dispatcher, "choice", None)
     full["choice"] = str(choice.schedule) if choice is not None else None
     return full, totals, x.detach()
+
+
+def expert_weights(layer, num_local, grads=False):
+    """Per local expert, its fc1 [F/s, M] and fc2 [M, F/s] weights (or their grads) as views
+    into the layer's parameters: SequentialMLP's linears, or GroupedMLP's weight1 / weight2
+    ([L, M, F/s] and [L, F/s, M] for its grouped GEMMs, transposed here)."""
+    experts = layer.experts
+    if hasattr(experts, "weight1"):
+        w1 = experts.weight1.grad if grads else experts.weight1
+        w2 = experts.weight2.grad if grads else experts.weight2
+        w1, w2 = w1.view(num_local, M, -1), w2.view(num_local, -1, M)
+        return [(w1[l].t(), w2[l].t()) for l in range(num_local)]
+    pick = (lambda linear: linear.weight.grad) if grads else (lambda linear: linear.weight)
+    return [(pick(expert.linear_fc1), pick(expert.linear_fc2)) for expert in experts.local_experts]
 
 
 def reference(case, data, tp):
@@ -404,8 +426,50 @@ def check_layout(tp, ep, etp, per_node, records):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
                                     against="reference", quantity=key, err=rel_err(full[key], ref[key])))
     simulated_device(tp, ep, etp, per_node, layout, records)
+    if layout in GROUPED_LAYOUTS.get(dist.get_world_size(), ()):
+        grouped_experts(tp, ep, etp, per_node, layout, records)
     if rank == 0:
         print(f"layout {layout}: done", flush=True)
+
+
+# World size -> layouts where the GroupedMLP experts run (bf16 on CPU is slow): ETP 2 with 4
+# and with 2 local experts, EP 4 without ETP.
+GROUPED_LAYOUTS = {4: ("2,2,2", "1,4,1"), 8: ("2,4,2",)}
+
+
+def grouped_experts(tp, ep, etp, per_node, layout, records):
+    """Every dispatcher with Megatron's GroupedMLP experts (on tests/fake_grouped_gemm.py)
+    against alltoall with SequentialMLP, both in bf16 (so both route alike).
+    Parm's dispatchers run under the simulated device, so that batch sizes left on the device
+    are refused as on a GPU; Megatron's alltoall moves them to the host only from a real GPU
+    (maybe_move_tensor_to_cpu), so it runs without."""
+    import fake_grouped_gemm
+    from device_sim import SimulatedDevice
+
+    data = global_tensors(321, dist.get_world_size() // tp)
+    sequential, _, _ = run_layer("alltoall", CASES["dropless"], tp, ep, etp, tp > 1, data, bf16=True,
+                                 per_node=per_node)
+    fake_grouped_gemm.install()
+    try:
+        for name in dispatchers(tp, ep, etp):
+            sim = SimulatedDevice(raise_on_mixing=False)
+            del fake_grouped_gemm.violations[:]
+            error = None
+            try:
+                grouped, _, _ = run_layer(name, CASES["dropless"], tp, ep, etp, tp > 1, data,
+                                          grouped=True, per_node=per_node,
+                                          simulate=None if name == "alltoall" else sim)
+            except RuntimeError as err:  # a refusal of the fake package: recorded below
+                error, grouped = str(err), None
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                err = rel_err(grouped[key], sequential[key]) if grouped is not None else float("inf")
+                records.append(dict(layout=layout, case="grouped-gemm", dispatcher=name,
+                                    against="sequential", quantity=key, err=err))
+            records.append(dict(layout=layout, case="grouped-gemm-calls", dispatcher=name,
+                                against="grouped_gemm", error=error, mixing=sim.mixing,
+                                violations=list(fake_grouped_gemm.violations)))
+    finally:
+        fake_grouped_gemm.uninstall()
 
 
 def simulated_device(tp, ep, etp, per_node, layout, records):
@@ -488,7 +552,8 @@ def main():
         # Numeric records are identical on all ranks (all-reduced); byte and simulated-device
         # records are per rank.
         def per_rank(record):
-            return record["case"] == "bytes" or record["case"].startswith("device-sim")
+            return record["case"] in ("bytes", "grouped-gemm-calls") or \
+                record["case"].startswith("device-sim")
 
         merged = [r for r in records if not per_rank(r)]
         for rank, recs in enumerate(gathered):

@@ -22,6 +22,7 @@ import pytest
 
 from launch import torchrun
 from megatron_parm import schedules
+from moe_equivalence_worker import GROUPED_LAYOUTS
 from toy_schedule import TOY
 
 TOL = 1e-5
@@ -235,3 +236,32 @@ def test_host_syncs_per_layer_call(records, world, layout, case):
                for r in _simulated(records, world, layout, case)}
     for rank in range(world):
         assert by_name[("parm_s2", rank)] == by_name[("parm_s2:1", rank)]  # c = 3 vs c = 1
+
+
+GROUPED_TOL = 3e-2  # GroupedMLP vs SequentialMLP, both in bf16 (different summation orders)
+GROUPED = [p for p in _params() if p.values[1] in GROUPED_LAYOUTS.get(p.values[0], ())]
+
+
+@pytest.mark.parametrize("world,layout", GROUPED)
+@pytest.mark.parametrize("dispatcher", ["alltoall"] + PARM)
+def test_grouped_gemm_experts_compute_the_same(records, world, layout, dispatcher):
+    """--moe-grouped-gemm: Megatron's GroupedMLP behind every dispatcher (S2's per-chunk expert
+    calls included) gives the output and gradients of SequentialMLP behind alltoall, to bf16
+    precision."""
+    _skip_unless_supported(dispatcher, layout)
+    rows = _select(records, world, layout, case="grouped-gemm", dispatcher=dispatcher)
+    assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
+    bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= GROUPED_TOL}
+    assert not bad, f"{dispatcher} with GroupedMLP differs from SequentialMLP: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", GROUPED)
+def test_grouped_gemm_called_as_the_package_requires(records, world, layout):
+    """Batch sizes on the host as int64, rows contiguous bf16 (grouped_gemm's checks)."""
+    rows = _select(records, world, layout, case="grouped-gemm-calls")
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    runs = 1 + sum(schedules.get(name).unsupported(tp, ep, etp) is None for name in PARM)
+    assert sum(r["dispatcher"] in ["alltoall"] + PARM for r in rows) == world * runs
+    bad = {(r["dispatcher"], r["rank"]): (r["error"], r["violations"], r["mixing"]) for r in rows
+           if r["error"] or r["violations"] or r["mixing"]}
+    assert not bad, bad

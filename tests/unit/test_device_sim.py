@@ -48,3 +48,15 @@ def test_chunk_row_indices_on_the_rows_device_without_a_sync():
     assert sim.syncs == []
     assert [i.tolist() for i in indices] == [chunk_row_index(counts, i, 3).tolist() for i in range(3)]
     assert sorted(torch.cat(indices).tolist()) == list(range(12))
+
+
+def test_rows_for_the_experts_are_contiguous():
+    """Rows unpacked from a message with their probs are a strided view; the experts get them
+    contiguous (grouped_gemm refuses anything else), with one local expert too."""
+    from megatron_parm.dispatchers.base import pack_rows, sort_by_local_expert, unpack_rows
+
+    rows, probs = unpack_rows(pack_rows(torch.randn(5, 4), torch.rand(5)), 4, torch.float32)
+    assert not rows.is_contiguous()
+    for experts, sizes in ((1, [2, 3]), (2, [1, 2, 1, 1])):
+        out, _ = sort_by_local_expert(rows, probs, torch.tensor(sizes, device=HOST), experts)
+        assert out.is_contiguous()
