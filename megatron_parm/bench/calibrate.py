@@ -2,6 +2,8 @@
 
 tools/calibrate.py runs these on every rank at once; the numbers are fitted by the pure half,
 megatron_parm/perf_model/calibrate.py (whose docstring says how a number is measured).
+Tensors live on the given device and times come from the device seam's Timer (CUDA events on
+GPUs, perf_counter on CPU).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import time
 from typing import Dict, List, Sequence
 
 import torch
@@ -41,6 +42,11 @@ def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:
 def _sync(device) -> None:
     if device.type != "cpu":
         seam.synchronize()
+
+
+def _timer() -> "seam.Timer":
+    """The device seam's timer, started: CUDA events on GPUs, perf_counter on CPU."""
+    return seam.Timer().start()
 
 
 def _slowest(local_times: List[float], device) -> List[float]:
@@ -78,10 +84,9 @@ def time_collective(kind: str, group, group_name: str, link: str, size: int, *, 
         _sync(device)
         dist.barrier()
         with track_comm(ranks_per_node) as stats:
-            start = time.perf_counter()
+            timer = _timer()
             _start(kind, tensor, group, group_name).wait()
-            _sync(device)
-            elapsed = time.perf_counter() - start
+            elapsed = timer.stop()
             bytes_sent = stats.sum(kind=kind, group=group_name)
         if rep >= warmup:
             local.append(elapsed)
@@ -111,18 +116,16 @@ def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmu
             x.grad = fc1.grad = fc2.grad = None
             _sync(device)
             dist.barrier()
-            start = time.perf_counter()
+            timer = _timer()
             out = torch.nn.functional.gelu(x @ fc1) @ fc2
-            _sync(device)
-            middle = time.perf_counter()
+            forward_time = timer.stop()
             dist.barrier()  # the backward, too, starts on every rank at once
-            middle_start = time.perf_counter()
+            timer = _timer()
             out.backward(grad_out)
-            _sync(device)
-            end = time.perf_counter()
+            backward_time = timer.stop()
             if rep >= warmup:
-                forward.append(middle - start)
-                backward.append(end - middle_start)
+                forward.append(forward_time)
+                backward.append(backward_time)
         flops = expert_flops(rows, hidden, ffn_local)
         points.append(Point("compute", "", "forward", rows, flops, _slowest(forward, device)))
         points.append(Point("compute", "", "backward", rows, 2 * flops,

@@ -2,12 +2,15 @@
 
 Notation: S sequence length, B micro-batch, M hidden, F expert FFN hidden, E experts,
 k top-k; (t, e, s) the layout (TP, EP, ETP).
+
+Layers, inputs and gradients live on megatron_parm.platform.device.current() (the GPU where
+there is one) and steps are timed with the seam's Timer (CUDA events on GPUs, perf_counter on
+CPU), so that a step's time is the device's time on both.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -19,6 +22,7 @@ from megatron_parm.comm.accounting import track_comm
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
 from megatron_parm.perf_model.calibrate import layer_fit_schedules
+from megatron_parm.platform import device
 from megatron_parm.specs import get_gpt_layer_parm_spec
 
 
@@ -66,7 +70,7 @@ class MoELayerSpec:
 def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
     layer = ParmMoELayer(spec.config(dispatcher), get_gpt_layer_parm_spec(num_experts=spec.num_experts)
                          .submodules.mlp.submodules)
-    return layer.train()
+    return layer.to(device.current()).train()
 
 
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
@@ -123,9 +127,7 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     keys = list(layers)
     for key in keys[1:]:
         copy_weights(layers[keys[0]], layers[key])
-    gen = torch.Generator().manual_seed(seed + dist.get_rank())
-    x = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
-    grad = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
+    x, grad = _inputs(spec, seed, 2)
 
     results = {key: Timing(str(key), [], {}) for key in keys}
     for key in keys:  # one accounted step each (also a warm-up)
@@ -135,9 +137,9 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     for it in range(warmup + iters):
         for key in keys:
             dist.barrier()
-            start = time.perf_counter()
+            timer = device.Timer().start()
             step(layers[key], x, grad)
-            elapsed = torch.tensor([time.perf_counter() - start])
+            elapsed = torch.tensor([timer.stop()], device=device.current())
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if it >= warmup:
                 results[key].times_ms.append(1e3 * elapsed.item())
@@ -147,6 +149,14 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
         if choice is not None:
             results[key].choice = str(choice.schedule)
     return results
+
+
+def _inputs(spec: MoELayerSpec, seed: int, count: int):
+    """``count`` random tensors of this rank's input shape (a generator seeded per rank),
+    in the spec's dtype on the device."""
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    return [torch.randn(spec.local_input_shape(), generator=gen).to(device.current(), spec.params_dtype)
+            for _ in range(count)]
 
 
 def _world_bytes(stats) -> Dict[str, Dict[str, int]]:
@@ -169,13 +179,13 @@ def max_output_diff(spec: MoELayerSpec, dispatchers: List[str], reference: str =
     for name in layers:
         if name != reference:
             copy_weights(layers[reference], layers[name])
-    gen = torch.Generator().manual_seed(seed + dist.get_rank())
-    x = torch.randn(spec.local_input_shape(), generator=gen).to(spec.params_dtype)
+    (x,) = _inputs(spec, seed, 1)
     grad = torch.ones_like(x)
     ref = step(layers[reference], x, grad)
     diffs = {}
     for name in dispatchers:
-        d = torch.tensor([(step(layers[name], x, grad) - ref).abs().max().item()])
+        d = torch.tensor([(step(layers[name], x, grad) - ref).abs().max().item()],
+                         device=device.current())
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         diffs[name] = d.item()
     return diffs

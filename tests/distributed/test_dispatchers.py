@@ -2,7 +2,9 @@
 
 One torchrun launch per world size runs every layout and case (see moe_equivalence_worker);
 the tests below read its records. The 4-rank launch also registers the catalog test's toy
-schedule (tests/toy_schedule.py), which must then run like every built-in one. Tolerance: 1e-5 relative (max abs error / max abs value),
+schedule (tests/toy_schedule.py), which must then run like every built-in one. A world size
+is launched when a test first asks for it, so `-k w4` runs the 4-rank launch only
+(tools/gpu_check.sh, stage a, does that on one GPU). Tolerance: 1e-5 relative (max abs error / max abs value),
 float32, for the layer output, input grad, router grad and every expert weight grad.
 
 A launch is one machine; each layout runs with a ranks-per-node setting (RANKS_PER_NODE,
@@ -33,16 +35,25 @@ PARM = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
 TOY_WORLD = 4  # the launch that also runs the toy schedule
 
 
+class Records(dict):
+    """world size -> the worker's records, launched on first use."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, world):
+        path = self.tmp_path_factory.mktemp(f"w{world}") / "records.json"
+        toy = ["--with-toy"] if world == TOY_WORLD else []
+        specs = [f"{layout}@{RANKS_PER_NODE[world][layout]}" for layout in LAYOUTS[world]]
+        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *specs)
+        self[world] = json.loads(path.read_text())
+        return self[world]
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    out = {}
-    for world, layouts in LAYOUTS.items():
-        path = tmp_path_factory.mktemp(f"w{world}") / "records.json"
-        toy = ["--with-toy"] if world == TOY_WORLD else []
-        specs = [f"{layout}@{RANKS_PER_NODE[world][layout]}" for layout in layouts]
-        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *specs)
-        out[world] = json.loads(path.read_text())
-    return out
+    return Records(tmp_path_factory)
 
 
 def _select(records, world, layout, **match):
@@ -146,7 +157,7 @@ def test_parm_hier_sends_fewer_inter_node_bytes(records, world, layout):
         assert hier[0]["inter_world"] <= s1
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")
 def test_parm_runs_the_models_choice(records, world, tmp_path):
     """parm runs what the performance model picks for the layer, with the profile the worker
     gave it: the default estimate (tiny layers: an unchunked schedule, S1 or parm_hier) or a

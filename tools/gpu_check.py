@@ -1,0 +1,451 @@
+"""One prepared check of megatron-parm on a machine with one NVIDIA GPU.
+
+    tools/gpu_check.sh OUT_DIR            the wrapper: installs $WHEELS, then runs this
+    python tools/gpu_check.py --out OUT_DIR [--stages a,b,c,d] [--allow-cpu] [--quick]
+
+Stages, each in processes of its own; each writes OUT_DIR/<stage>.json, and OUT_DIR/summary.json
+collects them, rewritten after every stage (a run cut short keeps what finished). Console
+output of every stage goes to OUT_DIR/gpu_check.log.
+  a  dispatcher equivalence: tests/distributed/test_dispatchers.py -k w4, 4 ranks sharing the
+     GPU over gloo (every dispatcher vs Megatron's alltoall and the plain reference, output and
+     all gradients, same tolerances as on CPU; also GroupedMLP, placement and sync checks)
+  b  one rank on NCCL: the tiny GPT-2 MoE in --bf16 with dispatcher parm for 30 iterations
+     (loss falls), its checkpoint saved, evaluated after loading (same loss) and resumed for 5
+     more iterations; then --fp16 with dynamic loss scaling for 12 iterations
+  c  one MoE layer at GPT-2-small-MoE shapes (hidden 768, FFN 3072, 8 experts, top-2, sequence
+     1024, micro-batch 8, bf16), world size 1, every dispatcher: forward+backward medians
+     (CUDA events, the device seam's timer) and ratios to alltoall, peak memory
+  d  host synchronisations per layer call of each dispatcher (forward and backward), counted
+     with torch.cuda.set_sync_debug_mode("warn") through the device seam, with call sites
+
+--allow-cpu runs everything on CPU (gloo), as the tests do for a dry run; there stage d counts
+nothing (nothing synchronises without CUDA) and says so. --quick shrinks shapes and iteration
+counts for such dry runs. The stages keep within --budget seconds (default 440).
+Exit status: 0 when every stage asked for passed, 1 otherwise, 2 for bad arguments or no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform as host_platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STAGES = ("a", "b", "c", "d")
+# Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
+# CPU dry runs get CPU_SLOWDOWN times as long.
+STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60}
+CPU_SLOWDOWN = 4
+DISPATCHERS = ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm")
+TRAIN_ITERS = 30
+RESUME_ITERS = 5
+FP16_ITERS = 12
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--out", required=True, help="folder for the log and the JSON summary")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help="comma-separated stages to run, from a, b, c, d (default: all)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on CPU when there is no GPU (a dry run of every stage)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes and few iterations (dry runs)")
+    parser.add_argument("--budget", type=float, default=440.0,
+                        help="seconds for the stages (default 440: with setup, under 8 minutes)")
+    parser.add_argument("--pytest-args", default=None,
+                        help="stage a: pytest arguments instead of the equivalence tests "
+                             "(for dry runs of the stage itself)")
+    parser.add_argument("--worker", choices=("train", "layer", "syncs"), default=None,
+                        help=argparse.SUPPRESS)  # the processes stages b-d start
+    args = parser.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        parser.error(f"--stages: unknown stage {unknown[0]!r}" if unknown else
+                     "--stages: no stage given")
+    args.stages = stages
+    if args.budget < 60:
+        parser.error(f"--budget must be at least 60 seconds, got {args.budget}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: stages, summary, log
+# ---------------------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    import torch
+
+    from megatron_parm.platform import device
+
+    try:
+        from megatron.core import package_info
+
+        megatron_version = package_info.__version__
+    except ImportError as err:
+        megatron_version = f"not importable ({err})"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host": socket.gethostname(), "python": host_platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": device.device_name(), "device_count": device.device_count(),
+            "megatron_core": megatron_version, "cpus": os.cpu_count()}
+
+
+class Check:
+    """The parent process: runs the stages and keeps the summary on disk."""
+
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.log_path = self.out / "gpu_check.log"
+        self.deadline = time.time() + args.budget
+        self.cuda = device_is_cuda()
+        self.summary = {"environment": environment(), "options": {
+            "stages": args.stages, "allow_cpu": args.allow_cpu, "quick": args.quick,
+            "budget_s": args.budget}, "stages": {}}
+
+    def write(self) -> None:
+        staged = self.out / "summary.json.tmp"
+        staged.write_text(json.dumps(self.summary, indent=2))
+        os.replace(staged, self.out / "summary.json")
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        with open(self.log_path, "a") as log:
+            log.write(line + "\n")
+
+    def run(self, cmd, timeout: float) -> int:
+        """Run cmd from the repository root, output appended to the log; its exit status,
+        or 124 when it ran past timeout (then its whole process group is ended)."""
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        with open(self.log_path, "a") as log:
+            log.write(f"$ {shlex.join(str(c) for c in cmd)}\n")
+            log.flush()
+            proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the stage's own process group
+                proc.wait()
+                return 124
+
+    def torchrun(self, worker: str, timeout: float) -> int:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "tools/gpu_check.py", "--worker", worker, "--out", self.out]
+        return self.run(cmd + (["--quick"] if self.args.quick else []), timeout)
+
+    def main(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        env = self.summary["environment"]
+        self.say(f"gpu_check: {env['date']}, {env['device']} (CUDA {env['cuda']}), torch "
+                 f"{env['torch']}, Python {env['python']}, megatron-core {env['megatron_core']}; "
+                 f"stages {','.join(self.args.stages)}; budget {self.args.budget:.0f} s")
+        self.write()
+        for stage in self.args.stages:
+            left = self.deadline - time.time()
+            if left < 20:
+                result = {"status": "skipped", "reason": "the time budget is spent"}
+            else:
+                start = time.time()
+                limit = STAGE_TIMEOUT[stage] * (1 if self.cuda else CPU_SLOWDOWN)
+                try:
+                    result = STAGE_RUNNERS[stage](self, min(limit, left))
+                except Exception as err:  # a broken stage must not lose the others' results
+                    result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+                result["seconds"] = round(time.time() - start, 1)
+            self.summary["stages"][stage] = result
+            self.write()
+            self.say(f"stage {stage}: {result['status']}"
+                     + (f" ({result['reason']})" if result.get("reason") else "")
+                     + (f" in {result['seconds']} s" if "seconds" in result else ""))
+        passed = all(r["status"] == "passed" for r in self.summary["stages"].values())
+        self.say(f"gpu_check: {'all stages passed' if passed else 'NOT all stages passed'}; "
+                 f"summary {self.out / 'summary.json'}, log {self.log_path}")
+        return 0 if passed else 1
+
+    # -- stages ------------------------------------------------------------------------------
+
+    def stage_a(self, timeout: float) -> dict:
+        junit = self.out / "a_junit.xml"
+        target = (shlex.split(self.args.pytest_args) if self.args.pytest_args else
+                  ["tests/distributed/test_dispatchers.py", "-k", "w4"])
+        status = self.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={junit}", *target], timeout)
+        result = {"command": "pytest " + shlex.join(target), "exit_status": status}
+        if status == 124:
+            return dict(result, status="failed", reason=f"timed out after {timeout:.0f} s")
+        if not junit.is_file():
+            return dict(result, status="error", reason="pytest wrote no report")
+        counts, failed = junit_counts(junit)
+        result.update(counts, failed_tests=failed[:30])
+        ok = status == 0 and counts["tests"] > 0 and not failed
+        return dict(result, status="passed" if ok else "failed",
+                    reason=None if ok else f"{len(failed)} of {counts['tests']} tests failed")
+
+    def _worker_stage(self, worker: str, stage: str, timeout: float) -> dict:
+        report = self.out / f"{stage}.json"
+        report.unlink(missing_ok=True)
+        status = self.torchrun(worker, timeout)
+        if status == 124:
+            return {"status": "failed", "reason": f"timed out after {timeout:.0f} s"}
+        if not report.is_file():
+            return {"status": "error", "reason": f"exit status {status}, no {report.name} "
+                                                 f"(see the log)"}
+        result = json.loads(report.read_text())
+        if status != 0 and result.get("status") == "passed":
+            result.update(status="error", reason=f"exit status {status}")
+        return result
+
+    def stage_b(self, timeout: float) -> dict:
+        prepare_data()
+        return self._worker_stage("train", "b", timeout)
+
+    def stage_c(self, timeout: float) -> dict:
+        return self._worker_stage("layer", "c", timeout)
+
+    def stage_d(self, timeout: float) -> dict:
+        return self._worker_stage("syncs", "d", timeout)
+
+
+STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d}
+
+
+def device_is_cuda() -> bool:
+    from megatron_parm.platform import device
+
+    return device.is_cuda()
+
+
+def junit_counts(path: Path):
+    """({'tests', 'failures', 'errors', 'skipped'}, [failed test ids]) of a pytest JUnit report."""
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return counts, failed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_data() -> None:
+    """The shipped corpus as indexed datasets (stage b trains on it), built if missing."""
+    if not (REPO / "data/cache/gpt_text_document.idx").is_file():
+        subprocess.run(["bash", str(REPO / "pretrain_scripts/prepare_data.sh")], cwd=REPO,
+                       check=True, env=dict(os.environ, PYTHON=sys.executable))
+
+
+# ---------------------------------------------------------------------------------------------
+# the workers (one rank under torchrun): stages b, c, d
+# ---------------------------------------------------------------------------------------------
+
+
+def _init_single_rank():
+    import torch.distributed as dist
+
+    from megatron_parm import platform
+    from megatron_parm.platform import device
+
+    device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(device.backend())
+    platform.setup()
+
+
+def worker_train(out: Path, quick: bool) -> dict:
+    """Stage b: bf16 training with parm on one rank, checkpoint saved / loaded / resumed; fp16."""
+    import torch
+
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import describe_choice, initialize_distributed, pretrain
+
+    initialize_distributed()
+    iters = 8 if quick else TRAIN_ITERS
+    checkpoint = tempfile.mkdtemp(prefix="gpu_check_ckpt_")
+    base = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "4",
+            "--global-batch-size", "4", "--eval-iters", "1", "--moe-token-dispatcher-type", "parm",
+            "--log-interval", str(max(iters // 3, 1))]
+    bf16 = base + ["--bf16", "--save", checkpoint]
+    first = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--eval-interval", str(iters)]))
+    loaded = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--load", checkpoint,
+                                         "--skip-train"]))
+    resumed = pretrain(parse_args(bf16 + ["--train-iters", str(iters + RESUME_ITERS), "--load",
+                                          checkpoint, "--eval-interval", "100000"]))
+    fp16_iters = 6 if quick else FP16_ITERS
+    fp16 = pretrain(parse_args(base + ["--fp16", "--initial-loss-scale", str(2 ** 24),
+                                       "--hysteresis", "1", "--train-iters", str(fp16_iters),
+                                       "--eval-interval", "100000", "--log-interval",
+                                       str(max(fp16_iters // 3, 1))]))
+    losses = first["losses"]
+    eval_trained = first["eval"][-1][1]["lm loss"]
+    eval_loaded = loaded["eval"][-1][1]["lm loss"]
+    checks = {
+        "bf16 loss falls": losses[-1] < losses[0] - (0.2 if quick else 0.5),
+        "checkpoint saved": bool(first["checkpoint"]) and os.path.isdir(first["checkpoint"]),
+        # Scatter-adds on a GPU are not bitwise reproducible: equal to 1e-3 relative.
+        "loaded checkpoint evaluates to the trained loss":
+            abs(eval_loaded - eval_trained) <= 1e-3 * abs(eval_trained),
+        "resumed for the remaining iterations":
+            len(resumed["losses"]) == RESUME_ITERS and resumed["iteration"] == iters + RESUME_ITERS
+            and all(math.isfinite(v) for v in resumed["losses"]),
+        "fp16 trains with dynamic loss scaling": len(fp16["losses"]) == fp16_iters
+            and all(math.isfinite(v) for v in fp16["losses"][-3:]),
+    }
+    return {"status": "passed" if all(checks.values()) else "failed",
+            "reason": None if all(checks.values()) else
+            "failed: " + "; ".join(name for name, ok in checks.items() if not ok),
+            "backend": torch.distributed.get_backend(), "checks": checks,
+            "bf16_losses": losses, "eval_after_training": eval_trained,
+            "eval_after_loading": eval_loaded, "resumed_losses": resumed["losses"],
+            "fp16_losses": fp16["losses"], "fp16_loss_scales": fp16.get("loss_scales"),
+            "fp16_skipped_iterations": fp16.get("skipped_iterations"),
+            "dispatcher_choices": [describe_choice(c) for c in (first.get("dispatcher_choices") or [])]}
+
+
+def check_layer_spec(quick: bool):
+    import torch
+
+    from megatron_parm.bench.moe_layer import MoELayerSpec
+
+    if quick:
+        return MoELayerSpec(seq_length=64, micro_batch_size=2, hidden_size=64, ffn_hidden_size=128,
+                            num_experts=8, topk=2, params_dtype=torch.bfloat16, num_chunks=4)
+    return MoELayerSpec(seq_length=1024, micro_batch_size=8, hidden_size=768, ffn_hidden_size=3072,
+                        num_experts=8, topk=2, params_dtype=torch.bfloat16, num_chunks=4)
+
+
+def _layer_setup(quick: bool):
+    _init_single_rank()
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_parm.parallel import initialize_model_parallel
+
+    spec = check_layer_spec(quick)
+    initialize_model_parallel(1, 1, 1, num_experts=spec.num_experts)
+    model_parallel_cuda_manual_seed(1234)
+    return spec
+
+
+def worker_layer(out: Path, quick: bool) -> dict:
+    """Stage c: every dispatcher's forward+backward time on one layer, ratios to alltoall."""
+    import dataclasses
+
+    from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
+    from megatron_parm.platform import device
+
+    spec = _layer_setup(quick)
+    device.reset_peak_memory_stats()
+    timings = time_dispatchers(spec, list(DISPATCHERS), warmup=1 if quick else 3,
+                               iters=3 if quick else 10)
+    diffs = max_output_diff(spec, list(DISPATCHERS))
+    base = timings["alltoall"].median_ms
+    per_dispatcher = {
+        name: {"median_ms": round(t.median_ms, 3), "times_ms": [round(v, 3) for v in t.times_ms],
+               "alltoall_over_this": round(base / t.median_ms, 3), "choice": t.choice,
+               "max_abs_diff_vs_alltoall": diffs.get(name)}
+        for name, t in timings.items()}
+    finite = all(math.isfinite(d["median_ms"]) and d["median_ms"] > 0 for d in per_dispatcher.values())
+    shape = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("extra", "params_dtype")}
+    return {"status": "passed" if finite else "failed",
+            "reason": None if finite else "a dispatcher has no valid time",
+            "timer": "CUDA events" if device.is_cuda() else "perf_counter (CPU)",
+            "shape": dict(shape, dtype=str(spec.params_dtype)), "dispatchers": per_dispatcher,
+            "peak_memory_bytes": device.max_memory_allocated()}
+
+
+def worker_syncs(out: Path, quick: bool) -> dict:
+    """Stage d: host synchronisations in one layer call per dispatcher (forward, backward)."""
+    import collections
+    import warnings
+
+    from megatron_parm.bench.moe_layer import _inputs, build_layer
+    from megatron_parm.platform import device
+
+    spec = _layer_setup(quick)
+    per_dispatcher = {}
+    for name in DISPATCHERS:
+        layer = build_layer(spec, name)
+        x, grad = _inputs(spec, 7, 2)
+        for counting in (False, True):  # a warm-up call first (parm decides on its first)
+            inputs = x.detach().requires_grad_()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with device.sync_debug_mode("warn") if counting else contextlib.nullcontext():
+                    out, _ = layer(inputs)
+                    forward = len(caught)
+                    out.backward(grad)
+            layer.zero_grad(set_to_none=True)
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        per_dispatcher[name] = {
+            "forward": sum(1 for w in caught[:forward] if "synchroniz" in str(w.message).lower()),
+            "backward": sum(1 for w in caught[forward:] if "synchroniz" in str(w.message).lower()),
+            "sites": dict(sites.most_common(10))}
+    result = {"status": "passed", "dispatchers": per_dispatcher,
+              "counted_with": "torch.cuda.set_sync_debug_mode('warn')"}
+    if not device.is_cuda():
+        result["note"] = ("no CUDA: the sync debug mode does nothing, so nothing is counted "
+                          "(a dry run of the stage's code)")
+    return result
+
+
+WORKERS = {"train": ("b", worker_train), "layer": ("c", worker_layer), "syncs": ("d", worker_syncs)}
+
+
+def run_worker(args) -> int:
+    import torch.distributed as dist
+
+    stage, work = WORKERS[args.worker]
+    out = Path(args.out)
+    try:
+        result = work(out, args.quick)
+    except Exception as err:
+        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"}
+        import traceback
+
+        traceback.print_exc()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out / f"{stage}.json").write_text(json.dumps(result, indent=2, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0 if result.get("status") == "passed" else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    if not device_is_cuda() and not args.allow_cpu:
+        print("gpu_check.py: error: no CUDA device here: this check is for a machine with an "
+              "NVIDIA GPU (--allow-cpu runs its stages on CPU as a dry run)", file=sys.stderr)
+        return 2
+    return Check(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
