@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -53,6 +54,15 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, env=None) 
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-5000:]}\n{failure_excerpt(proc.stderr)}")
     return proc
+
+
+def run_worker_module(test_file: str, nproc: int, run_dir: Path, timeout: int = 900):
+    """An e2e test module run as its own worker: `torchrun TEST_FILE worker OUT.json RUN_DIR`;
+    returns (the JSON its rank 0 wrote to RUN_DIR/results.json, torchrun's stdout)."""
+    out = run_dir / "results.json"
+    proc = torchrun(str(Path(test_file).resolve().relative_to(REPO)), nproc, "worker", str(out),
+                    str(run_dir), timeout=timeout)
+    return json.loads(out.read_text()), proc.stdout
 
 
 def failure_excerpt(stderr: str, tail: int = 4000) -> str:

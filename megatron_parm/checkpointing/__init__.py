@@ -364,9 +364,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
 
     state = dist_checkpointing.load(request, path)
     _unwrap(model).load_state_dict(state["model"])
-    if optimizer is not None:
-        # Mixed precision: the optimizer's fp32 main params start from the loaded weights (then,
-        # where the checkpoint holds them, from its exact fp32 values below).
+    if optimizer is not None and not has_optimizer:
+        # Mixed precision: without saved main params (a converted or upcycled checkpoint) the
+        # optimizer's fp32 copies start from the loaded weights. (Saved ones were loaded in
+        # place above, into the main params themselves: reloading would overwrite them.)
         optimizer.reload_model_params()
     if optimizer is not None and has_optimizer:
         _load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],

@@ -62,14 +62,10 @@ def worker(out_path: str, run_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, prepared_data):
-    sys.path.insert(0, str(REPO))
-    from launch import torchrun
+    from launch import run_worker_module
 
     run_dir = tmp_path_factory.mktemp("pretrain")
-    out = run_dir / "results.json"
-    proc = torchrun(str(Path(__file__).relative_to(REPO)), 4, "worker", str(out), str(run_dir),
-                    timeout=900)
-    return json.loads(out.read_text()), proc.stdout, run_dir
+    return (*run_worker_module(__file__, 4, run_dir), run_dir)
 
 
 def test_gpt_loss_falls(run):
