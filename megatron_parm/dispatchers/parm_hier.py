@@ -32,6 +32,7 @@ from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
 from megatron_parm.perf_model.layout import ep_node_blocks
+from megatron_parm.platform import device as devices
 
 # Process groups made by parm_hier, by their ranks (made once per set of ranks).
 _GROUPS: Dict[Tuple[int, ...], object] = {}
@@ -192,7 +193,7 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         """All-gather [2, E] counts over ESP x EP; one host copy for every split size."""
         gathered = start_all_gather(counts.reshape(1, -1), self.tp_ep_group, "tp_ep_counts").wait()
         self.counts = gathered.view(self.ep_size, self.etp_size, 2, self.num_experts)
-        return NodePlan(self.counts.cpu(), self.groups, self.ep_rank, self.etp_rank,
+        return NodePlan(devices.to_host(self.counts), self.groups, self.ep_rank, self.etp_rank,
                         self.num_local_experts)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
