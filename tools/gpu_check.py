@@ -294,8 +294,10 @@ def worker_train(out: Path, quick: bool) -> dict:
     first = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--eval-interval", str(iters)]))
     loaded = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--load", checkpoint,
                                          "--skip-train"]))
+    # Longer than the saved run: the checkpoint's learning-rate schedule carries on.
     resumed = pretrain(parse_args(bf16 + ["--train-iters", str(iters + RESUME_ITERS), "--load",
-                                          checkpoint, "--eval-interval", "100000"]))
+                                          checkpoint, "--eval-interval", "100000",
+                                          "--use-checkpoint-opt_param-scheduler"]))
     fp16_iters = 6 if quick else FP16_ITERS
     fp16 = pretrain(parse_args(base + ["--fp16", "--initial-loss-scale", str(2 ** 24),
                                        "--hysteresis", "1", "--train-iters", str(fp16_iters),
