@@ -16,7 +16,11 @@ class ParmTransformerConfig(TransformerConfig):
     """Megatron's TransformerConfig plus the knobs of Parm's dispatchers."""
 
     parm_num_chunks: Optional[int] = None
-    """--parm-num-chunks: pipeline chunks of the chunked schedules (None: each one's default)."""
+    """--parm-num-chunks: forward pipeline chunks of the chunked schedules (None: each one's
+    default)."""
+
+    parm_bwd_num_chunks: Optional[int] = None
+    """--parm-bwd-num-chunks: backward pipeline chunks (None: the forward count)."""
 
     parm_profile: Optional[str] = None
     """--parm-profile: performance-model profile used by the automatic dispatcher."""
@@ -31,3 +35,5 @@ class ParmTransformerConfig(TransformerConfig):
             schedules.check_num_chunks(self.parm_num_chunks)
         if self.parm_ranks_per_node is not None:
             check_ranks_per_node(self.parm_ranks_per_node)
+        if self.parm_bwd_num_chunks is not None:
+            schedules.check_num_chunks(self.parm_bwd_num_chunks, schedules.BWD_CHUNKS_FLAG)

@@ -44,7 +44,8 @@ COLLECTIVE_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 DUAL = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
         "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
 
-CHUNKS_FLAG = "--parm-num-chunks"
+CHUNKS_FLAG = "--parm-num-chunks"  # the forward pipeline's chunks
+BWD_CHUNKS_FLAG = "--parm-bwd-num-chunks"  # the backward pipeline's (default: the forward's)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ class Schedule:
     # and combine as one pipeline, and the performance model pipelines its stages.
     chunked: bool = False
     default_chunks: int = 1
-    chunk_candidates: Tuple[int, ...] = ()  # chunk counts the automatic choice tries
+    chunk_candidates: Tuple[int, ...] = ()  # forward chunk counts the automatic choice tries
+    # backward chunk counts it tries with each forward count (empty: the forward count only)
+    bwd_chunk_candidates: Tuple[int, ...] = ()
     candidate: bool = False  # the automatic choice considers it
     # Megatron's dispatchers take the layer input sharded over TP, i.e. sequence parallelism.
     needs_sequence_parallel: bool = False
@@ -89,9 +92,10 @@ class Schedule:
             raise ValueError(f"schedule {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != NATIVE and not self.dispatcher:
             raise ValueError(f"schedule {self.name!r}: a {self.kind} schedule needs its dispatcher class")
-        if self.chunked and not (self.default_chunks >= 1 and all(c >= 2 for c in self.chunk_candidates)):
+        if self.chunked and not (self.default_chunks >= 1 and all(
+                c >= 2 for c in self.chunk_candidates + self.bwd_chunk_candidates)):
             raise ValueError(f"schedule {self.name!r}: default_chunks must be >= 1 and "
-                             f"chunk_candidates >= 2")
+                             f"chunk_candidates and bwd_chunk_candidates >= 2")
 
     def unsupported(self, tp: int, ep: int, etp: int, sequence_parallel: bool = True) -> Optional[str]:
         """Why this schedule cannot run the layout (a message naming the flags), or None."""
@@ -111,11 +115,27 @@ class Schedule:
             raise ValueError(message)
 
     def num_chunks(self, requested: Optional[int] = None) -> int:
-        """The chunk count to run: --parm-num-chunks where given, else this schedule's default."""
+        """The forward chunk count to run: --parm-num-chunks where given, else this schedule's
+        default."""
         if requested is None:
             return self.default_chunks if self.chunked else 1
         check_num_chunks(requested)
         return int(requested) if self.chunked else 1
+
+    def chunk_counts(self, requested: Optional[int] = None,
+                     requested_bwd: Optional[int] = None) -> Tuple[int, int]:
+        """(forward, backward) chunk counts to run: --parm-num-chunks and --parm-bwd-num-chunks
+        where given; the backward defaults to the forward count."""
+        forward = self.num_chunks(requested)
+        if requested_bwd is None:
+            return forward, forward
+        check_num_chunks(requested_bwd, BWD_CHUNKS_FLAG)
+        return forward, int(requested_bwd) if self.chunked else 1
+
+    def chunk_pairs(self, extra: Tuple[Tuple[int, int], ...] = ()) -> Tuple[Tuple[int, int], ...]:
+        """(forward, backward) chunk counts the automatic choice tries, plus ``extra``."""
+        pairs = [(c, b) for c in self.chunk_candidates for b in (self.bwd_chunk_candidates or (c,))]
+        return tuple(sorted(set(pairs) | set(extra)))
 
 
 def check_num_chunks(value, flag: str = CHUNKS_FLAG) -> None:
@@ -286,10 +306,12 @@ _BUILTIN = (
              "-> experts -> RS [ESP] -> A2A [EP]",
              dispatcher=f"{_DISPATCHERS}.parm_s1:ParmS1TokenDispatcher", candidate=True,
              cost_plan=deduplicated_cost),
-    Schedule("parm_s2", PARM, "Parm S2: S1's data in --parm-num-chunks chunks through a pipeline "
-             "that overlaps the A2A [EP] with the AG/RS [ESP] and the experts",
+    Schedule("parm_s2", PARM, "Parm S2: S1's data in --parm-num-chunks chunks (backward: "
+             "--parm-bwd-num-chunks) through a pipeline that overlaps the A2A [EP] with the "
+             "AG/RS [ESP] and the experts",
              dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", chunked=True,
-             default_chunks=4, chunk_candidates=(2, 4, 8), candidate=True,
+             default_chunks=4, chunk_candidates=(2, 4, 8), bwd_chunk_candidates=(2, 4, 8),
+             candidate=True,
              cost_plan=pipelined_cost),
     # Not chunked: its relay expands the rows of every source node at once (a secondary
     # pair's row index points into the whole message), so chunks would need plans of their

@@ -185,13 +185,16 @@ def covering_backward(mode: SimulatedDevice, functions: Sequence[type]) -> Itera
 
 
 def parm_autograd_functions() -> List[type]:
-    """The project's autograd.Functions a layer call's backward runs through."""
+    """The project's autograd.Functions a layer call's backward runs through: the collectives'
+    and the dispatchers' own (S1's dispatch and combine, S2's pipeline)."""
     from megatron_parm.comm import collectives
-    from megatron_parm.dispatchers import parm_s2
+    from megatron_parm.dispatchers import parm_s1, parm_s2
 
-    found = [parm_s2._PipelinedExpertsFunction]
-    for value in vars(collectives).values():
-        if isinstance(value, type) and issubclass(value, torch.autograd.Function) \
-                and value is not torch.autograd.Function:
-            found.append(value)
+    found = []
+    for module in (collectives, parm_s1, parm_s2):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, torch.autograd.Function) \
+                    and value is not torch.autograd.Function and value not in found \
+                    and value.__module__ == module.__name__:
+                found.append(value)
     return found

@@ -54,7 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     p.add_argument("--parm-num-chunks", type=int, default=None,
-                   help="chunks of the chunked schedules (default: each one's own)")
+                   help="forward chunks of the chunked schedules (default: each one's own)")
+    p.add_argument("--parm-bwd-num-chunks", type=int, default=None,
+                   help="backward chunks of the chunked schedules (default: the forward count)")
     p.add_argument("--parm-profile", default=None,
                    help="performance-model profile for the automatic dispatcher `parm`")
     p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
@@ -88,7 +90,8 @@ def spec_from_args(args, **overrides):
         capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=args.moe_pad_expert_input_to_capacity,
         tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
-        num_chunks=args.parm_num_chunks, parm_profile=args.parm_profile)
+        num_chunks=args.parm_num_chunks, bwd_num_chunks=args.parm_bwd_num_chunks,
+        parm_profile=args.parm_profile)
     for key, value in overrides.items():
         if not hasattr(spec, key):
             raise ValueError(f"--grid: unknown field {key!r} (fields of MoELayerSpec: "

@@ -41,6 +41,7 @@ class MoELayerSpec:
     etp: int = 1
     sequence_parallel: bool = True
     num_chunks: Optional[int] = None  # None: each chunked schedule's default
+    bwd_num_chunks: Optional[int] = None  # None: the forward count
     parm_profile: Optional[str] = None
     aux_loss_coeff: float = 0.0
     params_dtype: torch.dtype = torch.float32
@@ -59,7 +60,7 @@ class MoELayerSpec:
             moe_pad_expert_input_to_capacity=self.pad_to_capacity, use_cpu_initialization=True,
             add_bias_linear=False, params_dtype=self.params_dtype,
             bf16=self.params_dtype == torch.bfloat16, parm_num_chunks=self.num_chunks,
-            parm_profile=self.parm_profile, **self.extra)
+            parm_bwd_num_chunks=self.bwd_num_chunks, parm_profile=self.parm_profile, **self.extra)
 
     def local_input_shape(self):
         """This rank's layer input [S/t, B, M] (or [S, B, M] replicated without SP)."""

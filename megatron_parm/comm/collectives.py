@@ -100,14 +100,17 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def start_all_to_all(tensor: torch.Tensor, group, name: str,
-                     output_splits: Sequence[int], input_splits: Sequence[int]) -> Pending:
-    """Send input_splits[j] rows to peer j, receive output_splits[j] rows from peer j."""
+                     output_splits: Sequence[int], input_splits: Sequence[int],
+                     out: Optional[torch.Tensor] = None) -> Pending:
+    """Send input_splits[j] rows to peer j, receive output_splits[j] rows from peer j
+    (into ``out`` where given: a contiguous tensor of the received rows' shape)."""
     if group.size() == 1:
-        return _done(tensor)
+        return _done(tensor if out is None else out.copy_(tensor))
     input_splits = [int(s) for s in input_splits]
     output_splits = [int(s) for s in output_splits]
     tensor = tensor.contiguous()
-    out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    if out is None:
+        out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
     row = _row_bytes(tensor)
     record_bytes("all_to_all", name, group, [s * row for s in input_splits])
     work = dist.all_to_all_single(out, tensor, output_splits, input_splits, group=group,

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, permute, sort_
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
+from megatron_parm.dispatchers import row_order
 from megatron_parm.platform import device as devices
 from megatron_parm.platform.device import HOST
 
@@ -42,7 +43,8 @@ class RoutingPlan:
 
     counts[j][q][x]: rows the rank at (EP index j, ESP index q) sends to expert x.
     The ranks of this dispatch's EP group share one ESP index; ``me_ep``/``me_etp`` are
-    this rank's indices.
+    this rank's indices. After the A2A [EP] and the AG [ESP] a rank holds, for its L local
+    experts, blocks ordered [q][j][local expert] (``local_counts``).
     """
 
     counts: torch.Tensor  # [e, s, E] int64
@@ -58,67 +60,44 @@ class RoutingPlan:
     def etp_size(self) -> int:
         return self.counts.shape[1]
 
-    def _to_local(self, j: int, q: int) -> torch.Tensor:
-        """[L] rows EP rank j (ESP index q) sends to each of this rank's local experts."""
+    def mine(self) -> torch.Tensor:
+        """[E] rows this rank sends to each expert (its permuted rows, in expert order)."""
+        return self.counts[self.me_ep, self.me_etp]
+
+    def local_counts(self) -> torch.Tensor:
+        """[s, e, L]: rows ESP peer q's EP peer j sends to each local expert (gathered order)."""
         lo = self.me_ep * self.num_local_experts
-        return self.counts[j, q, lo : lo + self.num_local_experts]
+        return self.counts[:, :, lo : lo + self.num_local_experts].transpose(0, 1)
 
     def a2a_input_splits(self) -> List[int]:
         """Rows this rank sends to each EP peer (its experts are contiguous)."""
-        mine = self.counts[self.me_ep, self.me_etp]
-        return mine.view(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
+        return self.mine().view(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
 
     def a2a_output_splits(self) -> List[int]:
         """Rows this rank receives from each EP peer (same ESP index)."""
-        return [int(self._to_local(j, self.me_etp).sum()) for j in range(self.ep_size)]
+        return self.local_counts()[self.me_etp].sum(dim=1).tolist()
 
     def etp_split_sizes(self) -> List[int]:
         """Rows each ESP peer holds after its A2A (the AG/RS split sizes)."""
-        return [
-            int(sum(self._to_local(j, q).sum() for j in range(self.ep_size)))
-            for q in range(self.etp_size)
-        ]
+        return self.local_counts().sum(dim=(1, 2)).tolist()
 
     def gathered_chunk_sizes(self) -> torch.Tensor:
-        """Rows after AG(ESP), as chunks ordered [q][j][local expert]."""
-        return torch.stack(
-            [torch.stack([self._to_local(j, q) for j in range(self.ep_size)]) for q in range(self.etp_size)]
-        ).reshape(-1)
+        """Rows after AG(ESP), as blocks ordered [q][j][local expert]."""
+        return self.local_counts().reshape(-1)
 
     def tokens_per_local_expert(self) -> torch.Tensor:
         """[L] rows per local expert, on the host as Megatron's experts take them (SequentialMLP
         and TEGroupedMLP read them as a list; grouped_gemm's gmm needs its batch sizes on the CPU)."""
-        lo = self.me_ep * self.num_local_experts
-        return self.counts[:, :, lo : lo + self.num_local_experts].sum(dim=(0, 1))
+        return self.local_counts().sum(dim=(0, 1))
 
-    def chunk(self, index: int, num_chunks: int) -> "RoutingPlan":
-        """The plan of pipeline chunk ``index``: every count cut into num_chunks near-equal parts."""
-        return RoutingPlan(split_count(self.counts, index, num_chunks), self.me_ep, self.me_etp,
-                           self.num_local_experts)
-
-
-def split_count(counts: torch.Tensor, index: int, num_chunks: int) -> torch.Tensor:
-    """Part ``index`` of each count cut into ``num_chunks`` parts that differ by at most one."""
-    base = torch.div(counts, num_chunks, rounding_mode="floor")
-    return base + (counts % num_chunks > index).to(counts.dtype)
-
-
-def chunk_row_index(counts_per_expert: torch.Tensor, index: int, num_chunks: int) -> torch.Tensor:
-    """Rows of chunk ``index`` in an expert-sorted tensor with counts_per_expert rows per expert
-    (host counts in, a host index out: see chunk_row_indices for the device)."""
-    starts = torch.cumsum(counts_per_expert, 0) - counts_per_expert
-    parts = [split_count(counts_per_expert, i, num_chunks) for i in range(index + 1)]
-    offsets = starts + sum(parts[:index], torch.zeros_like(counts_per_expert))
-    pieces = [torch.arange(int(o), int(o) + int(p), device=HOST) for o, p in zip(offsets, parts[index])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=HOST)
-
-
-def chunk_row_indices(counts_per_expert: torch.Tensor, num_chunks: int, device) -> List[torch.Tensor]:
-    """chunk_row_index of every chunk, on ``device``: built on the host from host counts and
-    copied in one transfer that does not wait (the host never waits for the device here)."""
-    host = [chunk_row_index(counts_per_expert, i, num_chunks) for i in range(num_chunks)]
-    together = torch.cat(host).to(device, non_blocking=True)
-    return list(together.split([len(index) for index in host]))
+    def expert_order(self) -> Optional[torch.Tensor]:
+        """Gather index that sorts the gathered rows [q][j][x] into [x][q][j] for the
+        experts (host), or None where that order is already expert-major."""
+        local = self.local_counts()
+        if local.shape[2] == 1 or local.shape[0] * local.shape[1] == 1:
+            return None
+        starts = row_order.block_starts(local)
+        return row_order.ranges(starts.permute(2, 0, 1), local.permute(2, 0, 1))
 
 
 def sort_order(num_sources: int, num_local_experts: int) -> tuple:
@@ -133,50 +112,23 @@ def sort_order(num_sources: int, num_local_experts: int) -> tuple:
 def sort_by_local_expert(rows: torch.Tensor, probs: Optional[torch.Tensor], chunk_sizes: torch.Tensor,
                          num_local_experts: int):
     """[source][local expert] row chunks -> [local expert][source] (no reordering for one
-    expert). The rows come out contiguous: grouped GEMMs (grouped_gemm, TE) require it, and
-    rows unpacked from a message with their probs are a strided view."""
-    if num_local_experts == 1:
+    expert or one source). The rows come out contiguous: grouped GEMMs (grouped_gemm, TE)
+    require it."""
+    num_sources = chunk_sizes.numel() // num_local_experts
+    if num_local_experts == 1 or num_sources == 1:
         return rows.contiguous(), probs
-    order, _ = sort_order(chunk_sizes.numel() // num_local_experts, num_local_experts)
+    order, _ = sort_order(num_sources, num_local_experts)
     return sort_chunks_by_idxs(rows, chunk_sizes, order, probs=probs)
 
 
 def unsort_by_local_expert(rows: torch.Tensor, chunk_sizes: torch.Tensor, num_local_experts: int):
     """Inverse of ``sort_by_local_expert``; chunk_sizes as given to it."""
-    if num_local_experts == 1:
-        return rows
     num_sources = chunk_sizes.numel() // num_local_experts
+    if num_local_experts == 1 or num_sources == 1:
+        return rows
     _, order = sort_order(num_sources, num_local_experts)
     expert_major_sizes = chunk_sizes.reshape(num_sources, num_local_experts).T.ravel()
     return sort_chunks_by_idxs(rows, expert_major_sizes, order)[0]
-
-
-def can_pack(rows: torch.Tensor, probs: torch.Tensor, summed: bool = False) -> bool:
-    """Whether probs can ride in rows' message as extra columns.
-
-    Same dtype: one more column (fine for sums too). Otherwise the probs' bytes are
-    reinterpreted as columns of rows' dtype, which only pure data movement may carry.
-    """
-    if rows.dtype == probs.dtype:
-        return True
-    return not summed and probs.element_size() % rows.element_size() == 0
-
-
-def pack_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """[R, M] rows and [R] probs -> one [R, M + p] message (one collective instead of two)."""
-    if rows.dtype == probs.dtype:
-        tail = probs.unsqueeze(-1)
-    else:
-        tail = probs.contiguous().view(rows.dtype).view(rows.shape[0], -1)
-    return torch.cat([rows, tail], dim=1)
-
-
-def unpack_rows(packed: torch.Tensor, hidden: int, probs_dtype: torch.dtype):
-    """Inverse of pack_rows."""
-    rows, tail = packed[:, :hidden], packed[:, hidden:]
-    if tail.dtype == probs_dtype:
-        return rows, tail.squeeze(-1)
-    return rows, tail.contiguous().view(probs_dtype).view(-1)
 
 
 class ParmTokenDispatcher(MoETokenDispatcher):

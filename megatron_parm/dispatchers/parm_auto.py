@@ -107,7 +107,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                             choice.describe())
         self.active = self.schedules[choice.dispatcher]
         if self.active.pipelined:
-            self.active.num_chunks = choice.num_chunks
+            self.active.num_chunks = self.active.bwd_num_chunks = choice.num_chunks
 
     def _check_agreement(self, choice, where: torch.device) -> None:
         """Once per token count: every rank chose the same (on ``where``, the rows' device,

@@ -1,14 +1,26 @@
-"""Parm's schedule S2: deduplicated and pipelined over c chunks.
+"""Parm's schedule S2: deduplicated and pipelined over chunks.
 
 The rows S1 would send are cut into c chunks (every (rank, expert) count split into c
-near-equal parts). Each chunk flows through five stages:
+near-equal parts, docs/design.md). Each chunk flows through five stages:
 
     A: A2A [EP] -> B: AG [ESP] -> X: experts -> C: RS [ESP] -> D: A2A [EP] back
 
 and the stages of neighbouring chunks run at the same time: while X works on chunk i,
 the A2A of chunk i+1 (inter-node link) and the AG of chunk i (intra-node link) are in
 flight, and D of chunk i-1 follows as soon as its RS lands. The backward pass runs the
-same five-stage pipeline with the dual collectives (A2A, AG, expert backward, RS, A2A).
+same five-stage pipeline with the dual collectives (A2A, AG, expert backward, RS, A2A), in
+its own number of chunks (--parm-bwd-num-chunks; the backward has twice the compute per
+row, so its best count can differ).
+
+What a chunk costs beyond its collectives is kept small: everything that depends only on
+the routing counts (split sizes, the rows of every chunk, the sorts for the experts) is
+computed once per layer call on the host with whole-array operations (dispatchers/row_order.py)
+and its indices are copied to the rows' device in one transfer. The rows are put in chunk
+order and packed with their probabilities in one pass, so a chunk's message is a slice;
+returning chunks land in slices of one output (the unpermutation takes the chunk order
+as it is). Expert graphs are built per sub-chunk (the finer cut both pipelines share: lcm of
+the two counts, i.e. the larger count when one divides the other) and each backward chunk
+runs the expert backward of its sub-chunks in one call.
 
 Collectives are asynchronous torch.distributed calls on the groups Megatron built; gloo
 and NCCL both run collectives of different groups concurrently.
@@ -18,42 +30,39 @@ makes the current stream wait for the collective's stream and returns at once, s
 keeps issuing chunk i+1's A2A [EP] while chunk i's AG/RS [ESP] (another communicator, another
 stream) and its expert GEMMs are still queued. Nothing in the pipeline reads a device value
 on the host (no .item(), .tolist(), .cpu() between chunks): every split size comes from the
-host plan made before the first chunk, and the chunks' row indices are copied to the rows'
-device once, up front. Tensors a collective reads or writes stay referenced by its Pending
-until it is waited on (see megatron_parm.comm.collectives).
+host plan made before the first chunk, and its indices are copied to the rows' device once,
+up front. Tensors a collective reads or writes stay referenced until it is waited on (by its
+Pending, see megatron_parm.comm.collectives, and by the stage's PendingTuple).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_parm import schedules
 from megatron_parm.comm.collectives import Pending, start_all_gather, start_all_to_all, start_reduce_scatter
-from megatron_parm.dispatchers.base import (
-    ParmTokenDispatcher,
-    RoutingPlan,
-    can_pack,
-    pack_rows,
-    unpack_rows,
-    chunk_row_indices,
-    sort_by_local_expert,
-    unsort_by_local_expert,
-)
+from megatron_parm.dispatchers import row_order
+from megatron_parm.dispatchers.base import ParmTokenDispatcher, RoutingPlan
+from megatron_parm.dispatchers.row_order import Message
 
 Tensors = Tuple[torch.Tensor, ...]
 Stage = Callable[[int, Tensors], "PendingTuple"]
 
 
 class PendingTuple:
-    """Several in-flight collectives waited on together."""
+    """Several in-flight collectives waited on together; ``keep`` holds their inputs until then."""
 
-    def __init__(self, *pendings: Pending):
+    def __init__(self, *pendings: Pending, keep: Sequence[torch.Tensor] = ()):
         self.pendings = pendings
+        self.keep = tuple(keep)
 
     def wait(self) -> Tensors:
-        return tuple(p.wait() for p in self.pendings)
+        out = tuple(p.wait() for p in self.pendings)
+        self.keep = ()
+        return out
 
 
 def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: Stage,
@@ -83,123 +92,246 @@ def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: 
     return [in_fourth[i].wait() for i in range(num_chunks)]
 
 
+@dataclass
+class Direction:
+    """How one pass (forward or backward) cuts the layer into chunks; host data, except the
+    index tensors once ``ChunkPlan`` has moved them to the rows' device.
+
+    At the rank that owns the rows (origin), chunk i is rows [offsets[i], offsets[i+1]) of
+    the chunk-major order, ``order`` gathering it from the expert order of the permutation
+    (None: the same order). At the experts, chunk i arrives as blocks [q][j][local expert];
+    ``sort[i]`` gathers it into its sub-chunks, each expert-major ([local expert][q][j]),
+    and ``unsort[i]`` undoes that (None where nothing moves).
+    """
+
+    num_chunks: int
+    offsets: List[int]
+    a2a_in: List[List[int]]  # [chunk][EP peer]: rows sent
+    a2a_out: List[List[int]]  # [chunk][EP peer]: rows received
+    etp_sizes: List[List[int]]  # [chunk][ESP peer]: the AG/RS split sizes
+    sub_rows: List[List[int]]  # [chunk][its sub-chunks]: rows of each
+    first_sub: List[int]  # [chunk]: global index of its first sub-chunk
+    order: Optional[torch.Tensor]
+    sort: List[Optional[torch.Tensor]]
+    unsort: List[Optional[torch.Tensor]]
+
+    def rows(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+
+def plan_direction(plan: RoutingPlan, num_chunks: int, num_subs: int) -> Direction:
+    """The chunking of one pass: num_chunks chunks of num_subs // num_chunks sub-chunks each."""
+    c, g = num_chunks, num_subs
+    per_chunk = g // c
+    mine = plan.mine()  # [E]
+    bounds = row_order.cut_bounds(mine, c)  # [c + 1, E]
+    parts = bounds.diff(dim=0)  # [c, E]
+    order = row_order.ranges(row_order.block_starts(mine) + bounds[:-1], parts)
+    sizes = parts.sum(dim=1)
+    offsets = [0] + torch.cumsum(sizes, 0).tolist()
+
+    local = plan.local_counts()  # [s, e, L], gathered order
+    s, e, num_local = local.shape
+    chunk_bounds = row_order.cut_bounds(local, c)  # [c + 1, s, e, L]
+    chunk_parts = chunk_bounds.diff(dim=0)
+    sub_bounds = row_order.cut_bounds(local, g)
+    sub_parts = sub_bounds.diff(dim=0)  # [g, s, e, L]
+    flat = chunk_parts.reshape(c, -1)
+    block_start = (torch.cumsum(flat, 1) - flat).view(c, s, e, num_local)  # in chunk i's message
+    chunk_of = torch.arange(g) // per_chunk
+    starts = block_start[chunk_of] + sub_bounds[:-1] - chunk_bounds[chunk_of]
+    # sub-chunk-major, then expert-major inside each: [k][x][q][j]
+    index = row_order.ranges(starts.permute(0, 3, 1, 2), sub_parts.permute(0, 3, 1, 2))
+    chunk_rows = flat.sum(dim=1).tolist()
+    sort, unsort = [], []
+    for piece in index.split(chunk_rows):
+        moved = not row_order.is_identity(piece)
+        sort.append(piece if moved else None)
+        unsort.append(row_order.inverse(piece) if moved else None)
+    return Direction(
+        num_chunks=c, offsets=offsets,
+        a2a_in=parts.view(c, e, num_local).sum(dim=2).tolist(),
+        a2a_out=chunk_parts[:, plan.me_etp].sum(dim=2).tolist(),
+        etp_sizes=chunk_parts.sum(dim=(2, 3)).tolist(),
+        sub_rows=sub_parts.sum(dim=(1, 2, 3)).view(c, per_chunk).tolist(),
+        first_sub=[i * per_chunk for i in range(c)],
+        order=None if c == 1 else order, sort=sort, unsort=unsort)
+
+
+class ChunkPlan:
+    """Both passes' chunking for one layer call, plus what maps one onto the other.
+
+    ``tokens[k]``: tokens per local expert of sub-chunk k (host, as the experts take them).
+    ``to_backward``: gathers the output gradient (forward chunk order) into backward chunk
+    order; ``restore``: gathers the backward chunk order back into the expert order of the
+    permutation (both None where nothing moves).
+    """
+
+    def __init__(self, plan: RoutingPlan, fwd_chunks: int, bwd_chunks: int, device):
+        num_subs = row_order.lcm(fwd_chunks, bwd_chunks)
+        self.fwd = plan_direction(plan, fwd_chunks, num_subs)
+        self.bwd = self.fwd if bwd_chunks == fwd_chunks else plan_direction(plan, bwd_chunks, num_subs)
+        self.tokens = list(row_order.cut(plan.local_counts(), num_subs).sum(dim=(1, 2)))
+        f, b = self.fwd.order, self.bwd.order
+        if self.bwd is self.fwd:
+            to_backward = None
+        elif f is None:
+            to_backward = b
+        else:
+            to_backward = row_order.inverse(f) if b is None else row_order.inverse(f)[b]
+        restore = None if b is None else row_order.inverse(b)
+        # Every index to the rows' device in one transfer.
+        directions = [self.fwd] if self.bwd is self.fwd else [self.fwd, self.bwd]
+        host = [to_backward, restore] + [t for d in directions for t in [d.order, *d.sort, *d.unsort]]
+        moved = iter(row_order.to_device(host, device))
+        self.to_backward, self.restore = next(moved), next(moved)
+        for d in directions:
+            d.order = next(moved)
+            d.sort = [next(moved) for _ in d.sort]
+            d.unsort = [next(moved) for _ in d.unsort]
+
+
+def _gather_rows(tensor: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return tensor if index is None else tensor.index_select(0, index)
+
+
 class _ChunkedExperts:
     """The forward and backward pipelines of one S2 layer call."""
 
-    def __init__(self, dispatcher: "ParmS2TokenDispatcher", plan: RoutingPlan, num_chunks: int,
-                 expert_fn: Callable, device: torch.device):
-        self.d = dispatcher
-        self.num_chunks = num_chunks
+    def __init__(self, dispatcher: "ParmS2TokenDispatcher", chunks: ChunkPlan, expert_fn: Callable):
+        self.ep_group, self.etp_group = dispatcher.ep_group, dispatcher.etp_group
+        self.chunks = chunks
         self.expert_fn = expert_fn
-        self.plans = [plan.chunk(i, num_chunks) for i in range(num_chunks)]
-        mine = plan.counts[plan.me_ep, plan.me_etp]
-        # This rank's rows of each chunk, on the rows' device (index_select / index_copy_).
-        self.rows = chunk_row_indices(mine, num_chunks, device)
-        self.saved: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per sub-chunk: (rows, probs) the experts saw and their output, for the backward
+        self.saved: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    # stage helpers: (chunk index, tensors) -> PendingTuple
-    def _a2a_out(self, i: int, tensors: Tensors) -> PendingTuple:
-        p = self.plans[i]
-        return PendingTuple(*[start_all_to_all(t, self.d.ep_group, "ep", p.a2a_output_splits(),
-                                               p.a2a_input_splits()) for t in tensors])
+    # stages: (chunk index, tensors) -> PendingTuple
+    def _stages(self, d: Direction, outputs: Sequence[torch.Tensor]):
+        ep, etp = self.ep_group, self.etp_group
 
-    def _a2a_back(self, i: int, tensors: Tensors) -> PendingTuple:
-        p = self.plans[i]
-        return PendingTuple(*[start_all_to_all(t, self.d.ep_group, "ep", p.a2a_input_splits(),
-                                               p.a2a_output_splits()) for t in tensors])
+        def first(i: int, tensors: Tensors) -> PendingTuple:
+            return PendingTuple(*[start_all_to_all(t, ep, "ep", d.a2a_out[i], d.a2a_in[i])
+                                  for t in tensors], keep=tensors)
 
-    def _gather(self, i: int, tensors: Tensors) -> PendingTuple:
-        sizes = self.plans[i].etp_split_sizes()
-        return PendingTuple(*[start_all_gather(t, self.d.etp_group, "expt_tp", sizes) for t in tensors])
+        def second(i: int, tensors: Tensors) -> PendingTuple:
+            return PendingTuple(*[start_all_gather(t, etp, "expt_tp", d.etp_sizes[i])
+                                  for t in tensors], keep=tensors)
 
-    def _scatter(self, i: int, tensors: Tensors) -> PendingTuple:
-        sizes = self.plans[i].etp_split_sizes()
-        return PendingTuple(*[start_reduce_scatter(t.contiguous(), self.d.etp_group, "expt_tp", sizes)
-                              for t in tensors])
+        def third(i: int, tensors: Tensors) -> PendingTuple:
+            return PendingTuple(*[start_reduce_scatter(t, etp, "expt_tp", d.etp_sizes[i])
+                                  for t in tensors], keep=tensors)
+
+        def fourth(i: int, tensors: Tensors) -> PendingTuple:
+            return PendingTuple(*[start_all_to_all(t, ep, "ep", d.a2a_in[i], d.a2a_out[i],
+                                                   out=o[d.rows(i)])
+                                  for t, o in zip(tensors, outputs)], keep=tensors)
+
+        return first, second, third, fourth
 
     def forward(self, rows: torch.Tensor, probs: torch.Tensor, build_graph: bool) -> torch.Tensor:
-        # Probs ride in the rows' messages (pure data movement: any dtypes pack).
-        hidden, probs_dtype = rows.shape[1], probs.dtype
+        """Expert-order rows and probs in, expert outputs out in forward chunk order."""
+        d = self.chunks.fwd
+        message = Message(rows.shape[1], rows.dtype, probs.dtype)
+        if message.packs:  # one pass: chunk order and packing
+            origin = (message.pack(rows, probs, order=d.order),)
+        else:
+            origin = (_gather_rows(rows, d.order), _gather_rows(probs, d.order))
+        out = rows.new_empty(rows.shape)
+        first, second, third, fourth = self._stages(d, [out])
 
-        def first(i):
-            idx = self.rows[i]
-            return self._a2a_out(i, (pack_rows(rows.index_select(0, idx), probs.index_select(0, idx)),))
-
-        def compute(i, gathered):
-            chunk_rows, chunk_probs = unpack_rows(gathered[0], hidden, probs_dtype)
-            plan = self.plans[i]
-            sizes = plan.gathered_chunk_sizes()
-            with torch.enable_grad() if build_graph else torch.no_grad():
-                if build_graph:
-                    chunk_rows = chunk_rows.detach().requires_grad_()
-                    chunk_probs = chunk_probs.detach().requires_grad_()
-                x, x_probs = sort_by_local_expert(chunk_rows, chunk_probs, sizes, self.d.num_local_experts)
-                y, bias = self.expert_fn(x, plan.tokens_per_local_expert(), x_probs)
+        def compute(i: int, gathered: Tensors) -> Tensors:
+            # sorted into sub-chunks and unpacked in one gather: contiguous rows for the experts
+            if message.packs:
+                gathered = message.unpack_gathered(gathered[0], d.sort[i])
+            else:
+                gathered = tuple(t.contiguous() if d.sort[i] is None else t.index_select(0, d.sort[i])
+                                 for t in gathered)
+            ys, start = [], 0
+            for k, count in enumerate(d.sub_rows[i], start=d.first_sub[i]):
+                x, x_probs = (t[start : start + count] for t in gathered)
+                start += count
+                with torch.enable_grad() if build_graph else torch.no_grad():
+                    if build_graph:
+                        x = x.detach().requires_grad_()
+                        x_probs = x_probs.detach().requires_grad_()
+                    y, bias = self.expert_fn(x, self.chunks.tokens[k], x_probs)
                 assert bias is None, "expert bias is not supported by parm_s2"
-                y = unsort_by_local_expert(y, sizes, self.d.num_local_experts)
-            if build_graph:
-                self.saved.append((chunk_rows, chunk_probs, y))
-            return (y.detach(),)
+                if build_graph:
+                    self.saved[k] = (x, x_probs, y)
+                ys.append(y.detach())
+            y = ys[0] if len(ys) == 1 else torch.cat(ys)
+            return (_gather_rows(y, d.unsort[i]),)
 
-        outputs = run_pipeline(self.num_chunks, first, self._gather, compute, self._scatter, self._a2a_back)
-        out = rows.new_zeros(rows.shape)
-        for idx, (chunk_out,) in zip(self.rows, outputs):
-            out.index_copy_(0, idx, chunk_out)
+        run_pipeline(d.num_chunks, lambda i: first(i, tuple(t[d.rows(i)] for t in origin)),
+                     second, compute, third, fourth)
         return out
 
-    def backward(self, grad_out: torch.Tensor, rows_meta, probs_meta):
-        def first(i):
-            return self._a2a_out(i, (grad_out.index_select(0, self.rows[i]),))
+    def backward(self, grad_out: torch.Tensor, probs_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Output gradient in forward chunk order in; gradients of rows and probs out in the
+        expert order of the permutation."""
+        d = self.chunks.bwd
+        grad_out = _gather_rows(grad_out, self.chunks.to_backward)
+        num_rows, hidden = grad_out.shape
+        message = Message(hidden, grad_out.dtype, probs_dtype, summed=True)
+        if message.packs:
+            outputs = [message.empty(grad_out, num_rows)]
+        else:
+            outputs = [grad_out.new_empty(grad_out.shape), grad_out.new_empty(num_rows, dtype=probs_dtype)]
+        first, second, third, fourth = self._stages(d, outputs)
 
-        def compute(i, gathered):
+        def compute(i: int, gathered: Tensors) -> Tensors:
             (grad_y,) = gathered
-            chunk_rows, chunk_probs, y = self.saved[i]
-            if y.requires_grad and y.numel() > 0:
-                torch.autograd.backward(y, grad_y)
-            grad_rows = chunk_rows.grad if chunk_rows.grad is not None else torch.zeros_like(chunk_rows)
-            grad_probs = chunk_probs.grad if chunk_probs.grad is not None else torch.zeros_like(chunk_probs)
-            self.saved[i] = None  # free the chunk's graph as soon as it is used
-            # The RS sums: grads share a message only where their dtypes match.
-            if can_pack(grad_rows, grad_probs, summed=True):
-                return (pack_rows(grad_rows, grad_probs),)
-            return grad_rows, grad_probs
+            grad_y = _gather_rows(grad_y, d.sort[i])
+            subs = range(d.first_sub[i], d.first_sub[i] + len(d.sub_rows[i]))
+            saved = [self.saved.pop(k) for k in subs]  # freed once used
+            ys, grads, start = [], [], 0
+            for (_, _, y), count in zip(saved, d.sub_rows[i]):
+                if y.requires_grad and count > 0:
+                    ys.append(y)
+                    grads.append(grad_y[start : start + count])
+                start += count
+            if ys:
+                torch.autograd.backward(ys, grads)
+            grad_x = [x.grad if x.grad is not None else torch.zeros_like(x) for x, _, _ in saved]
+            grad_p = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p, _ in saved]
+            grad_x = grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)
+            grad_p = grad_p[0] if len(grad_p) == 1 else torch.cat(grad_p)
+            if message.packs:  # one pass: packing and unsorting
+                return (message.pack(grad_x, grad_p, order=d.unsort[i]),)
+            return _gather_rows(grad_x, d.unsort[i]), _gather_rows(grad_p, d.unsort[i])
 
-        outputs = run_pipeline(self.num_chunks, first, self._gather, compute, self._scatter, self._a2a_back)
-        grad_rows = torch.zeros(rows_meta[0], dtype=rows_meta[1], device=rows_meta[2])
-        grad_probs = torch.zeros(probs_meta[0], dtype=probs_meta[1], device=probs_meta[2])
-        for idx, chunk in zip(self.rows, outputs):
-            g_rows, g_probs = unpack_rows(chunk[0], rows_meta[0][1], probs_meta[1]) if len(chunk) == 1 else chunk
-            grad_rows.index_copy_(0, idx, g_rows)
-            grad_probs.index_copy_(0, idx, g_probs)
-        return grad_rows, grad_probs
+        run_pipeline(d.num_chunks, lambda i: first(i, (grad_out[d.rows(i)],)),
+                     second, compute, third, fourth)
+        grads = message.unpack(outputs[0]) if message.packs else outputs
+        return tuple(_gather_rows(g, self.chunks.restore) for g in grads)
 
 
 class _PipelinedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, probs, anchor, pipeline: _ChunkedExperts):
         ctx.pipeline = pipeline
-        ctx.rows_meta = (rows.shape, rows.dtype, rows.device)
-        ctx.probs_meta = (probs.shape, probs.dtype, probs.device)
+        ctx.probs_dtype = probs.dtype
         return pipeline.forward(rows, probs, build_graph=True)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_rows, grad_probs = ctx.pipeline.backward(grad_out.contiguous(), ctx.rows_meta,
-                                                      ctx.probs_meta)
+        grad_rows, grad_probs = ctx.pipeline.backward(grad_out.contiguous(), ctx.probs_dtype)
         ctx.pipeline = None
         return grad_rows, grad_probs, None, None
 
 
 class ParmS2TokenDispatcher(ParmTokenDispatcher):
-    """S2: S1's data, cut into c chunks that flow through a five-stage pipeline.
+    """S2: S1's data, cut into chunks that flow through a five-stage pipeline.
 
     Workflow (communication on the group in brackets):
     (1) dispatch_preprocess: permute this rank's n tokens by expert; exchange the E routing
-        counts [ESP x EP]; cut every count into c parts
-    (2)-(6) dispatch_compute_combine, per chunk, pipelined: A2A [EP] -> AG [ESP] -> experts
-        -> RS [ESP] -> A2A [EP]; chunk i+1's A2A overlaps chunk i's AG and experts, chunk
-        i-1's return A2A overlaps chunk i's experts
-    (7) combine_postprocess: unpermute to this rank's n tokens
+        counts [ESP x EP]
+    (2)-(6) dispatch_compute_combine: plan every chunk once (split sizes, rows, sorts; host);
+        put the rows in chunk order packed with their probs (one pass); then per chunk,
+        pipelined: A2A [EP] -> AG [ESP] -> experts -> RS [ESP] -> A2A [EP]; chunk i+1's A2A
+        overlaps chunk i's AG and experts, chunk i-1's return A2A overlaps chunk i's
+        experts. The backward runs the same pipeline of the duals in its own chunk count.
+    (7) combine_postprocess: unpermute to this rank's n tokens (in chunk order)
     ParmMoELayer calls dispatch_compute_combine in place of token_dispatch,
     dispatch_postprocess, the experts, combine_preprocess and token_combine.
     """
@@ -208,12 +340,18 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.num_chunks = schedules.get("parm_s2").num_chunks(getattr(self.config, "parm_num_chunks", None))
+        schedule = schedules.get("parm_s2")
+        self.num_chunks, self.bwd_num_chunks = schedule.chunk_counts(
+            getattr(self.config, "parm_num_chunks", None),
+            getattr(self.config, "parm_bwd_num_chunks", None))
 
     def dispatch_compute_combine(self, rows: torch.Tensor, row_probs: torch.Tensor,
                                  expert_fn: Callable) -> torch.Tensor:
-        pipeline = _ChunkedExperts(self, self.plan, self.num_chunks, expert_fn, rows.device)
+        chunks = ChunkPlan(self.plan, self.num_chunks, self.bwd_num_chunks, rows.device)
         self.plan = None
+        if chunks.fwd.order is not None:  # the output comes back in forward chunk order
+            self._sorted_indices = self._sorted_indices.index_select(0, chunks.fwd.order)
+        pipeline = _ChunkedExperts(self, chunks, expert_fn)
         if not torch.is_grad_enabled():
             return pipeline.forward(rows, row_probs, build_graph=False)
         # The anchor keeps the pipeline in the autograd graph even when rows and probs need

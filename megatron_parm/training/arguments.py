@@ -71,9 +71,12 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
                        choices=schedules.names(),
                        help="; ".join(f"{s.name}: {s.summary}" for s in map(schedules.get, schedules.names())))
     group.add_argument("--parm-num-chunks", type=int, default=None,
-                       help="Pipeline chunks of the chunked schedules (1 = one chunk); default: "
-                            + ", ".join(f"{s.name} {s.default_chunks}" for s in map(
+                       help="Forward pipeline chunks of the chunked schedules (1 = one chunk); "
+                            "default: " + ", ".join(f"{s.name} {s.default_chunks}" for s in map(
                                 schedules.get, schedules.names()) if s.chunked))
+    group.add_argument("--parm-bwd-num-chunks", type=int, default=None,
+                       help="Backward pipeline chunks of the chunked schedules; default: the "
+                            "forward count (--parm-num-chunks, or the schedule's default)")
     group.add_argument("--parm-profile", default=None,
                        help="Performance-model profile for the automatic dispatcher: a YAML "
                             "file, or the name of a shipped one (e.g. nvlink_ib_estimate).")
@@ -277,6 +280,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         from megatron_parm.comm.accounting import ranks_per_node
 
         ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
+    if args.parm_bwd_num_chunks is not None:
+        schedules.check_num_chunks(args.parm_bwd_num_chunks, schedules.BWD_CHUNKS_FLAG)
     if args.parm_profile is not None:
         from megatron_parm.perf_model import load_profile
 

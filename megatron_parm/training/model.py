@@ -58,6 +58,7 @@ def build_config(args) -> ParmTransformerConfig:
         moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
         transformer_impl=getattr(args, "transformer_impl", "local"),
         parm_num_chunks=args.parm_num_chunks,
+        parm_bwd_num_chunks=args.parm_bwd_num_chunks,
         parm_profile=args.parm_profile,
         parm_ranks_per_node=args.parm_ranks_per_node,
     )

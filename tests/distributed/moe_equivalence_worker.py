@@ -93,18 +93,24 @@ def latency_free_profile(path: str) -> str:
     return path
 
 
+# Backward chunks of the chunked schedules per case (forward: 3), so that backward pipelines
+# finer, coarser and as fine as the forward one (sub-chunks of lcm(3, b)) are all checked.
+BWD_CHUNKS = {"dropless": None, "drop": 2, "pad": 6, "top1": 1}
+
 # Profiles parm decides with, per case: the default estimate (tiny layers: S1) or a
 # latency-free one (S2), so that both of its branches run.
 PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free", "top1": None}
 
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
-              per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False):
+              per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False,
+              bwd_chunks=None):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part.
 
     simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
     grouped: Megatron's GroupedMLP experts (--moe-grouped-gemm) on tests/fake_grouped_gemm.py,
     in bf16 as GroupedMLP requires. bf16: the layer in bf16. Results come back in float32.
+    bwd_chunks: --parm-bwd-num-chunks (the chunked schedules' backward pipeline).
     """
     bf16 = bf16 or grouped
     from megatron.core import parallel_state as ps
@@ -124,7 +130,8 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
-        moe_grouped_gemm=grouped, parm_num_chunks=num_chunks, parm_profile=profile,
+        moe_grouped_gemm=grouped, parm_num_chunks=num_chunks, parm_bwd_num_chunks=bwd_chunks,
+        parm_profile=profile,
         parm_ranks_per_node=per_node)
     if bf16:
         data = {name: tensor.to(torch.bfloat16) for name, tensor in data.items()}
@@ -393,7 +400,8 @@ def check_layout(tp, ep, etp, per_node, records):
             profile = PROFILE_PATHS.get(PARM_PROFILE[case_name]) if name == "parm" else None
             results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
                                                        track=(case_name == "dropless"), profile=profile,
-                                                       per_node=per_node)
+                                                       per_node=per_node,
+                                                       bwd_chunks=BWD_CHUNKS[case_name])
             if name == "parm":
                 records.append(dict(layout=layout, case=case_name, dispatcher="parm", against="choice",
                                     quantity="schedule", choice=results[name].pop("choice")))
