@@ -35,7 +35,7 @@ from megatron_parm import cli  # noqa: E402
 cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm import schedules  # noqa: E402
-from megatron_parm.perf_model import (LayerShape, Layout, choose_schedule,  # noqa: E402
+from megatron_parm.perf_model import (LayerShape, Layout, choose_schedule, schedule_label,  # noqa: E402
                                       comm_volumes, load_profile, modelled_dispatchers, predict)
 
 # config key -> (flag, type); the flag names are Megatron-LM's
@@ -97,7 +97,8 @@ def build_parser():
     parser.add_argument("--parm-profile", required=True,
                         help="cluster profile: a path or the name of a shipped profile")
     parser.add_argument("--parm-chunk-candidates", default=None,
-                        help="comma-separated chunk counts to consider for the chunked schedules "
+                        help="comma-separated chunk counts to consider for the chunked schedules, "
+                             "forward and backward (every pair) "
                              "(default: each one's own, "
                              + "; ".join(f"{s.name} {','.join(map(str, s.chunk_candidates))}"
                                          for s in schedules.candidates() if s.chunked) + ")")
@@ -260,10 +261,6 @@ def references(shape, layout, profile, sequence_parallel):
     return out
 
 
-def _label(key):
-    return key if isinstance(key, str) else f"{key[0]}(c={key[1]})"
-
-
 def render(layout, shape, num_moe_layers, profile, choice, others, sequence_parallel):
     def ms(seconds):
         return f"{seconds * 1e3:10.3f}"
@@ -290,7 +287,7 @@ def render(layout, shape, num_moe_layers, profile, choice, others, sequence_para
               f"{'inter MiB':>11}{'intra MiB':>11}{'speedup':>9}")
     lines.append(header)
     lines.append("-" * len(header))
-    rows = list(others.items()) + [(_label(key), p) for key, p in choice.predictions.items()]
+    rows = list(others.items()) + [(schedule_label(key), p) for key, p in choice.predictions.items()]
     # Speedups are over the first reference (ds_baseline where it supports the layout).
     base_name, baseline = next(iter(others.items()), (None, None))
     for label, prediction in rows:
@@ -305,7 +302,9 @@ def render(layout, shape, num_moe_layers, profile, choice, others, sequence_para
     lines.append("")
     chosen = choice.predictions[choice.schedule]
     label = (choice.schedule if isinstance(choice.schedule, str)
-             else f"{choice.dispatcher} with {choice.num_chunks} chunks")
+             else f"{choice.dispatcher} with {choice.num_chunks} chunks"
+             + ("" if choice.bwd_num_chunks == choice.num_chunks
+                else f" forward, {choice.bwd_num_chunks} backward"))
     lines.append(f"choice: {label}" + (f"  (speedups over {base_name})" if base_name else ""))
     per_step = [f"{name} {p.total_s * num_moe_layers * 1e3:.1f} ms" for name, p in others.items()]
     lines.append(
@@ -340,7 +339,7 @@ def main(argv=None):
             "num_moe_layers": num_moe_layers,
             "profile": profile.name,
             "times_s": {**{name: p.total_s for name, p in others.items()},
-                        **{_label(key): seconds for key, seconds in choice.times.items()}},
+                        **{schedule_label(key): seconds for key, seconds in choice.times.items()}},
         }
         print(json.dumps(report, indent=2))
     else:

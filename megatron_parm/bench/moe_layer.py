@@ -148,7 +148,7 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     for key, layer in layers.items():
         choice = getattr(layer.token_dispatcher, "choice", None)
         if choice is not None:
-            results[key].choice = str(choice.schedule)
+            results[key].choice = choice.label
     return results
 
 

@@ -14,7 +14,7 @@ from megatron.core import utils
 from megatron_parm import schedules
 from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
-from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, load_profile
+from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
 from megatron_parm.platform import device
 
@@ -36,9 +36,13 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from
     --parm-ranks-per-node or LOCAL_WORLD_SIZE),
     ask ``choose_schedule`` with the profile of --parm-profile (or the default estimate, with
-    a warning), check that every rank chose the same, log the choice once, and from then on
-    run that schedule's workflow (see its dispatcher's docstring).
+    a warning) for the schedule and, for a chunked one, its forward and backward chunk
+    counts; check that every rank chose the same, log the choice once, and from then on run
+    that schedule's workflow (see its dispatcher's docstring).
     The inputs of the choice are the same on every rank, so the choice is too.
+    Where the EP and ESP groups both have one rank (e.g. world size 1) there is nothing to
+    overlap or deduplicate: it runs the first unchunked candidate (parm_s1, which then only
+    permutes, computes and unpermutes) without asking the model or the other ranks.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
@@ -55,6 +59,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                                              pg_collection)
             for s in runnable}
         self.active: ParmTokenDispatcher = next(iter(self.schedules.values()))
+        # Nothing to hide: every group this dispatcher communicates on has one rank.
+        self.nothing_to_hide = self.ep_size == 1 and self.etp_size == 1
+        self.sequential = next((s.name for s in runnable if not s.chunked), None)
         self.layer_number: Optional[int] = None
         self.choices: Dict[int, object] = {}  # tokens per rank -> perf_model.Choice
         self.profile = self._load_profile(getattr(config, "parm_profile", None))
@@ -87,6 +94,10 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         self._last_tokens = num_tokens
         if num_tokens in self.choices:
             choice = self.choices[num_tokens]
+        elif self.nothing_to_hide and self.sequential:
+            choice = Choice(self.sequential, {}, {}, reason="every EP and ESP group has one rank: "
+                                                            "nothing to overlap")
+            self.choices[num_tokens] = choice
         else:
             cfg = self.config
             shape = LayerShape(
@@ -97,9 +108,14 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                 dtype_bytes=dtype.itemsize,
                 gated_linear_unit=bool(cfg.gated_linear_unit))
             requested = getattr(cfg, "parm_num_chunks", None)
+            requested_bwd = getattr(cfg, "parm_bwd_num_chunks", None)
+            extra = ()
+            if (requested or 0) > 1 or (requested_bwd or 0) > 1:  # the flags' pair is tried too
+                pair = (requested or requested_bwd, requested_bwd or requested)
+                extra = (pair,) if min(pair) > 1 else ()
             choice = choose_schedule(shape, self._layout(), self.profile,
                                      sequence_parallel=bool(cfg.sequence_parallel),
-                                     extra_chunks=(requested,) if requested and requested > 1 else ())
+                                     extra_chunks=extra)
             self._check_agreement(choice, where)
             self.choices[num_tokens] = choice
             if dist.get_rank() == 0:
@@ -107,14 +123,14 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                             choice.describe())
         self.active = self.schedules[choice.dispatcher]
         if self.active.pipelined:
-            self.active.num_chunks = self.active.bwd_num_chunks = choice.num_chunks
+            self.active.num_chunks, self.active.bwd_num_chunks = choice.num_chunks, choice.bwd_num_chunks
 
     def _check_agreement(self, choice, where: torch.device) -> None:
         """Once per token count: every rank chose the same (on ``where``, the rows' device,
         as NCCL needs; the comparison below is a host sync, paid on the first call only)."""
-        # The choice as two integers: the schedule's place in the catalog, and its chunks.
-        code = torch.tensor([list(self.schedules).index(choice.dispatcher), choice.num_chunks],
-                            dtype=torch.long, device=where)
+        # The choice as three integers: the schedule's place in the catalog, and its chunks.
+        code = torch.tensor([list(self.schedules).index(choice.dispatcher), choice.num_chunks,
+                             choice.bwd_num_chunks], dtype=torch.long, device=where)
         low, high = code.clone(), code.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)

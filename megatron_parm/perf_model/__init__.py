@@ -5,7 +5,7 @@
     shape = LayerShape(num_tokens=1024, hidden_size=512, ffn_hidden_size=256,
                        num_experts=4, topk=2, dtype_bytes=4)
     profile = load_profile("emulated_pcie")   # a path, or a shipped profile's name
-    choice = choose_schedule(shape, layout, profile)   # e.g. "parm_s1" or ("parm_s2", c)
+    choice = choose_schedule(shape, layout, profile)   # "parm_s1" or ("parm_s2", c_fwd, c_bwd)
 
 layout.py: ranks, groups, intra/inter peers; shape.py: the layer's sizes and routed rows;
 volumes.py: each dispatcher's stages and bytes; profile.py: alpha/beta files;
@@ -14,7 +14,7 @@ predict.py: stage times, the S2 pipeline, the choice.
 
 from megatron_parm.perf_model.layout import GROUP_NAMES, Layout
 from megatron_parm.perf_model.predict import (Choice, Prediction, StageTime, choose_schedule,
-                                              predict)
+                                              predict, schedule_label)
 from megatron_parm.perf_model.profile import (LINKS, Profile, fit_alpha_beta, load_profile,
                                               save_profile)
 from megatron_parm.perf_model.shape import LayerShape
@@ -25,5 +25,5 @@ __all__ = [
     "COLLECTIVE_KINDS", "Choice", "GROUP_NAMES", "LINKS", "LayerShape", "Layout",
     "Prediction", "Profile", "StageTime", "Step", "build_plan", "choose_schedule",
     "comm_volumes", "fit_alpha_beta", "load_profile", "modelled_dispatchers", "predict",
-    "save_profile",
+    "save_profile", "schedule_label",
 ]

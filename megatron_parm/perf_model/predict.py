@@ -9,8 +9,10 @@ Time of one stage (see volumes.py for the stages and profile.py for the numbers)
 Unchunked schedules (ds_baseline, parm_s1, alltoall): the stages run one after another:
 T = sum of stage times.
 
-Chunked schedules (the catalog's `chunked`, e.g. parm_s2) with c chunks: every stage moves 1/c of the bytes and flops (alpha is paid for every
-chunk). The stages share three resources: the inter-node link (the A2A(EP)s, and anything else
+Chunked schedules (the catalog's `chunked`, e.g. parm_s2) with c chunks: every stage moves
+1/c of the bytes and flops (alpha is paid for every chunk). The forward and the backward pass
+have their own chunk counts (--parm-num-chunks, --parm-bwd-num-chunks): each pass below is
+modelled with its own c. The stages share three resources: the inter-node link (the A2A(EP)s, and anything else
 whose peers are off-node), the intra-node link (AG/RS(ESP), on-node A2A peers, AG(TP)) and the
 compute units. A chunk occupies each resource for the sum of its stage parts on it, so
     T(c) = sum over stages of stage_time(chunk) + (c - 1) * max(inter, intra, compute busy
@@ -22,7 +24,7 @@ overlap_efficiency e the chunks take
     e * T_pipelined(c) + (1 - e) * c * (sum of stage_time(chunk))    (no overlap at all),
 plus (c - 1) times the profile's chunk_overhead (what cutting the layer into one more chunk
 costs beyond the collectives' alphas). With c = 1 this is exactly the sequential sum of
-parm_s1. The backward pass is modelled the same way with its own stages.
+parm_s1. The backward pass is modelled the same way with its own stages and chunk count.
 
 Every dispatcher's stage sum is multiplied by the profile's layer_scale: the stage terms are
 measured one collective at a time, and inside the layer the same work takes longer.
@@ -38,7 +40,16 @@ from megatron_parm.perf_model.shape import LayerShape
 from megatron_parm.perf_model.volumes import Step, build_plan
 
 RESOURCES = ("inter", "intra", "compute")
-Schedule = Union[str, Tuple[str, int]]
+# A schedule name, or (name, forward chunks, backward chunks) for a chunked one.
+Schedule = Union[str, Tuple[str, int, int]]
+
+
+def schedule_label(schedule: Schedule) -> str:
+    """'parm_s1', 'parm_s2(c=4)' (both passes at 4 chunks) or 'parm_s2(c=8/4)' (forward/backward)."""
+    if isinstance(schedule, str):
+        return schedule
+    name, forward, backward = schedule
+    return f"{name}(c={forward})" if forward == backward else f"{name}(c={forward}/{backward})"
 
 
 @dataclass(frozen=True)
@@ -60,25 +71,30 @@ class StageTime:
 @dataclass(frozen=True)
 class Prediction:
     dispatcher: str
-    num_chunks: int
+    num_chunks: int  # forward chunks
     total_s: float
     forward_s: float
     backward_s: float
     stages: Tuple[StageTime, ...]
     # direction -> resource ("inter", "intra", "compute") -> busy seconds per chunk
     resources: Dict[str, Dict[str, float]]
+    bwd_num_chunks: int = 1
+
+    def chunks(self, direction: str) -> int:
+        return self.num_chunks if direction == "forward" else self.bwd_num_chunks
 
     def stage_seconds(self) -> Dict[str, float]:
         """{"forward/dispatch_a2a": seconds summed over all chunks, ...}"""
-        return {f"{stage.direction}/{stage.name}": stage.seconds * self.num_chunks
+        return {f"{stage.direction}/{stage.name}": stage.seconds * self.chunks(stage.direction)
                 for stage in self.stages}
 
 
 @dataclass(frozen=True)
 class Choice:
-    schedule: Schedule  # a schedule name, or (name, c) for a chunked one
+    schedule: Schedule  # a schedule name, or (name, forward c, backward c) for a chunked one
     times: Dict[Schedule, float]  # predicted total seconds of every candidate considered
     predictions: Dict[Schedule, Prediction]
+    reason: str = ""  # why nothing was predicted (times empty), e.g. nothing to overlap
 
     @property
     def dispatcher(self) -> str:
@@ -86,15 +102,23 @@ class Choice:
 
     @property
     def num_chunks(self) -> int:
+        """Forward chunks (1 for an unchunked schedule)."""
         return 1 if isinstance(self.schedule, str) else self.schedule[1]
 
-    def describe(self) -> str:
-        def label(schedule):
-            return schedule if isinstance(schedule, str) else f"{schedule[0]}(c={schedule[1]})"
+    @property
+    def bwd_num_chunks(self) -> int:
+        return 1 if isinstance(self.schedule, str) else self.schedule[2]
 
-        listed = ", ".join(f"{label(key)} {seconds * 1e3:.3f} ms"
+    @property
+    def label(self) -> str:
+        return schedule_label(self.schedule)
+
+    def describe(self) -> str:
+        if not self.times:
+            return f"{self.label} ({self.reason})"
+        listed = ", ".join(f"{schedule_label(key)} {seconds * 1e3:.3f} ms"
                            for key, seconds in self.times.items())
-        return f"{label(self.schedule)} (predicted: {listed})"
+        return f"{self.label} (predicted: {listed})"
 
 
 def _stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
@@ -113,25 +137,30 @@ def _stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
 
 
 def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile,
-            num_chunks: Optional[int] = None, sequence_parallel: bool = True) -> Prediction:
+            num_chunks: Optional[int] = None, sequence_parallel: bool = True,
+            bwd_num_chunks: Optional[int] = None) -> Prediction:
     """Predicted forward + backward time of one MoE layer on one rank.
 
-    num_chunks: required for a chunked schedule (the catalog's `chunked`), else None or 1.
+    num_chunks: required for a chunked schedule (the catalog's `chunked`), else None or 1;
+    bwd_num_chunks: the backward pass's chunks (default: num_chunks).
     """
     chunked = schedules.get(dispatcher).chunked if dispatcher in schedules.names() else False
     if chunked:
         if num_chunks is None:
             raise ValueError(f"predict: {dispatcher} needs num_chunks")
         schedules.check_num_chunks(num_chunks, "num_chunks")
-    elif num_chunks not in (None, 1):
+        if bwd_num_chunks is not None:
+            schedules.check_num_chunks(bwd_num_chunks, "bwd_num_chunks")
+    elif num_chunks not in (None, 1) or bwd_num_chunks not in (None, 1):
         raise ValueError(f"num_chunks applies to chunked schedules only; {dispatcher} got "
-                         f"{num_chunks!r}")
-    chunks = num_chunks or 1
+                         f"{num_chunks!r} / {bwd_num_chunks!r}")
+    chunks = {"forward": num_chunks or 1, "backward": bwd_num_chunks or num_chunks or 1}
 
-    stages = tuple(_stage_time(step, profile, chunks)
+    stages = tuple(_stage_time(step, profile, chunks[step.direction])
                    for step in build_plan(dispatcher, shape, layout, sequence_parallel))
     totals, resources = {}, {}
     for direction in ("forward", "backward"):
+        count = chunks[direction]
         mine = [stage for stage in stages if stage.direction == direction]
         busy = {resource: 0.0 for resource in RESOURCES}
         for stage in mine:
@@ -142,35 +171,48 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
                 busy["inter"] += stage.inter_seconds
         resources[direction] = busy
         one_chunk = sum(stage.seconds for stage in mine)
-        pipelined = one_chunk + (chunks - 1) * max(busy.values())
+        pipelined = one_chunk + (count - 1) * max(busy.values())
         efficiency = profile.overlap_efficiency
-        chunked = efficiency * pipelined + (1.0 - efficiency) * chunks * one_chunk
+        overlapped = efficiency * pipelined + (1.0 - efficiency) * count * one_chunk
         # the profile's chunk overhead covers forward and backward together: half each
-        totals[direction] = (profile.layer_scale * chunked
-                             + (chunks - 1) * profile.chunk_overhead / 2)
-    return Prediction(dispatcher=dispatcher, num_chunks=chunks,
+        totals[direction] = (profile.layer_scale * overlapped
+                             + (count - 1) * profile.chunk_overhead / 2)
+    return Prediction(dispatcher=dispatcher, num_chunks=chunks["forward"],
                       total_s=totals["forward"] + totals["backward"],
                       forward_s=totals["forward"], backward_s=totals["backward"],
-                      stages=stages, resources=resources)
+                      stages=stages, resources=resources, bwd_num_chunks=chunks["backward"])
+
+
+def _chunk_pairs(schedule, chunk_candidates, extra_chunks) -> Tuple[Tuple[int, int], ...]:
+    """(forward, backward) chunk counts to try: the catalog's pairs (or every pair of
+    chunk_candidates), plus the extra ones (an int c is (c, c))."""
+    extra = tuple((c, c) if isinstance(c, int) else tuple(c) for c in extra_chunks)
+    if chunk_candidates is None:
+        return schedule.chunk_pairs(extra)
+    pairs = {(c, b) for c in chunk_candidates for b in chunk_candidates} | set(extra)
+    return tuple(sorted(pairs))
 
 
 def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
                     chunk_candidates: Optional[Sequence[int]] = None,
                     sequence_parallel: bool = True, min_gain: float = 0.0,
-                    extra_chunks: Sequence[int] = ()) -> Choice:
+                    extra_chunks: Sequence[Union[int, Tuple[int, int]]] = ()) -> Choice:
     """The fastest of the catalog's candidate schedules that support the layout.
 
-    Chunked candidates are tried at each of `chunk_candidates` (default: the schedule's
-    own `chunk_candidates`, plus `extra_chunks`, e.g. a --parm-num-chunks); counts larger than the number of tokens per rank are skipped
-    (a chunk needs a token). Deterministic in its inputs (ties go to the earlier schedule
-    in the catalog, then to fewer chunks), so every rank that evaluates it with the same
-    shapes and profile picks the same schedule. A schedule other than the first candidate
-    wins only if it is faster than the first by more than the fraction `min_gain`.
+    Chunked candidates are tried at each (forward, backward) pair of chunk counts: by default
+    the schedule's own (``Schedule.chunk_pairs``: chunk_candidates x bwd_chunk_candidates),
+    with ``chunk_candidates`` every pair of those counts, plus ``extra_chunks`` (a count c,
+    e.g. a --parm-num-chunks, is (c, c); or a pair); counts larger than the number of
+    tokens per rank are skipped (a chunk needs a token). Deterministic in its inputs (ties
+    go to the earlier schedule in the catalog, then to fewer forward, then backward chunks),
+    so every rank that evaluates it with the same shapes and profile picks the same
+    schedule. A schedule other than the first candidate wins only if it is faster than the
+    first by more than the fraction `min_gain`.
     """
-    if chunk_candidates is not None or extra_chunks:
-        for count in tuple(chunk_candidates or ()) + tuple(extra_chunks):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 2:
-                raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
+    for count in tuple(chunk_candidates or ()) + tuple(
+            c for pair in extra_chunks for c in ((pair,) if isinstance(pair, int) else pair)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
     runnable = schedules.supported_candidates(layout.tp, layout.ep, layout.etp, sequence_parallel)
@@ -184,10 +226,10 @@ def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
             predictions[schedule.name] = predict(schedule.name, shape, layout, profile, None,
                                                  sequence_parallel)
             continue
-        counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
-        for count in sorted({c for c in (*counts, *extra_chunks) if c <= shape.num_tokens}):
-            predictions[(schedule.name, count)] = predict(schedule.name, shape, layout, profile,
-                                                          count, sequence_parallel)
+        for forward, backward in _chunk_pairs(schedule, chunk_candidates, extra_chunks):
+            if max(forward, backward) <= shape.num_tokens:
+                predictions[(schedule.name, forward, backward)] = predict(
+                    schedule.name, shape, layout, profile, forward, sequence_parallel, backward)
     times = {key: prediction.total_s for key, prediction in predictions.items()}
 
     first = next(iter(times))

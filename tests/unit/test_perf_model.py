@@ -283,8 +283,8 @@ def test_choice_prefers_s1_for_tiny_layers_and_s2_for_large_ones():
     choice = choose_schedule(tiny, SMALL_LAYOUT, profile)
     assert choice.schedule == "parm_s1"
     assert choice.dispatcher == "parm_s1" and choice.num_chunks == 1
-    assert set(choice.times) == {"parm_s1", ("parm_s2", 2), ("parm_s2", 4), ("parm_s2", 8),
-                                 "parm_hier"}
+    assert set(choice.times) == {"parm_s1", "parm_hier"} | {("parm_s2", c, b) for c in (2, 4, 8)
+                                                         for b in (2, 4, 8)}
 
     large = small_shape(num_tokens=4096, hidden_size=1024, ffn_hidden_size=1024)
     choice = choose_schedule(large, SMALL_LAYOUT, profile)
@@ -320,9 +320,53 @@ def test_choice_is_deterministic_and_breaks_ties_towards_s1():
 
 def test_choice_skips_chunk_counts_above_token_count_and_rejects_bad_ones():
     choice = choose_schedule(small_shape(num_tokens=4), SMALL_LAYOUT, uniform_profile())
-    assert set(choice.times) == {"parm_s1", ("parm_s2", 2), ("parm_s2", 4), "parm_hier"}
+    assert set(choice.times) == {"parm_s1", "parm_hier"} | {("parm_s2", c, b) for c in (2, 4)
+                                                         for b in (2, 4)}
     with pytest.raises(ValueError, match="chunk_candidates"):
         choose_schedule(small_shape(), SMALL_LAYOUT, uniform_profile(), chunk_candidates=(1,))
+
+
+def test_forward_and_backward_chunks_are_modelled_apart():
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie.yaml"))
+    shape = small_shape(num_tokens=2048, hidden_size=512, ffn_hidden_size=512)
+    same = predict("parm_s2", shape, SMALL_LAYOUT, profile, 4)
+    assert same.bwd_num_chunks == 4 and same == predict("parm_s2", shape, SMALL_LAYOUT, profile, 4,
+                                                         bwd_num_chunks=4)
+    mixed = predict("parm_s2", shape, SMALL_LAYOUT, profile, 4, bwd_num_chunks=2)
+    # the forward pass is the same; the backward is the one at 2 chunks
+    assert mixed.forward_s == same.forward_s
+    assert mixed.backward_s == predict("parm_s2", shape, SMALL_LAYOUT, profile, 2).backward_s
+    assert mixed.stage_seconds()["backward/grad_experts"] == pytest.approx(
+        same.stage_seconds()["backward/grad_experts"], rel=0.2)
+    with pytest.raises(ValueError, match="bwd_num_chunks"):
+        predict("parm_s2", shape, SMALL_LAYOUT, profile, 4, bwd_num_chunks=0)
+    with pytest.raises(ValueError, match="num_chunks"):
+        predict("parm_s1", shape, SMALL_LAYOUT, profile, bwd_num_chunks=2)
+
+
+def test_choice_picks_forward_and_backward_chunks_separately():
+    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie_measured.yaml"))
+    shape = small_shape(num_tokens=2048, hidden_size=512, ffn_hidden_size=512)
+    choice = choose_schedule(shape, SMALL_LAYOUT, profile)
+    assert choice.schedule == min(choice.times, key=choice.times.get)
+    # the backward pass has twice the compute per chunk: here it pays to cut it finer
+    assert choice.dispatcher == "parm_s2" and choice.bwd_num_chunks > choice.num_chunks
+    assert choice.label == f"parm_s2(c={choice.num_chunks}/{choice.bwd_num_chunks})"
+    for (name, forward, backward), seconds in ((k, v) for k, v in choice.times.items()
+                                               if not isinstance(k, str)):
+        assert seconds == predict(name, shape, SMALL_LAYOUT, profile, forward,
+                                  bwd_num_chunks=backward).total_s
+    # the pair given by the flags is tried too
+    extra = choose_schedule(shape, SMALL_LAYOUT, profile, extra_chunks=((3, 5), 6))
+    assert ("parm_s2", 3, 5) in extra.times and ("parm_s2", 6, 6) in extra.times
+
+
+def test_choice_labels():
+    from megatron_parm.perf_model import schedule_label
+
+    assert schedule_label("parm_s1") == "parm_s1"
+    assert schedule_label(("parm_s2", 4, 4)) == "parm_s2(c=4)"
+    assert schedule_label(("parm_s2", 8, 4)) == "parm_s2(c=8/4)"
 
 
 # ---------------------------------------------------------------- profiles
@@ -503,7 +547,7 @@ def test_plan_schedule_reads_a_config(tmp_path):
     assert report["choice"] == "parm_s1"  # 4 tokens per rank: latency-bound
     assert report["num_moe_layers"] == 4
     assert set(report["times_s"]) == {"alltoall", "ds_baseline", "parm_s1", "parm_s2(c=2)",
-                                      "parm_s2(c=4)", "parm_hier"}
+                                      "parm_s2(c=4)", "parm_s2(c=2/4)", "parm_s2(c=4/2)", "parm_hier"}
     assert "lr" in result.stderr  # unused keys are reported, not silently dropped
 
 

@@ -73,6 +73,20 @@ def test_chunk_counts_are_checked_in_one_place():
             s2.num_chunks(bad)
     with pytest.raises(ValueError, match="--parm-num-chunks must be an integer >= 1"):
         ParmTransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, parm_num_chunks=0)
+    # the backward pass: its own flag, defaulting to the forward count
+    assert s2.chunk_counts() == (s2.default_chunks,) * 2
+    assert s2.chunk_counts(8) == (8, 8) and s2.chunk_counts(8, 2) == (8, 2)
+    assert s2.chunk_counts(None, 2) == (s2.default_chunks, 2)
+    assert schedules.get("parm_s1").chunk_counts(8, 2) == (1, 1)
+    with pytest.raises(ValueError, match="--parm-bwd-num-chunks must be an integer >= 1"):
+        s2.chunk_counts(4, 0)
+    with pytest.raises(ValueError, match="--parm-bwd-num-chunks must be an integer >= 1"):
+        ParmTransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                              parm_bwd_num_chunks=-2)
+    # what the automatic choice tries: every (forward, backward) pair of the candidates
+    pairs = s2.chunk_pairs()
+    assert pairs == tuple(sorted((c, b) for c in s2.chunk_candidates for b in s2.bwd_chunk_candidates))
+    assert (3, 5) in s2.chunk_pairs(((3, 5),))
 
 
 def test_cost_plans_move_what_the_dataflows_say():
@@ -121,7 +135,7 @@ def test_the_choice_considers_every_candidate():
     considered = {key if isinstance(key, str) else key[0] for key in choice.times}
     assert considered == {s.name for s in schedules.candidates()}
     chunked = [key for key in choice.times if not isinstance(key, str)]
-    assert {c for _, c in chunked} == set(schedules.get("parm_s2").chunk_candidates)
+    assert {(c, b) for _, c, b in chunked} == set(schedules.get("parm_s2").chunk_pairs())
 
 
 def test_catalog_and_perf_model_import_no_torch():
