@@ -11,8 +11,12 @@
 Dispatchers run interleaved (each iteration runs all of them once), so machine drift hits
 all alike; each step's time is the slowest rank's, and the table shows medians, ratios to
 ds_baseline and alltoall, the bytes sent intra- and inter-node per step (summed over ranks,
-from the byte accounting, which covers Megatron's own dispatchers too), and
-the largest output difference to alltoall. --output appends one JSON line per dispatcher.
+from the byte accounting, which covers Megatron's own dispatchers too), the peak memory per
+rank (--memory) and the largest output difference to alltoall. --output appends one JSON
+line per dispatcher. By default every schedule of the catalog that runs the configuration's
+layout is timed; a chunked one at its default chunks, or at each of --chunk-variants
+(``parm_s2@2``, ...; a variant can also be named in --dispatchers, e.g. ``parm_s2@8/4``:
+8 chunks forward, 4 backward).
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ from megatron_parm import platform  # noqa: E402
 from megatron_parm import schedules  # noqa: E402
 from megatron_parm.platform import device  # noqa: E402
 
-# Every schedule but the automatic choice (which runs one of them).
-DEFAULT_DISPATCHERS = ",".join(schedules.names(schedules.NATIVE, schedules.BASELINE, schedules.PARM))
+ALL = "all"  # every schedule of the catalog that runs the layout
 
 
 def parse_args(argv=None):
@@ -59,10 +62,21 @@ def parse_args(argv=None):
                    help="backward chunks of the chunked schedules (default: the forward count)")
     p.add_argument("--parm-profile", default=None,
                    help="performance-model profile for the automatic dispatcher `parm`")
-    p.add_argument("--dispatchers", default=DEFAULT_DISPATCHERS,
-                   help=f"comma-separated, from {', '.join(schedules.names())}")
+    p.add_argument("--dispatchers", default=ALL,
+                   help=f"comma-separated, from {', '.join(schedules.names())} (a chunked one "
+                        f"also as NAME@C or NAME@C/B: C chunks forward, B backward); default "
+                        f"'{ALL}': every schedule of the catalog that runs the layout")
+    p.add_argument("--chunk-variants", default=None,
+                   help="comma-separated chunk counts: time each chunked schedule at each of "
+                        "them (NAME@C) instead of at its default")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--memory", action="store_true",
+                   help="measure each dispatcher's peak memory per rank (one warm-up and one "
+                        "measured step) instead of timing it: the exact memory accounting this "
+                        "needs on CPUs slows allocation, so memory and time come from separate runs")
+    p.add_argument("--run", default="", help="tag of this pass, written into every JSON line "
+                                              "(repeated passes give the run-to-run spread)")
     p.add_argument("--output", default=None, help="append JSON lines here (rank 0)")
     p.add_argument("--grid", default=None,
                    help="YAML grid of configurations (configs/bench/*.yaml); flags give the defaults")
@@ -70,13 +84,26 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true",
                    help="skip the output comparison with alltoall (saves a step per dispatcher)")
     args = p.parse_args(argv)
+    from megatron_parm.bench.moe_layer import parse_variant
+
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
-    for name in args.dispatchers:
-        if name not in schedules.names():
-            p.error(f"--dispatchers: unknown dispatcher {name!r}; valid: {', '.join(schedules.names())}")
+    for entry in args.dispatchers:
+        if entry == ALL:
+            continue
+        try:
+            parse_variant(entry)
+        except ValueError as err:
+            p.error(f"--dispatchers: {err}")
+    try:
+        args.chunk_variants = [int(c) for c in (args.chunk_variants or "").split(",") if c.strip()]
+        for count in args.chunk_variants:
+            schedules.check_num_chunks(count, "--chunk-variants")
+    except ValueError as err:
+        p.error(str(err) if "--chunk-variants" in str(err) else
+                f"--chunk-variants: expected comma-separated integers, got {args.chunk_variants!r}")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    if args.iters < 1:
+    if args.iters < 1 and not args.memory:
         p.error("--iters must be >= 1")
     return args
 
@@ -172,6 +199,29 @@ def _meets(config, rule, path) -> bool:
         raise ValueError(f"--grid {path}: exclude_if cannot compare {rule} with {config}: {err}") from err
 
 
+def dispatchers_for(spec, entries, chunk_variants):
+    """The dispatchers (and variants) to time on spec's layout: ``all`` expands to every
+    schedule of the catalog that runs it; chunked schedules are expanded to chunk_variants."""
+    from megatron_parm.bench.moe_layer import parse_variant, variant
+
+    out = []
+    for entry in entries:
+        names = list(schedules.names()) if entry == ALL else [entry]
+        for name in names:
+            base, chunks, _ = parse_variant(name)
+            schedule = schedules.get(base)
+            if schedule.unsupported(spec.tp, spec.ep, spec.etp, spec.sequence_parallel or spec.tp == 1):
+                if entry != ALL:
+                    print(f"skipping {name}: {schedule.unsupported(spec.tp, spec.ep, spec.etp)}",
+                          flush=True)
+                continue
+            if schedule.chunked and chunks is None and chunk_variants:
+                out += [variant(base, c) for c in chunk_variants]
+            else:
+                out.append(name)
+    return list(dict.fromkeys(out))
+
+
 def format_table(spec, results, diffs) -> str:
     base = results.get("ds_baseline")
     a2a = results.get("alltoall")
@@ -179,17 +229,20 @@ def format_table(spec, results, diffs) -> str:
         f"MoE layer: S={spec.seq_length} B={spec.micro_batch_size} M={spec.hidden_size} "
         f"F={spec.ffn_hidden_size} E={spec.num_experts} k={spec.topk} | tp={spec.tp} ep={spec.ep} "
         f"etp={spec.etp} sp={spec.sequence_parallel} | world={dist.get_world_size()}",
-        f"{'dispatcher':<12} {'median ms':>10} {'x ds_base':>10} {'x alltoall':>11} "
-        f"{'intra MB':>9} {'inter MB':>9} {'max |diff|':>11}",
+        f"{'dispatcher':<14} {'median ms':>10} {'x ds_base':>10} {'x alltoall':>11} "
+        f"{'intra MB':>9} {'inter MB':>9} {'peak MB':>8} {'max |diff|':>11}",
     ]
     for name, timing in results.items():
         intra = sum(v["intra"] for v in timing.bytes.values()) / 1e6
         inter = sum(v["inter"] for v in timing.bytes.values()) / 1e6
-        vs_base = f"{base.median_ms / timing.median_ms:.2f}" if base else "-"
-        vs_a2a = f"{a2a.median_ms / timing.median_ms:.2f}" if a2a else "-"
+        timed = timing.median_ms is not None
+        vs_base = f"{base.median_ms / timing.median_ms:.2f}" if base and timed else "-"
+        vs_a2a = f"{a2a.median_ms / timing.median_ms:.2f}" if a2a and timed else "-"
+        peak = f"{timing.peak_bytes / 1e6:.0f}" if timing.peak_bytes is not None else "-"
+        median = f"{timing.median_ms:>10.1f}" if timed else f"{'-':>10}"
         lines.append(
-            f"{name:<12} {timing.median_ms:>10.1f} {vs_base:>10} {vs_a2a:>11} "
-            f"{intra:>9.2f} {inter:>9.2f} "
+            f"{name:<14} {median} {vs_base:>10} {vs_a2a:>11} "
+            f"{intra:>9.2f} {inter:>9.2f} {peak:>8} "
             f"{diffs.get(name, float('nan')):>11.2e}" + (f"  chose {timing.choice}" if timing.choice else ""))
     return "\n".join(lines)
 
@@ -199,6 +252,11 @@ def main(argv=None):
     device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(device.backend())
     platform.setup()
+    if args.memory:
+        from megatron_parm.bench.memory import exact_cpu_accounting
+
+        exact_cpu_accounting()
+        args.warmup, args.iters = 0, 0
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
@@ -210,22 +268,26 @@ def main(argv=None):
     layout = None
     for index, spec in enumerate(specs):
         if (spec.tp, spec.ep, spec.etp) != layout:
-            for name in args.dispatchers:
+            for name in dispatchers_for(spec, args.dispatchers, []):
                 initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts,
-                                          dispatcher=name)
+                                          dispatcher=name.partition("@")[0])
             model_parallel_cuda_manual_seed(1234)
             layout = (spec.tp, spec.ep, spec.etp)
-        results = time_dispatchers(spec, args.dispatchers, warmup=args.warmup, iters=args.iters)
-        diffs = {} if args.no_check else max_output_diff(spec, args.dispatchers)
+        names = dispatchers_for(spec, args.dispatchers, args.chunk_variants)
+        results = time_dispatchers(spec, names, warmup=args.warmup, iters=args.iters,
+                                   memory=args.memory)
+        diffs = {} if args.no_check else max_output_diff(spec, names)
         if dist.get_rank() != 0:
             continue
         print(f"[{index + 1}/{len(specs)}] " + format_table(spec, results, diffs), flush=True)
         if args.output:
             with open(args.output, "a") as f:
                 for name, timing in results.items():
-                    record = dict(label=args.label, config=index, dispatcher=name,
+                    record = dict(label=args.label, run=args.run, config=index, dispatcher=name,
                                   median_ms=timing.median_ms, times_ms=timing.times_ms, choice=timing.choice,
-                                  bytes=timing.bytes, max_diff_vs_alltoall=diffs.get(name),
+                                  bytes=timing.bytes, rank_bytes=timing.rank_bytes,
+                                  peak_bytes=timing.peak_bytes, step_peak_bytes=timing.step_peak_bytes,
+                                  memory_kind=timing.memory_kind, max_diff_vs_alltoall=diffs.get(name),
                                   world_size=dist.get_world_size(),
                                   local_world_size=launcher_ranks_per_node() or 0)
                     record.update({k: v for k, v in vars(spec).items() if k not in ("extra", "params_dtype")})

@@ -6,17 +6,23 @@ k top-k; (t, e, s) the layout (TP, EP, ETP).
 Layers, inputs and gradients live on megatron_parm.platform.device.current() (the GPU where
 there is one) and steps are timed with the seam's Timer (CUDA events on GPUs, perf_counter on
 CPU), so that a step's time is the device's time on both.
+
+Dispatchers are given by name, or, for a chunked schedule, as a *variant* with its chunk
+counts: ``parm_s2@4`` (4 chunks both ways) or ``parm_s2@8/4`` (8 forward, 4 backward).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_parm import schedules
+from megatron_parm.bench.memory import step_peak
 from megatron_parm.bench.native_accounting import account_native_dispatchers
 from megatron_parm.comm.accounting import track_comm
 from megatron_parm.config import ParmTransformerConfig
@@ -68,8 +74,37 @@ class MoELayerSpec:
         return (rows, self.micro_batch_size, self.hidden_size)
 
 
+def parse_variant(entry: str) -> Tuple[str, Optional[int], Optional[int]]:
+    """'parm_s2@8/4' -> ('parm_s2', 8, 4); 'parm_s2@4' -> (.., 4, 4); 'alltoall' -> (.., None, None).
+    ValueError naming the entry for anything else."""
+    name, _, chunks = entry.partition("@")
+    schedules.get(name)  # an unknown name names the flag and the valid ones
+    if not chunks:
+        return name, None, None
+    if not schedules.get(name).chunked:
+        raise ValueError(f"{entry}: {name} is not a chunked schedule (only those take @chunks)")
+    forward, _, backward = chunks.partition("/")
+    try:
+        counts = int(forward), int(backward or forward)
+    except ValueError:
+        raise ValueError(f"{entry}: expected {name}@C or {name}@C/B with integer chunk counts") from None
+    for count, flag in zip(counts, (schedules.CHUNKS_FLAG, schedules.BWD_CHUNKS_FLAG)):
+        schedules.check_num_chunks(count, flag)
+    return name, counts[0], counts[1]
+
+
+def variant(name: str, forward: int, backward: Optional[int] = None) -> str:
+    """The variant label of a chunked schedule at (forward, backward) chunks."""
+    backward = forward if backward is None else backward
+    return f"{name}@{forward}" + ("" if backward == forward else f"/{backward}")
+
+
 def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
-    layer = ParmMoELayer(spec.config(dispatcher), get_gpt_layer_parm_spec(num_experts=spec.num_experts)
+    """The layer with a dispatcher or a variant of one (``parm_s2@8/4``)."""
+    name, forward, backward = parse_variant(dispatcher)
+    if forward is not None:
+        spec = dataclasses.replace(spec, num_chunks=forward, bwd_num_chunks=backward)
+    layer = ParmMoELayer(spec.config(name), get_gpt_layer_parm_spec(num_experts=spec.num_experts)
                          .submodules.mlp.submodules)
     return layer.to(device.current()).train()
 
@@ -93,21 +128,29 @@ class Timing:
     times_ms: List[float]
     bytes: Dict[str, Dict[str, int]]
     choice: Optional[str] = None  # the schedule the automatic dispatcher `parm` picked
+    # per rank: {"intra": bytes, "inter": bytes} sent in one step (for per-node link loads)
+    rank_bytes: List[Dict[str, int]] = field(default_factory=list)
+    # the largest over the ranks of the step's peak memory and of its rise (bench.memory)
+    peak_bytes: Optional[int] = None
+    step_peak_bytes: Optional[int] = None
+    memory_kind: Optional[str] = None
 
     @property
-    def median_ms(self) -> float:
-        return statistics.median(self.times_ms)
+    def median_ms(self) -> Optional[float]:
+        return statistics.median(self.times_ms) if self.times_ms else None
 
 
 def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2, iters: int = 5,
-                     seed: int = 1234) -> Dict[str, Timing]:
-    """Forward+backward time of one layer per dispatcher, interleaved so drift hits all alike.
+                     seed: int = 1234, memory: bool = False) -> Dict[str, Timing]:
+    """Forward+backward time of one layer per dispatcher (or variant), interleaved so drift
+    hits all alike.
 
     A step's time is the slowest rank's. Bytes are summed over ranks for one step
-    (Megatron's own dispatchers included, through account_native_dispatchers).
+    (Megatron's own dispatchers included, through account_native_dispatchers). With
+    ``memory``, one more step per dispatcher measures its peak memory (bench.memory).
     """
     return time_layers({name: build_layer(spec, name) for name in dispatchers}, spec, warmup,
-                       iters, seed)
+                       iters, seed, memory=memory)
 
 
 def time_schedules(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
@@ -116,14 +159,13 @@ def time_schedules(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2,
     are fitted on (parm_s1), c >= 2 the chunked one (parm_s2) at c chunks (same weights and
     input, interleaved; perf_model.calibrate.layer_fit_schedules names them)."""
     sequential, chunked = layer_fit_schedules()
-    layers = {}
-    for count in chunk_counts:
-        spec.num_chunks = max(count, 1)
-        layers[count] = build_layer(spec, sequential if count == 1 else chunked)
+    layers = {count: build_layer(spec, sequential if count <= 1 else variant(chunked, count))
+              for count in chunk_counts}
     return time_layers(layers, spec, warmup, iters, seed)
 
 
-def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed: int) -> Dict:
+def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed: int,
+                memory: bool = False) -> Dict:
     """Interleaved timing of layers built from one spec; their weights are made equal first."""
     keys = list(layers)
     for key in keys[1:]:
@@ -134,7 +176,19 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     for key in keys:  # one accounted step each (also a warm-up)
         with track_comm() as stats, account_native_dispatchers():
             step(layers[key], x, grad)
-        results[key].bytes = _world_bytes(stats)
+        results[key].bytes, results[key].rank_bytes = _world_bytes(stats)
+        layers[key].zero_grad(set_to_none=True)
+    if memory:  # one more step each, alone, for its peak memory (grads freed before and after)
+        for key in keys:
+            dist.barrier()
+            peak = step_peak(lambda: step(layers[key], x, grad))
+            layers[key].zero_grad(set_to_none=True)
+            if peak is not None:
+                both = torch.tensor([peak.peak_bytes, peak.step_bytes], dtype=torch.float64,
+                                    device=device.current())
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                results[key].peak_bytes, results[key].step_peak_bytes = (int(v) for v in both.tolist())
+                results[key].memory_kind = peak.kind
     for it in range(warmup + iters):
         for key in keys:
             dist.barrier()
@@ -160,17 +214,22 @@ def _inputs(spec: MoELayerSpec, seed: int, count: int):
             for _ in range(count)]
 
 
-def _world_bytes(stats) -> Dict[str, Dict[str, int]]:
-    """Every rank's accounted bytes, summed, as {"kind/group": {"intra": .., "inter": ..}}."""
+def _world_bytes(stats):
+    """Every rank's accounted bytes: summed over ranks as {"kind/group": {"intra": ..,
+    "inter": ..}}, and per rank as [{"intra": .., "inter": ..}] (all kinds and groups)."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, stats.totals())
     out: Dict[str, Dict[str, int]] = {}
+    per_rank = []
     for totals in gathered:
+        mine = {"intra": 0, "inter": 0}
         for (kind, group), v in totals.items():
             entry = out.setdefault(f"{kind}/{group}", {"intra": 0, "inter": 0})
-            entry["intra"] += v["intra"]
-            entry["inter"] += v["inter"]
-    return out
+            for link in ("intra", "inter"):
+                entry[link] += v[link]
+                mine[link] += v[link]
+        per_rank.append(mine)
+    return out, per_rank
 
 
 def max_output_diff(spec: MoELayerSpec, dispatchers: List[str], reference: str = "alltoall",

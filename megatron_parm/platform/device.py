@@ -15,7 +15,7 @@ how to wait for it and how to time it; nothing else in the project names ``torch
     to_host(tensor)      one device -> host copy (a host synchronisation on CUDA)
     synchronize()        wait for the device (no-op on CPU)
     Timer                start() / stop() -> seconds; CUDA events on GPUs, perf_counter on CPU
-    max_memory_allocated(), reset_peak_memory_stats(), device_name()
+    memory_allocated(), max_memory_allocated(), reset_peak_memory_stats(), device_name()
     get_rng_state(), set_rng_state(state)   the device generator (None / no-op on CPU)
     sync_debug_mode(mode)                   torch.cuda.set_sync_debug_mode, restored on exit
 
@@ -92,6 +92,10 @@ class Timer:
             self._end_event.synchronize()
             return self._start_event.elapsed_time(self._end_event) / 1e3
         return time.perf_counter() - self._start
+
+
+def memory_allocated() -> int:
+    return torch.cuda.memory_allocated() if is_cuda() else 0
 
 
 def max_memory_allocated() -> int:
