@@ -1,7 +1,20 @@
-"""Reading benchmark JSON lines: per-configuration ratios, grid summaries, model accuracy.
+"""Reading benchmark JSON lines: per-configuration ratios, bounds, memory, grid summaries,
+the targets, and the performance model's accuracy.
 
-A record is one (label, config, dispatcher) line written by tools/bench_moe_layer.py. Pure
-Python (matplotlib only for the plot), so reports can be made anywhere.
+A record is one (label, run, config, dispatcher) line written by tools/bench_moe_layer.py.
+Labels name what was run: a link preset of the emulated cluster (``pcie``, ``nvlink``: the
+emulator's presets give the link rates), ``unshaped`` (the same grid, links not shaped: the
+layer's time without network cost), ``memory`` (a --memory pass: peak memory, no times), or
+anything else (e.g. ``ws1``, world size 1). Records of the same label and configuration from
+several runs (``run`` tags, repeated passes) are pooled: the median is over every step, and
+the spread between the runs' medians is the run-to-run spread. Pure Python (matplotlib only
+for the plot), so reports can be made anywhere.
+
+The bound of a configuration and dispatcher is the least time its step can take on the
+emulated cluster: max(inter-node bytes of the busiest node's NIC / inter-node rate,
+intra-node bytes of the busiest node's loopback / intra-node rate, compute), with the bytes
+from the accounting and compute the fastest dispatcher's time of the same configuration
+with unshaped links (everything but the shaped links' cost). Efficiency = bound / measured.
 """
 
 from __future__ import annotations
@@ -14,21 +27,69 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from megatron_parm import schedules
 
+UNSHAPED = "unshaped"
+MEMORY = "memory"
+REFERENCE = "alltoall"  # Megatron's dispatcher, what Parm is measured against
+BASELINE = "ds_baseline"
+
+# The issue's targets, per link preset where a threshold differs (None: every label).
+TARGETS = {
+    "best_parm_time_vs_alltoall_median": {"pcie": 0.7, "nvlink": 0.85},
+    "best_parm_time_vs_ds_baseline_median": {None: 0.45},
+    "best_parm_time_vs_alltoall_max": {None: 1.02},
+    "best_parm_time_vs_bound_median": {None: 1.3},
+    "parm_within_5pct_of_best_share": {None: 0.95},  # at least
+    "medians_run_to_run_spread_median": {None: 0.05},
+    "world_size_1_time_vs_alltoall_max": {None: 1.05},
+    "parm_memory_vs_alltoall_max": {None: 1.05},
+}
+AT_LEAST = {"parm_within_5pct_of_best_share"}
+
+
+def base_name(dispatcher: str) -> str:
+    """The schedule of a dispatcher or of a variant (``parm_s2@8/4`` -> ``parm_s2``)."""
+    return dispatcher.partition("@")[0]
+
+
+def chunks_of(dispatcher: str, fields: dict) -> Tuple[Optional[int], Optional[int]]:
+    """(forward, backward) chunks a record's dispatcher ran with (None, None) if unchunked."""
+    name, _, counts = dispatcher.partition("@")
+    if name not in schedules.names() or not schedules.get(name).chunked:
+        return None, None
+    if counts:
+        forward, _, backward = counts.partition("/")
+        return int(forward), int(backward or forward)
+    return schedules.get(name).chunk_counts(fields.get("num_chunks"), fields.get("bwd_num_chunks"))
+
 
 def parm_schedules() -> Tuple[str, ...]:
-    """Parm's own schedules (the catalog's kind "parm"): "best Parm" is the fastest of these."""
+    """Parm's own schedules (the catalog's kind "parm"): "best Parm" is the fastest of these,
+    at any chunk count timed."""
     return schedules.names(schedules.PARM)
 
 
+def is_parm(dispatcher: str) -> bool:
+    return base_name(dispatcher) in parm_schedules()
+
+
 def ordered_dispatchers(results: List["ConfigResult"]) -> List[str]:
-    """The dispatchers that appear in results, in catalog order."""
-    return [d for d in schedules.names() if any(d in r.median_ms for r in results)]
+    """The dispatchers (and variants) that appear in results, in catalog order, variants
+    by their chunk counts."""
+    seen = {d for r in results for d in (*r.median_ms, *r.peak_bytes)}
+    order = {name: i for i, name in enumerate(schedules.names())}
+
+    def key(d):
+        forward, backward = chunks_of(d, {})
+        return order.get(base_name(d), len(order)), forward or 0, backward or 0, d
+
+    return sorted(seen, key=key)
 
 
 def is_metadata(dispatcher: str, key: str) -> bool:
     """Routing metadata (counts, ds_baseline's routing map), not token payload."""
     group = key.split("/", 1)[1]
-    return group.endswith("_counts") or group == "tp_routing" or (dispatcher == "alltoall" and key == "all_gather/tp_ep")
+    return group.endswith("_counts") or group == "tp_routing" or (
+        base_name(dispatcher) == REFERENCE and key == "all_gather/tp_ep")
 
 
 def load_records(paths: Iterable[str]) -> List[dict]:
@@ -47,155 +108,445 @@ def load_records(paths: Iterable[str]) -> List[dict]:
 
 
 @dataclass
+class Bound:
+    inter_ms: float
+    intra_ms: float
+    compute_ms: Optional[float]
+
+    @property
+    def ms(self) -> float:
+        return max(self.inter_ms, self.intra_ms, self.compute_ms or 0.0)
+
+
+@dataclass
 class ConfigResult:
     label: str
     config: int
     fields: dict
     median_ms: Dict[str, float] = field(default_factory=dict)
-    spread: Dict[str, float] = field(default_factory=dict)  # (max - min) / median of a dispatcher's steps
-    inter_bytes: Dict[str, int] = field(default_factory=dict)
+    times_ms: Dict[str, List[float]] = field(default_factory=dict)
+    run_medians: Dict[str, Dict[str, float]] = field(default_factory=dict)  # dispatcher -> run -> median
+    inter_bytes: Dict[str, int] = field(default_factory=dict)  # summed over ranks
     intra_bytes: Dict[str, int] = field(default_factory=dict)
     payload_inter_bytes: Dict[str, int] = field(default_factory=dict)  # without routing metadata
+    node_bytes: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # busiest node: (intra, inter)
+    peak_bytes: Dict[str, int] = field(default_factory=dict)
+    step_peak_bytes: Dict[str, int] = field(default_factory=dict)
+    bounds: Dict[str, Bound] = field(default_factory=dict)
     parm_choice: Optional[str] = None
 
     @property
     def best_parm(self) -> Tuple[str, float]:
-        times = {d: self.median_ms[d] for d in parm_schedules() if d in self.median_ms}
+        times = {d: t for d, t in self.median_ms.items() if is_parm(d)}
         name = min(times, key=times.get)
         return name, times[name]
 
+    def time_of(self, dispatcher: Optional[str]) -> Optional[float]:
+        """Median time of a dispatcher; None: the best Parm schedule's."""
+        if dispatcher is None:
+            return self.best_parm[1] if any(is_parm(d) for d in self.median_ms) else None
+        return self.median_ms.get(dispatcher)
+
     def ratio(self, baseline: str, dispatcher: Optional[str] = None) -> Optional[float]:
         """baseline time / dispatcher time (> 1: dispatcher faster); None if either is missing."""
-        if baseline not in self.median_ms:
+        mine = self.time_of(dispatcher)
+        if baseline not in self.median_ms or not mine:
             return None
-        mine = self.best_parm[1] if dispatcher is None else self.median_ms.get(dispatcher)
-        return None if mine is None else self.median_ms[baseline] / mine
+        return self.median_ms[baseline] / mine
+
+    def spread(self, dispatcher: str) -> Optional[float]:
+        """Run-to-run spread of a dispatcher's median: (max - min) / mean of the runs' medians
+        (None with a single run)."""
+        medians = list(self.run_medians.get(dispatcher, {}).values())
+        if len(medians) < 2:
+            return None
+        return (max(medians) - min(medians)) / statistics.mean(medians)
+
+    def step_spread(self, dispatcher: str) -> Optional[float]:
+        """(max - min) / median of a dispatcher's steps (all runs)."""
+        times = self.times_ms.get(dispatcher)
+        return (max(times) - min(times)) / statistics.median(times) if times else None
+
+    def best_of(self, name: str) -> Optional[str]:
+        """The fastest timed variant of a schedule (``parm_s2`` -> ``parm_s2@4``)."""
+        timed = {d: t for d, t in self.median_ms.items() if base_name(d) == name}
+        return min(timed, key=timed.get) if timed else None
 
     def shape(self) -> str:
         f = self.fields
         cap = f.get("capacity_factor")
-        return (f"S{f['seq_length']} B{f['micro_batch_size']} M{f['hidden_size']} F{f['ffn_hidden_size']} "
+        tokens = f["seq_length"] * f["micro_batch_size"] // (
+            f["tp"] if f.get("sequence_parallel", True) else 1)
+        return (f"n{tokens} M{f['hidden_size']} F{f['ffn_hidden_size']} "
                 f"E{f['num_experts']} k{f['topk']}" + (f" cf{cap:g}" if cap else "")
                 + f" | {f['tp']},{f['ep']},{f['etp']}")
 
 
+_NOT_FIELDS = ("dispatcher", "median_ms", "times_ms", "bytes", "rank_bytes", "max_diff_vs_alltoall",
+               "label", "run", "config", "choice", "peak_bytes", "step_peak_bytes", "memory_kind")
+
+
+def _node_bytes(record: dict) -> Optional[Tuple[int, int]]:
+    """(intra, inter) bytes sent by the busiest node's ranks in one step."""
+    per_rank = record.get("rank_bytes")
+    if not per_rank:
+        return None
+    per_node = record.get("local_world_size") or len(per_rank)
+    nodes: Dict[int, List[int]] = defaultdict(lambda: [0, 0])
+    for rank, sent in enumerate(per_rank):
+        nodes[rank // per_node][0] += sent["intra"]
+        nodes[rank // per_node][1] += sent["inter"]
+    return max(v[0] for v in nodes.values()), max(v[1] for v in nodes.values())
+
+
 def group_results(records: List[dict]) -> List[ConfigResult]:
     grouped: Dict[Tuple[str, int], ConfigResult] = {}
+    times: Dict[Tuple[str, int, str, str], List[float]] = defaultdict(list)
     for r in records:
         key = (r.get("label", ""), r["config"])
         if key not in grouped:
-            fields = {k: v for k, v in r.items() if k not in (
-                "dispatcher", "median_ms", "times_ms", "bytes", "max_diff_vs_alltoall", "label", "config", "choice")}
-            grouped[key] = ConfigResult(key[0], key[1], fields)
+            grouped[key] = ConfigResult(key[0], key[1], {k: v for k, v in r.items() if k not in _NOT_FIELDS})
         res = grouped[key]
         name = r["dispatcher"]
-        res.median_ms[name] = r["median_ms"]
-        times = r["times_ms"]
-        res.spread[name] = (max(times) - min(times)) / statistics.median(times)
+        if r.get("times_ms"):
+            times[key + (name, str(r.get("run", "")))].extend(r["times_ms"])
+        if r.get("peak_bytes") is not None:
+            res.peak_bytes[name] = r["peak_bytes"]
+            res.step_peak_bytes[name] = r["step_peak_bytes"]
         res.inter_bytes[name] = sum(v["inter"] for v in r["bytes"].values())
         res.intra_bytes[name] = sum(v["intra"] for v in r["bytes"].values())
+        res.payload_inter_bytes[name] = sum(v["inter"] for k, v in r["bytes"].items() if not is_metadata(name, k))
+        node = _node_bytes(r)
+        if node is not None:
+            res.node_bytes[name] = node
         if r.get("choice"):
             res.parm_choice = r["choice"]
-        res.payload_inter_bytes[name] = sum(v["inter"] for k, v in r["bytes"].items() if not is_metadata(name, k))
-    return [grouped[k] for k in sorted(grouped)]
+    for (label, config, name, run), steps in times.items():
+        res = grouped[(label, config)]
+        res.times_ms.setdefault(name, []).extend(steps)
+        res.run_medians.setdefault(name, {})[run] = statistics.median(steps)
+    for res in grouped.values():
+        res.median_ms = {d: statistics.median(t) for d, t in res.times_ms.items()}
+    results = [grouped[k] for k in sorted(grouped)]
+    attach_bounds(results)
+    return results
 
 
-def comm_share(shaped: ConfigResult, unshaped: ConfigResult, dispatcher: str = "alltoall") -> Optional[float]:
+# ---------------------------------------------------------------------------------------
+# the bound
+# ---------------------------------------------------------------------------------------
+
+
+def link_rates(label: str) -> Optional[Tuple[float, float]]:
+    """(inter-node, intra-node) bytes per second of the emulator preset a label names, or None
+    (not a preset; a link left unshaped has no rate)."""
+    from megatron_parm.emulator import cluster
+
+    if label not in cluster.PRESETS:
+        return None
+    inter, intra = cluster.resolve_shapes(label, None, None)
+    if inter.bits_per_s is None or intra.bits_per_s is None:
+        return None
+    return inter.bits_per_s / 8.0, intra.bits_per_s / 8.0
+
+
+def compute_ms(unshaped: Optional[ConfigResult]) -> Optional[float]:
+    """The configuration's compute: its fastest dispatcher with unshaped links."""
+    if unshaped is None or not unshaped.median_ms:
+        return None
+    return min(unshaped.median_ms.values())
+
+
+def attach_bounds(results: List[ConfigResult]) -> None:
+    unshaped = {r.config: r for r in results if r.label == UNSHAPED}
+    for r in results:
+        rates = link_rates(r.label)
+        if rates is None:
+            continue
+        compute = compute_ms(unshaped.get(r.config))
+        for name, (intra, inter) in r.node_bytes.items():
+            r.bounds[name] = Bound(1e3 * inter / rates[0], 1e3 * intra / rates[1], compute)
+
+
+def efficiency(r: ConfigResult, dispatcher: str) -> Optional[float]:
+    """bound / measured (1: at the bound)."""
+    bound, measured = r.bounds.get(dispatcher), r.median_ms.get(dispatcher)
+    return bound.ms / measured if bound and measured else None
+
+
+def time_shares(r: ConfigResult, dispatcher: str = REFERENCE) -> Optional[Tuple[float, float, float]]:
+    """(compute, inter-node, intra-node) time of a dispatcher's step, the link times at the
+    preset's rates: the ratio compute : inter : intra the issue asks per preset."""
+    bound = r.bounds.get(dispatcher)
+    if bound is None or bound.compute_ms is None:
+        return None
+    return bound.compute_ms, bound.inter_ms, bound.intra_ms
+
+
+def comm_share(shaped: ConfigResult, unshaped: ConfigResult, dispatcher: str = REFERENCE) -> Optional[float]:
     """Share of a dispatcher's layer time that the shaped links add: 1 - T(unshaped) / T(shaped)."""
     if dispatcher not in shaped.median_ms or dispatcher not in unshaped.median_ms:
         return None
     return 1.0 - unshaped.median_ms[dispatcher] / shaped.median_ms[dispatcher]
 
 
-UNSHAPED = "unshaped"
+# ---------------------------------------------------------------------------------------
+# summaries and targets
+# ---------------------------------------------------------------------------------------
+
+
+def _stats(values: List[float]) -> Optional[dict]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _timing_summary(label: str, rows: List[ConfigResult], unshaped: Dict[int, ConfigResult]) -> dict:
+    best_vs_a2a = [1 / r.ratio(REFERENCE) for r in rows if r.ratio(REFERENCE)]
+    best_vs_ds = [1 / r.ratio(BASELINE) for r in rows if r.ratio(BASELINE)]
+    slower = [r.config for r in rows if r.ratio(REFERENCE) and
+              r.ratio(REFERENCE) < 1.0 - max(r.spread(REFERENCE) or r.step_spread(REFERENCE) or 0, 0.05)]
+    payload = [r.payload_inter_bytes for r in rows]
+    bytes_ok = all(b[d] <= b[REFERENCE] and b[d] * r.fields["tp"] <= b[BASELINE]
+                   for r, b in zip(rows, payload) for d in b
+                   if is_parm(d) and REFERENCE in b and BASELINE in b)
+    out = dict(
+        configs=len(rows),
+        median_best_parm_vs_ds_baseline=statistics.median([1 / v for v in best_vs_ds]) if best_vs_ds else None,
+        median_best_parm_vs_alltoall=statistics.median([1 / v for v in best_vs_a2a]) if best_vs_a2a else None,
+        best_parm_time_vs_alltoall=_stats(best_vs_a2a),
+        best_parm_time_vs_ds_baseline=_stats(best_vs_ds),
+        slower_than_alltoall_beyond_noise=slower,
+        inter_bytes_within_targets=bytes_ok,
+    )
+    shares = [comm_share(r, unshaped[r.config]) for r in rows if r.config in unshaped and label != UNSHAPED]
+    if any(s is not None for s in shares):
+        stats = _stats(shares)
+        out["alltoall_comm_share_min_median_max"] = [stats["min"], stats["median"], stats["max"]]
+    choices = [r for r in rows if "parm" in r.median_ms and any(is_parm(d) for d in r.median_ms)]
+    if choices:
+        # parm's pick is right if it runs within 5% of the fastest Parm schedule as measured
+        out["parm_within_5pct_of_best"] = sum(
+            r.median_ms["parm"] <= 1.05 * r.best_parm[1] for r in choices) / len(choices)
+        out["parm_time_vs_best_parm"] = _stats([r.median_ms["parm"] / r.best_parm[1] for r in choices])
+    spreads = [r.spread(d) for r in rows for d in r.median_ms]
+    spreads = [s for s in spreads if s is not None]
+    if spreads:
+        out["medians_run_to_run_spread"] = dict(
+            runs=max(len(m) for r in rows for m in r.run_medians.values()),
+            median=statistics.median(spreads), max=max(spreads),
+            share_below_5pct=sum(s < 0.05 for s in spreads) / len(spreads))
+    bounded = [r for r in rows if r.bounds]
+    if bounded:
+        out["best_parm_time_vs_bound"] = _stats(
+            [r.best_parm[1] / r.bounds[r.best_parm[0]].ms for r in bounded
+             if any(is_parm(d) for d in r.median_ms) and r.best_parm[0] in r.bounds])
+        out["efficiency_median"] = {d: statistics.median(e) for d in ordered_dispatchers(bounded)
+                                    for e in [[efficiency(r, d) for r in bounded if efficiency(r, d)]] if e}
+        shares = [time_shares(r) for r in bounded]
+        shares = [s for s in shares if s]
+        if shares:
+            compute, inter, intra = (statistics.median(s[i] / s[0] for s in shares) for i in range(3))
+            out["alltoall_compute_inter_intra"] = [compute, inter, intra]
+    return out
+
+
+def _memory_summary(rows: List[ConfigResult]) -> dict:
+    """Per Parm schedule (every variant and parm), its peak over alltoall's, worst config."""
+    out = {}
+    for kind, table in (("peak", "peak_bytes"), ("step", "step_peak_bytes")):
+        ratios = {}
+        for r in rows:
+            values = getattr(r, table)
+            if REFERENCE not in values:
+                continue
+            for d, v in values.items():
+                if is_parm(d) or base_name(d) == "parm":
+                    ratios.setdefault(d, []).append(v / values[REFERENCE])
+        out[f"{kind}_vs_alltoall_max"] = {d: max(v) for d, v in ratios.items()}
+    worst = out["peak_vs_alltoall_max"]
+    out["parm_memory_vs_alltoall_max"] = max(worst.values()) if worst else None
+    return out
 
 
 def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
-    """Per label: medians of the best Parm schedule's speedups and the targets' checks.
-
-    A run labelled "unshaped" (same grid, links not shaped) gives each other label the
-    share of alltoall's time spent on communication.
-    """
+    """Per label: medians of the best Parm schedule's ratios, bounds, spreads, memory, and
+    the targets (``targets``: one entry per target with its value, limit and whether met)."""
     by_label: Dict[str, List[ConfigResult]] = defaultdict(list)
     for res in results:
         by_label[res.label].append(res)
-    baseline = {r.config: r for r in by_label.get(UNSHAPED, [])}
+    unshaped = {r.config: r for r in by_label.get(UNSHAPED, [])}
     summary = {}
     for label, rows in by_label.items():
-        vs_ds = [r.ratio("ds_baseline") for r in rows if r.ratio("ds_baseline")]
-        vs_a2a = [r.ratio("alltoall") for r in rows if r.ratio("alltoall")]
-        slower = [r.config for r in rows if r.ratio("alltoall") and
-                  r.ratio("alltoall") < 1.0 - max(r.spread.get("alltoall", 0), 0.05)]
-        payload = [r.payload_inter_bytes for r in rows]
-        bytes_ok = all(b[d] <= b["alltoall"] and b[d] * r.fields["tp"] <= b["ds_baseline"]
-                       for r, b in zip(rows, payload) for d in parm_schedules()
-                       if d in b and "alltoall" in b and "ds_baseline" in b)
-        summary[label] = dict(
-            configs=len(rows),
-            median_best_parm_vs_ds_baseline=statistics.median(vs_ds) if vs_ds else None,
-            median_best_parm_vs_alltoall=statistics.median(vs_a2a) if vs_a2a else None,
-            slower_than_alltoall_beyond_noise=slower,
-            inter_bytes_within_targets=bytes_ok,
-        )
-        shares = [comm_share(r, baseline[r.config]) for r in rows if r.config in baseline and label != UNSHAPED]
-        shares = [x for x in shares if x is not None]
-        if shares:
-            summary[label]["alltoall_comm_share_min_median_max"] = [
-                min(shares), statistics.median(shares), max(shares)]
-        choices = [r for r in rows if "parm" in r.median_ms]
-        if choices:
-            # parm's pick is right if it runs within 5% of the fastest Parm schedule as measured
-            summary[label]["parm_within_5pct_of_best"] = sum(
-                r.median_ms["parm"] <= 1.05 * r.best_parm[1] for r in choices) / len(choices)
+        if label == MEMORY:
+            summary[label] = dict(configs=len(rows), **_memory_summary(rows))
+        else:
+            summary[label] = _timing_summary(label, rows, unshaped)
+            if all(r.fields.get("world_size") == 1 for r in rows):
+                summary[label]["world_size_1_time_vs_alltoall"] = {
+                    d: _stats([r.median_ms[d] / r.median_ms[REFERENCE] for r in rows
+                               if d in r.median_ms and REFERENCE in r.median_ms])
+                    for d in ("parm", "parm_s1")}
+        summary[label]["targets"] = check_targets(label, summary[label])
     return summary
 
 
+def _value(label: str, summary: dict, target: str) -> Optional[float]:
+    def pick(entry, key):
+        return entry.get(key) if isinstance(entry, dict) else None
+
+    if target == "best_parm_time_vs_alltoall_median":
+        return pick(summary.get("best_parm_time_vs_alltoall"), "median")
+    if target == "best_parm_time_vs_ds_baseline_median":
+        return pick(summary.get("best_parm_time_vs_ds_baseline"), "median")
+    if target == "best_parm_time_vs_alltoall_max":
+        return pick(summary.get("best_parm_time_vs_alltoall"), "max")
+    if target == "best_parm_time_vs_bound_median":
+        return pick(summary.get("best_parm_time_vs_bound"), "median")
+    if target == "parm_within_5pct_of_best_share":
+        return summary.get("parm_within_5pct_of_best")
+    if target == "medians_run_to_run_spread_median":
+        return pick(summary.get("medians_run_to_run_spread"), "median")
+    if target == "world_size_1_time_vs_alltoall_max":
+        ratios = summary.get("world_size_1_time_vs_alltoall") or {}
+        values = [v["max"] for v in ratios.values() if v]
+        return max(values) if values else None
+    if target == "parm_memory_vs_alltoall_max":
+        return summary.get("parm_memory_vs_alltoall_max")
+    raise KeyError(target)
+
+
+def check_targets(label: str, summary: dict) -> List[dict]:
+    """The targets that apply to a label's summary (those with a value), each checked."""
+    out = []
+    for target, limits in TARGETS.items():
+        if label == UNSHAPED and target != "medians_run_to_run_spread_median":
+            continue
+        limit = limits.get(label, limits.get(None))
+        value = _value(label, summary, target)
+        if limit is None or value is None:
+            continue
+        met = value >= limit if target in AT_LEAST else value <= limit
+        out.append(dict(target=target, value=value, limit=limit, met=met,
+                        by=None if met else (limit - value if target in AT_LEAST else value - limit)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# tables and plot
+# ---------------------------------------------------------------------------------------
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def markdown_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
-    head = ["label", "config", "shape | tp,ep,etp"] + [f"{d} ms" for d in dispatchers] + [
-        "best Parm", "x ds_baseline", "x alltoall", "parm chose", "inter MB a2a/S1/ds"]
+    """One row per (label, configuration): every dispatcher's median, the best Parm schedule,
+    its time over alltoall's and ds_baseline's, its bound and efficiency (and alltoall's),
+    parm's choice, the largest run-to-run spread of the row's medians and the inter-node
+    bytes of alltoall / S1 / ds_baseline."""
+    timed = [d for d in dispatchers if any(d in r.median_ms for r in results)]
+    head = ["label", "config", "shape | tp,ep,etp"] + [f"{d} ms" for d in timed] + [
+        "best Parm", "best / alltoall", "best / ds_baseline", "bound ms", "eff. best",
+        "eff. alltoall", "parm chose", "spread", "inter MB a2a/S1/ds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        best, _ = r.best_parm
-        inter = "/".join(f"{r.inter_bytes.get(d, 0) / 1e6:.1f}" for d in ("alltoall", "parm_s1", "ds_baseline"))
+        if not r.median_ms:
+            continue
+        has_parm = any(is_parm(d) for d in r.median_ms)
+        best = r.best_parm[0] if has_parm else None
+        bound = r.bounds.get(best) if best else None
+        spreads = [s for s in (r.spread(d) for d in r.median_ms) if s is not None]
+        inter = "/".join(f"{r.inter_bytes.get(d, 0) / 1e6:.1f}" for d in (REFERENCE, "parm_s1", BASELINE))
         cells = [r.label, str(r.config), r.shape()] + [
-            f"{r.median_ms[d]:.0f}" if d in r.median_ms else "-" for d in dispatchers] + [
-            best, _fmt(r.ratio("ds_baseline")), _fmt(r.ratio("alltoall")), r.parm_choice or "-", inter]
+            f"{r.median_ms[d]:.0f}" if d in r.median_ms else "-" for d in timed] + [
+            best or "-", _fmt(1 / r.ratio(REFERENCE) if r.ratio(REFERENCE) else None),
+            _fmt(1 / r.ratio(BASELINE) if r.ratio(BASELINE) else None),
+            f"{bound.ms:.0f}" if bound else "-", _fmt(efficiency(r, best) if best else None),
+            _fmt(efficiency(r, REFERENCE)), r.parm_choice or "-",
+            f"{100 * max(spreads):.0f}%" if spreads else "-", inter]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _fmt(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def memory_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
+    """Peak memory per rank (MB) of every dispatcher per configuration, and the step's rise."""
+    rows = [r for r in results if r.peak_bytes]
+    if not rows:
+        return ""
+    measured = [d for d in dispatchers if any(d in r.peak_bytes for r in rows)]
+    head = ["config", "shape | tp,ep,etp"] + [f"{d} MB (step)" for d in measured] + [
+        "worst Parm / alltoall", "(step)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        parm = [d for d in r.peak_bytes if is_parm(d) or base_name(d) == "parm"]
+        ref, ref_step = r.peak_bytes.get(REFERENCE), r.step_peak_bytes.get(REFERENCE)
+        worst = max((r.peak_bytes[d] / ref for d in parm), default=None) if ref else None
+        worst_step = max((r.step_peak_bytes[d] / ref_step for d in parm), default=None) if ref_step else None
+        cells = [str(r.config), r.shape()] + [
+            f"{r.peak_bytes[d] / 1e6:.0f} ({r.step_peak_bytes[d] / 1e6:.0f})" if d in r.peak_bytes else "-"
+            for d in measured] + [_fmt(worst), _fmt(worst_step)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_series(r: ConfigResult) -> List[str]:
+    """What the plot shows per configuration: alltoall, every Parm schedule at its fastest
+    timed chunk count, and parm."""
+    names = [REFERENCE] + list(parm_schedules()) + ["parm"]
+    return [d for d in (r.best_of(n) for n in names) if d]
 
 
 def plot_speedups(results: List[ConfigResult], path: str) -> None:
+    """Per label: speedup over ds_baseline of alltoall, each Parm schedule and parm, with the
+    speedup the bound allows (ds_baseline's time / the best Parm schedule's bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = sorted({r.label for r in results})
-    fig, axes = plt.subplots(len(labels), 1, figsize=(max(8, 0.5 * len(results)), 3.2 * len(labels)),
+    labels = sorted({r.label for r in results if r.median_ms and BASELINE in r.median_ms})
+    if not labels:
+        return
+    width_configs = max(len([r for r in results if r.label == label]) for label in labels)
+    fig, axes = plt.subplots(len(labels), 1, figsize=(max(8, 0.6 * width_configs), 3.4 * len(labels)),
                              squeeze=False)
     for ax, label in zip(axes[:, 0], labels):
-        rows = [r for r in results if r.label == label]
+        rows = [r for r in results if r.label == label and BASELINE in r.median_ms]
         xs = range(len(rows))
-        series = [d for d in (*parm_schedules(), "alltoall") if any(d in r.median_ms for r in rows)]
+        series = []
+        for r in rows:
+            for d in plot_series(r):
+                if base_name(d) not in series:
+                    series.append(base_name(d))
         width = 0.8 / max(len(series), 1)
         for offset, name in enumerate(series):
-            ys = [r.ratio("ds_baseline", name) or 0 for r in rows]
+            ys = [r.ratio(BASELINE, r.best_of(name)) or 0 if r.best_of(name) else 0 for r in rows]
             ax.bar([x + (offset - (len(series) - 1) / 2) * width for x in xs], ys, width=width,
-                   color="#8c8c8c" if name == "alltoall" else None, label=f"{name} vs ds_baseline")
+                   color="#8c8c8c" if name == REFERENCE else None, label=f"{name} vs {BASELINE}")
+        bound = [r.median_ms[BASELINE] / r.bounds[r.best_parm[0]].ms
+                 if any(is_parm(d) for d in r.median_ms) and r.best_parm[0] in r.bounds else None
+                 for r in rows]
+        if any(b is not None for b in bound):
+            ax.scatter([x for x, b in zip(xs, bound) if b is not None], [b for b in bound if b is not None],
+                       marker="_", s=400, color="black", zorder=3, label="at the bound (best Parm)")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([str(r.config) for r in rows])
-        ax.set_ylabel("speedup over ds_baseline")
+        ax.set_ylabel(f"speedup over {BASELINE}")
         ax.set_title(f"{label}: forward+backward of one MoE layer, per configuration")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", fontsize=7, ncol=2)
     axes[-1, 0].set_xlabel("configuration (see the table)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# the performance model
+# ---------------------------------------------------------------------------------------
 
 
 def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
@@ -211,7 +562,7 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
 
     out: Dict[str, dict] = {}
     for r in results:
-        if r.label == UNSHAPED:
+        if r.label in (UNSHAPED, MEMORY) or not r.median_ms:
             continue
         f = r.fields
         per_node = f.get("local_world_size") or f["world_size"]
@@ -221,11 +572,12 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
         shape = layer_shape(SimpleNamespace(**{"sequence_parallel": True, "capacity_factor": None,
                                                "pad_to_capacity": False, **f}))
         entry = out.setdefault(r.label, {"pairs": [], "within_25pct": 0.0})
-        for name in modelled_dispatchers():
-            if name not in r.median_ms:
+        for name in r.median_ms:
+            if base_name(name) not in modelled_dispatchers():
                 continue
-            chunks = schedules.get(name).num_chunks(f.get("num_chunks"))
-            predicted = 1e3 * predict(name, shape, layout, profile, chunks, sp).total_s
+            forward, backward = chunks_of(name, f)
+            predicted = 1e3 * predict(base_name(name), shape, layout, profile, forward, sp,
+                                      bwd_num_chunks=backward).total_s
             entry["pairs"].append(dict(config=r.config, dispatcher=name, predicted_ms=predicted,
                                        measured_ms=r.median_ms[name],
                                        rel_err=abs(predicted - r.median_ms[name]) / r.median_ms[name]))
@@ -233,3 +585,19 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
         pairs = entry["pairs"]
         entry["within_25pct"] = sum(p["rel_err"] <= 0.25 for p in pairs) / len(pairs) if pairs else 0.0
     return out
+
+
+def model_time_shares(shape, layout, profile, dispatcher: str = REFERENCE) -> Tuple[float, float, float]:
+    """(compute, inter-node, intra-node) seconds of one layer step as the model predicts them
+    (each stage's time on its resource, forward + backward, without overlap)."""
+    from megatron_parm.perf_model import predict
+
+    prediction = predict(dispatcher, shape, layout, profile)
+    totals = [0.0, 0.0, 0.0]
+    for stage in prediction.stages:
+        if stage.kind == schedules.COMPUTE:
+            totals[0] += stage.seconds
+        else:
+            totals[1] += stage.inter_seconds
+            totals[2] += stage.intra_seconds
+    return tuple(totals)

@@ -40,7 +40,12 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 DEFAULT_PREFIX = "parmemu"
 DEFAULT_MASTER_PORT = 29500
-DEFAULT_MTU = 1500
+# Jumbo frames on the veth links and loopback: a GPU cluster's NICs and NVLink move data
+# without the processors, while here every packet is segmented, shaped and copied by the same
+# cores that run the ranks. At MTU 1500 a 4 MB collective is ~2800 packets per hop; at 65535
+# ~65, which frees the cores for the ranks' compute (docs/benchmark.md measures the effect).
+# --mtu 1500 is the Ethernet default, for those who want to study it.
+DEFAULT_MTU = 65535
 SUBNET = "10.77.0"  # node i gets SUBNET.{i+1}; private, and only ever inside our namespaces
 NODE_IFNAME = "eth0"
 BRIDGE_NAME = "br0"
@@ -194,7 +199,8 @@ def tbf_params(bits_per_s: int, mtu: int) -> List[str]:
 
     The bucket must hold at least one packet as the qdisc sees it (an MTU frame, or a GSO
     super-packet that tbf will segment) or the packet is dropped forever and TCP stalls; that
-    is the loopback-MTU-64k trap. About 1 ms of traffic keeps timer overhead low at Gbit rates
+    is the loopback-MTU-64k trap: the bucket holds four frames of the MTU (with headers), 256
+    KiB at the default jumbo MTU. About 1 ms of traffic keeps timer overhead low at Gbit rates
     while a burst stays negligible against multi-MB collectives. The queue limit (~100 ms) is
     generous so that many concurrent gloo sockets are paced, not dropped.
     """

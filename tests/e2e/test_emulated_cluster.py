@@ -134,10 +134,12 @@ def test_setup_plan_stays_in_own_namespaces():
 
 
 def test_tbf_bucket_holds_a_packet():
-    for bits in (64_000, 50_000_000, 10_000_000_000):
-        params = ec.tbf_params(bits, 9000)
-        burst, limit = int(params[params.index("burst") + 1]), int(params[params.index("limit") + 1])
-        assert burst >= 9000 and limit >= burst
+    assert ec.DEFAULT_MTU == 65535  # jumbo frames by default
+    for mtu in (1500, 9000, ec.DEFAULT_MTU):
+        for bits in (64_000, 50_000_000, 10_000_000_000):
+            params = ec.tbf_params(bits, mtu)
+            burst, limit = int(params[params.index("burst") + 1]), int(params[params.index("limit") + 1])
+            assert burst >= mtu + 64 and limit >= burst
 
 
 def test_check_host_refuses_non_root(monkeypatch):
@@ -189,12 +191,15 @@ def test_allreduce_across_two_nodes_and_cleanup(tmp_path):
 
 
 @needs_netns
-def test_shaping_is_real_and_intra_node_uses_loopback(tmp_path):
+@pytest.mark.parametrize("mtu", [None, "1500"], ids=["default-mtu", "mtu-1500"])
+def test_shaping_is_real_and_intra_node_uses_loopback(tmp_path, mtu):
+    """The shaped rates hold at the default jumbo MTU as at Ethernet's."""
     num_bytes = 2 << 20
     inter_bits, intra_bits = 50_000_000, 1_000_000_000
     prefix = _prefix()
     proc = _launch(prefix, tmp_path, "transfer", "--inter-node-bandwidth", "50mbit",
-                   "--intra-node-bandwidth", "1gbit", worker_args=("--num-bytes", str(num_bytes)))
+                   "--intra-node-bandwidth", "1gbit", *(("--mtu", mtu) if mtu else ()),
+                   worker_args=("--num-bytes", str(num_bytes)))
     assert proc.returncode == 0, proc.stderr[-4000:]
     sender = _records(tmp_path)[0]
     expected_inter_s = num_bytes * 8 / inter_bits  # 0.34 s
