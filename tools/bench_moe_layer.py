@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    help="measure each dispatcher's peak memory per rank (one warm-up and one "
                         "measured step) instead of timing it: the exact memory accounting this "
                         "needs on CPUs slows allocation, so memory and time come from separate runs")
-    p.add_argument("--run", default="", help="tag of this pass, written into every JSON line "
+    p.add_argument("--run-id", default="", help="tag of this pass, written into every JSON line "
                                               "(repeated passes give the run-to-run spread)")
     p.add_argument("--output", default=None, help="append JSON lines here (rank 0)")
     p.add_argument("--grid", default=None,
@@ -124,7 +124,7 @@ def spec_from_args(args, **overrides):
             raise ValueError(f"--grid: unknown field {key!r} (fields of MoELayerSpec: "
                              f"{', '.join(f for f in vars(spec) if f != 'extra')})")
         setattr(spec, key, value)
-    return spec
+    return spec.resolved()
 
 
 def load_grid(path):
@@ -283,14 +283,15 @@ def main(argv=None):
         if args.output:
             with open(args.output, "a") as f:
                 for name, timing in results.items():
-                    record = dict(label=args.label, run=args.run, config=index, dispatcher=name,
+                    record = dict(label=args.label, run=args.run_id, config=index, dispatcher=name,
                                   median_ms=timing.median_ms, times_ms=timing.times_ms, choice=timing.choice,
                                   bytes=timing.bytes, rank_bytes=timing.rank_bytes,
                                   peak_bytes=timing.peak_bytes, step_peak_bytes=timing.step_peak_bytes,
                                   memory_kind=timing.memory_kind, max_diff_vs_alltoall=diffs.get(name),
                                   world_size=dist.get_world_size(),
                                   local_world_size=launcher_ranks_per_node() or 0)
-                    record.update({k: v for k, v in vars(spec).items() if k not in ("extra", "params_dtype")})
+                    record.update({k: v for k, v in vars(spec).items()
+                                   if k not in ("extra", "params_dtype", "layout")})
                     f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
 

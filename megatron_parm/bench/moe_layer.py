@@ -51,7 +51,27 @@ class MoELayerSpec:
     parm_profile: Optional[str] = None
     aux_loss_coeff: float = 0.0
     params_dtype: torch.dtype = torch.float32
+    # Conveniences for grids (applied by ``resolved``): "tp,ep,etp" sets the three sizes, and
+    # tokens per rank entering the layer sets seq_length for the layout and micro-batch.
+    layout: Optional[str] = None
+    tokens_per_rank: Optional[int] = None
     extra: Dict = field(default_factory=dict)
+
+    def resolved(self) -> "MoELayerSpec":
+        """The spec with ``layout`` and ``tokens_per_rank`` applied (ValueError naming the field)."""
+        spec = dataclasses.replace(self)
+        if spec.layout is not None:
+            try:
+                spec.tp, spec.ep, spec.etp = (int(v) for v in str(spec.layout).split(","))
+            except ValueError:
+                raise ValueError(f"layout: expected 'tp,ep,etp', got {spec.layout!r}") from None
+        if spec.tokens_per_rank is not None:
+            shards = spec.tp if (spec.sequence_parallel and spec.tp > 1) else 1
+            if spec.tokens_per_rank * shards % spec.micro_batch_size:
+                raise ValueError(f"tokens_per_rank: {spec.tokens_per_rank} x {shards} sequence "
+                                 f"shards is not a multiple of micro_batch_size {spec.micro_batch_size}")
+            spec.seq_length = spec.tokens_per_rank * shards // spec.micro_batch_size
+        return spec
 
     def config(self, dispatcher: str) -> ParmTransformerConfig:
         return ParmTransformerConfig(

@@ -1,4 +1,5 @@
-"""The MoE-layer benchmark end to end on one tiny grid (4 ranks, plain loopback), and its report."""
+"""The MoE-layer benchmark end to end on one tiny grid (4 ranks, plain loopback), at world
+size 1 (timing and memory), and its report."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import sys
 import pytest
 
 from launch import REPO, torchrun
+from megatron_parm import schedules
 
-DISPATCHERS = ["alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm"]
+# Every schedule of the catalog that runs tp=ep=etp=2 (the default, 'all'), parm_s2 at two
+# chunk counts instead of its default.
+VARIANTS = ["parm_s2@2", "parm_s2@4"]
+
+
+def expected_dispatchers(tp, ep, etp):
+    names = [name for name in schedules.names()
+             if schedules.get(name).unsupported(tp, ep, etp) is None]
+    return sorted(d for name in names for d in (VARIANTS if name == "parm_s2" else [name]))
 
 
 @pytest.fixture(scope="module")
@@ -18,39 +28,77 @@ def bench_output(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     grid = tmp / "tiny.yaml"
     grid.write_text(
-        "fixed: {tp: 2, ep: 2, etp: 2, sequence_parallel: true, topk: 2, hidden_size: 32,\n"
+        "fixed: {layout: '2,2,2', sequence_parallel: true, topk: 2, hidden_size: 32,\n"
         "        ffn_hidden_size: 64, micro_batch_size: 2, num_experts: 4}\n"
-        "grid: {seq_length: [16, 32]}\n")
+        "grid: {tokens_per_rank: [8, 16]}\n")
     out = tmp / "bench.jsonl"
     proc = torchrun("tools/bench_moe_layer.py", 4, "--grid", str(grid), "--output", str(out),
-                    "--label", "loopback", "--iters", "2", "--warmup", "0",
-                    "--dispatchers", ",".join(DISPATCHERS), timeout=600)
+                    "--label", "loopback", "--run-id", "a", "--iters", "2", "--warmup", "0",
+                    "--chunk-variants", "2,4", timeout=600)
     return tmp, out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def world1_output(tmp_path_factory):
+    """World size 1: times, then peak memory (a --memory pass), same tiny layer."""
+    tmp = tmp_path_factory.mktemp("world1")
+    out = tmp / "world1.jsonl"
+    flags = ["--seq-length", "32", "--hidden-size", "32", "--moe-ffn-hidden-size", "64",
+             "--num-experts", "4", "--dispatchers", "alltoall,parm_s1,parm_s2@2,parm", "--no-check",
+             "--output", str(out)]
+    torchrun("tools/bench_moe_layer.py", 1, *flags, "--label", "world1", "--iters", "2", timeout=600)
+    torchrun("tools/bench_moe_layer.py", 1, *flags, "--label", "memory", "--memory", timeout=600)
+    return tmp, out
 
 
 def test_bench_writes_a_line_per_config_and_dispatcher(bench_output):
     _, out, stdout = bench_output
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted((r["config"], r["dispatcher"]) for r in records) == sorted(
-        (c, d) for c in (0, 1) for d in DISPATCHERS)
+        (c, d) for c in (0, 1) for d in expected_dispatchers(2, 2, 2))
     for r in records:
-        assert r["label"] == "loopback" and len(r["times_ms"]) == 2 and r["median_ms"] > 0
+        assert r["label"] == "loopback" and r["run"] == "a"
+        assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
         assert r["max_diff_vs_alltoall"] < 1e-5
         assert r["bytes"], f"{r['dispatcher']} recorded no bytes"
-    assert "[2/2] MoE layer" in stdout and "parm_s2" in stdout
+        # per rank: what the four ranks sent, summing to the totals
+        assert len(r["rank_bytes"]) == 4
+        assert sum(b["intra"] for b in r["rank_bytes"]) == sum(v["intra"] for v in r["bytes"].values())
+        assert (r["tp"], r["ep"], r["etp"], r["seq_length"]) == (2, 2, 2, 8 * (r["config"] + 1))
+    assert "[2/2] MoE layer" in stdout and "parm_s2@4" in stdout
 
 
-def test_report_makes_table_summary_and_plot(bench_output):
+def test_world_size_1_runs_parm_as_s1_without_communication(world1_output):
+    _, out = world1_output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = {r["dispatcher"]: r for r in records if r["label"] == "world1"}
+    assert set(timed) == {"alltoall", "parm_s1", "parm_s2@2", "parm"}
+    assert timed["parm"]["choice"] == "parm_s1"  # nothing to hide: no model, no other ranks
+    assert all(v["intra"] == v["inter"] == 0 for r in timed.values() for v in r["bytes"].values())
+    memory = {r["dispatcher"]: r for r in records if r["label"] == "memory"}
+    assert set(memory) == set(timed) and all(not r["times_ms"] for r in memory.values())
+    if sys.platform.startswith("linux"):
+        for r in memory.values():
+            assert r["memory_kind"] == "cpu_resident" and r["peak_bytes"] > r["step_peak_bytes"] > 0
+
+
+def test_report_makes_tables_summary_and_plot(bench_output, world1_output):
     tmp, out, _ = bench_output
+    _, world1 = world1_output
     md, png, summary = tmp / "table.md", tmp / "plot.png", tmp / "summary.json"
-    subprocess.run([sys.executable, "tools/bench_report.py", str(out), "--markdown", str(md),
-                    "--plot", str(png), "--summary", str(summary)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "tools/bench_report.py", str(out), str(world1), "--markdown",
+                    str(md), "--plot", str(png), "--summary", str(summary)], cwd=REPO, check=True,
                    capture_output=True)
-    assert md.read_text().count("\n| loopback |") == 2
+    text = md.read_text()
+    assert text.count("\n| loopback |") == 2 and text.count("\n| world1 |") == 1
+    assert "parm_s2@4 ms" in text and "Peak memory per rank" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads(summary.read_text())["loopback"]
-    assert data["configs"] == 2 and data["inter_bytes_within_targets"] is True
-    assert data["median_best_parm_vs_ds_baseline"] > 0
+    data = json.loads(summary.read_text())
+    loopback = data["loopback"]
+    assert loopback["configs"] == 2 and loopback["inter_bytes_within_targets"] is True
+    assert loopback["median_best_parm_vs_ds_baseline"] > 0
+    assert [t["target"] for t in data["world1"]["targets"]] == ["world_size_1_time_vs_alltoall_max"]
+    assert [t["target"] for t in data["memory"]["targets"]] == ["parm_memory_vs_alltoall_max"]
 
 
 def test_bad_grid_is_refused(tmp_path):

@@ -1,0 +1,123 @@
+"""The benchmark report's arithmetic on made-up records: runs pooled, spreads, the bound and
+efficiency, memory, the targets, variants, and the model's time shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_parm.bench import report
+from megatron_parm.emulator import cluster
+
+FIELDS = dict(seq_length=1024, micro_batch_size=2, hidden_size=512, ffn_hidden_size=512,
+              num_experts=8, topk=2, capacity_factor=None, pad_to_capacity=False, tp=2, ep=2,
+              etp=2, sequence_parallel=True, world_size=4, local_world_size=2, num_chunks=None)
+MB = 10 ** 6
+
+
+def record(label, dispatcher, times, run="1", config=0, inter=0, intra=0, peak=None, **fields):
+    """Rank r sends inter / intra bytes per step (ranks 0, 1 on node 0; 2, 3 on node 1)."""
+    rank_bytes = [{"intra": intra, "inter": inter}] * 4
+    return dict(FIELDS, **fields, label=label, run=run, config=config, dispatcher=dispatcher,
+                times_ms=times, median_ms=None, choice=None,
+                bytes={"all_to_all/ep": {"intra": 4 * intra, "inter": 4 * inter}},
+                rank_bytes=rank_bytes, peak_bytes=peak, step_peak_bytes=None if peak is None else peak // 2)
+
+
+def test_runs_are_pooled_and_their_medians_give_the_spread():
+    rows = report.group_results([
+        record("pcie", "alltoall", [100, 102, 98], run="1"),
+        record("pcie", "alltoall", [110, 108, 112], run="2"),
+    ])
+    (r,) = rows
+    assert r.median_ms["alltoall"] == pytest.approx(105)  # median of all six steps
+    assert r.run_medians["alltoall"] == {"1": 100, "2": 110}
+    assert r.spread("alltoall") == pytest.approx(10 / 105)
+
+
+def test_bound_is_the_busiest_resource_at_the_presets_rates():
+    inter_rate, intra_rate = report.link_rates("pcie")
+    shape = cluster.resolve_shapes("pcie", None, None)
+    assert (inter_rate, intra_rate) == (shape[0].bits_per_s / 8, shape[1].bits_per_s / 8)
+    # each node's two ranks send 10 MB inter-node and 4 MB intra-node per step
+    rows = report.group_results([
+        record("unshaped", "alltoall", [50]), record("unshaped", "parm_s1", [40]),
+        record("pcie", "alltoall", [400], inter=5 * MB, intra=2 * MB),
+        record("pcie", "parm_s1", [300], inter=5 * MB, intra=2 * MB),
+    ])
+    pcie = next(r for r in rows if r.label == "pcie")
+    bound = pcie.bounds["parm_s1"]
+    assert bound.inter_ms == pytest.approx(1e3 * 10 * MB / inter_rate)
+    assert bound.intra_ms == pytest.approx(1e3 * 4 * MB / intra_rate)
+    assert bound.compute_ms == 40  # the fastest dispatcher with unshaped links
+    assert bound.ms == pytest.approx(max(bound.inter_ms, bound.intra_ms, 40))
+    assert report.efficiency(pcie, "parm_s1") == pytest.approx(bound.ms / 300)
+    assert report.time_shares(pcie) == (40, bound.inter_ms, bound.intra_ms)
+    assert "unshaped" not in [r.label for r in rows if r.bounds]  # no rates: no bound
+    assert report.link_rates("loopback") is None
+
+
+def test_summary_checks_the_targets_with_their_margins():
+    records = []
+    for config, (a2a, s1, s2, parm, ds) in enumerate([(100, 90, 60, 62, 200), (100, 95, 70, 90, 220)]):
+        for name, t in (("alltoall", a2a), ("parm_s1", s1), ("parm_s2@4", s2), ("parm", parm),
+                        ("ds_baseline", ds)):
+            records.append(record("pcie", name, [t], config=config, inter=MB, intra=MB))
+            records.append(record("pcie", name, [t * 1.01], run="2", config=config, inter=MB, intra=MB))
+    summary = report.summarize(report.group_results(records))["pcie"]
+    assert summary["best_parm_time_vs_alltoall"]["median"] == pytest.approx(0.65)
+    assert summary["parm_within_5pct_of_best"] == 0.5  # config 1: 90 vs 70
+    targets = {t["target"]: t for t in summary["targets"]}
+    assert targets["best_parm_time_vs_alltoall_median"]["met"] is True  # 0.65 <= 0.7
+    assert targets["best_parm_time_vs_alltoall_max"]["met"] is True
+    missed = targets["parm_within_5pct_of_best_share"]
+    assert missed["met"] is False and missed["by"] == pytest.approx(0.45)
+    assert targets["medians_run_to_run_spread_median"]["value"] == pytest.approx(0.01 / 1.005)
+    assert targets["best_parm_time_vs_ds_baseline_median"]["value"] == pytest.approx((0.3 + 70 / 220) / 2)
+    # no unshaped run: no compute term, the bound is the links'
+    assert "best_parm_time_vs_bound" in summary
+
+
+def test_world_size_1_and_memory_targets():
+    records = [record("world1", d, [t], world_size=1, local_world_size=1, tp=1, ep=1, etp=1)
+               for d, t in (("alltoall", 100), ("parm_s1", 96), ("parm", 104))]
+    records += [record("memory", d, [], peak=p * MB) for d, p in
+                (("alltoall", 1000), ("parm_s1", 990), ("parm_s2@8", 1060), ("ds_baseline", 1200))]
+    summary = report.summarize(report.group_results(records))
+    ws1 = {t["target"]: t for t in summary["world1"]["targets"]}
+    assert ws1["world_size_1_time_vs_alltoall_max"]["value"] == pytest.approx(1.04)
+    assert ws1["world_size_1_time_vs_alltoall_max"]["met"] is True
+    memory = summary["memory"]
+    assert memory["peak_vs_alltoall_max"] == pytest.approx({"parm_s1": 0.99, "parm_s2@8": 1.06})
+    (target,) = memory["targets"]
+    assert target["met"] is False and target["by"] == pytest.approx(0.01)
+    table = report.memory_table(report.group_results(records), report.ordered_dispatchers(
+        report.group_results(records)))
+    assert "1060 (530)" in table and "1.06" in table
+
+
+def test_variants_and_table_order():
+    assert report.base_name("parm_s2@8/4") == "parm_s2"
+    assert report.chunks_of("parm_s2@8/4", {}) == (8, 4)
+    assert report.chunks_of("parm_s2@4", {}) == (4, 4)
+    assert report.chunks_of("parm_s2", {"num_chunks": 2}) == (2, 2)
+    assert report.chunks_of("parm_s1", {}) == (None, None)
+    rows = report.group_results([record("x", d, [t]) for d, t in
+                                 (("parm", 5), ("parm_s2@8", 3), ("parm_s2@2", 2), ("alltoall", 4),
+                                  ("parm_s1", 6))])
+    assert report.ordered_dispatchers(rows) == ["alltoall", "parm_s1", "parm_s2@2", "parm_s2@8", "parm"]
+    assert rows[0].best_of("parm_s2") == "parm_s2@2"
+    assert report.plot_series(rows[0]) == ["alltoall", "parm_s1", "parm_s2@2", "parm"]
+
+
+def test_model_time_shares_add_up_to_the_sequential_prediction():
+    from megatron_parm.perf_model import LayerShape, Layout, load_profile, predict
+
+    profile = load_profile("nvlink_ib_estimate")
+    layout = Layout(tp=2, ep=2, etp=2, nodes=2, ranks_per_node=2)
+    shape = LayerShape(num_tokens=4096, hidden_size=768, ffn_hidden_size=3072, num_experts=8,
+                       topk=2, dtype_bytes=2)
+    compute, inter, intra = report.model_time_shares(shape, layout, profile)
+    assert compute > 0 and inter > 0 and intra > 0
+    total = predict("alltoall", shape, layout, profile).total_s
+    # every stage is on one resource or two links in parallel: the sum is at least the total
+    assert compute + inter + intra >= total / profile.layer_scale - 1e-12
