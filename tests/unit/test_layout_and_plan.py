@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_parm.dispatchers.base import RoutingPlan, chunk_row_index, split_count
+from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s2 import run_pipeline
 from megatron_parm import schedules
 from megatron_parm.parallel import validate_layout
@@ -36,23 +36,6 @@ def test_unknown_dispatcher_lists_valid_names():
         schedules.get("parm_s3")
     for name in ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2"):
         assert name in str(err.value)
-
-
-@pytest.mark.parametrize("num_chunks", [1, 2, 3, 5])
-def test_split_count_partitions_every_count(num_chunks):
-    counts = torch.tensor([0, 1, 2, 7, 10, 13])
-    parts = [split_count(counts, i, num_chunks) for i in range(num_chunks)]
-    assert torch.equal(sum(parts), counts)
-    spread = torch.stack(parts).max(0).values - torch.stack(parts).min(0).values
-    assert spread.max() <= 1
-
-
-def test_chunk_rows_cover_each_row_once():
-    counts = torch.tensor([3, 0, 5, 1])
-    rows = torch.cat([chunk_row_index(counts, i, 3) for i in range(3)])
-    assert sorted(rows.tolist()) == list(range(int(counts.sum())))
-    # chunk 0 takes the first rows of each expert's block
-    assert chunk_row_index(counts, 0, 3).tolist() == [0, 3, 4, 8]
 
 
 def test_routing_plan_splits():

@@ -27,6 +27,11 @@ def test_cut_partitions_each_count_evenly(num_chunks):
     assert (parts.max(dim=0).values - parts.min(dim=0).values).max() <= 1
 
 
+def test_cut_gives_the_first_rows_of_each_block_to_the_first_chunks():
+    counts = torch.tensor([3, 0, 5, 1])
+    assert row_order.cut(counts, 3).tolist() == [[1, 0, 2, 1], [1, 0, 2, 0], [1, 0, 1, 0]]
+
+
 @pytest.mark.parametrize("coarse,fine", [(2, 4), (2, 6), (3, 6), (4, 8), (1, 5)])
 def test_cut_composes(coarse, fine):
     """Grouping fine // coarse consecutive parts of the fine cut gives the coarse cut, which
