@@ -6,10 +6,14 @@
 #   SMOKE=1 bash tools/run_benchmark.sh /tmp/smoke   (tiny grid, minutes: proves the pipeline)
 #
 # Expected duration on this project's 2-core machine when nothing else runs: about 2 hours
-# (at most 2.5). Sized from per-step times measured at small scale (docs/benchmark.md, "How
-# long it takes"): calibration ~5 min per preset, one pass of the grid (12 configurations x 8
-# dispatchers and variants, 1 accounted + 1 warm-up + ITERS timed steps each) ~20 min unshaped,
-# ~30 min pcie, ~25 min nvlink, world size 1 ~2 min, memory ~8 min. PASSES=1 halves the timing.
+# 10 minutes (at most 2.5 h). Sized from the previous benchmark's quiet run at 1024 tokens
+# per rank, hidden 512, FFN 512 (docs/bench/small_table.md: one step of all six dispatchers
+# 5.9 s pcie, 4.8 s nvlink, 2.5 s unshaped), scaled linearly to 4096 tokens and to the 8
+# dispatchers and variants timed here (9 with parm_hier), 1 accounted + 1 warm-up + ITERS
+# timed steps each: one pass of the 12 configurations ~23 min pcie, ~19 min nvlink, ~10 min
+# unshaped, ~2 min at world size 1; calibration ~4 min per preset, memory ~5 min, MTU ~2 min.
+# Jumbo MTU makes the shaped runs faster than that. PASSES=1 halves the timing (and gives no
+# run-to-run spread); the log (OUT_DIR/run.log) has each step's duration.
 #
 # Steps (each logged with its start time and duration to OUT_DIR/run.log):
 #  1. recalibrate both presets' profiles (tools/calibrate.py, in-layer terms on the grid's
@@ -27,7 +31,7 @@
 #     (per label: ratios, bounds, spreads, memory, the issue's targets checked with their
 #     margins, the model's accuracy, alltoall's compute : inter : intra per preset, and the
 #     model's for GPT-2-small/medium-MoE on nvlink_ib_estimate).
-# Knobs (environment): PASSES (2), ITERS (5), WORLD1_ITERS (10), CALIBRATE (1), PROFILES,
+# Knobs (environment): PASSES (2), ITERS (4), WORLD1_ITERS (10), CALIBRATE (1), PROFILES,
 # GRID, WORLD1_GRID, MTU_CHECK (1), PY (.venv/bin/python), SMOKE (0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +52,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     GRID=${GRID:-configs/bench/emulated.yaml}
     WORLD1_GRID=${WORLD1_GRID:-configs/bench/world1.yaml}
-    PASSES=${PASSES:-2}; ITERS=${ITERS:-5}; WORLD1_ITERS=${WORLD1_ITERS:-10}
+    PASSES=${PASSES:-2}; ITERS=${ITERS:-4}; WORLD1_ITERS=${WORLD1_ITERS:-10}
     PROFILES=${PROFILES:-megatron_parm/perf_model/profiles}
     # in-layer terms fitted on layers like the grid's
     CALIBRATE_FLAGS=(--layer-tokens 1024,4096 --layer-hidden-size 512 --layer-ffn-hidden-size 512
