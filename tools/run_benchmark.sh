@@ -6,14 +6,14 @@
 #   SMOKE=1 bash tools/run_benchmark.sh /tmp/smoke   (tiny grid, minutes: proves the pipeline)
 #
 # Expected duration on this project's 2-core machine when nothing else runs: about 2 hours
-# 10 minutes (at most 2.5 h). Sized from the previous benchmark's quiet run at 1024 tokens
+# 15 minutes (at most 2.5 h). Sized from the previous benchmark's quiet run at 1024 tokens
 # per rank, hidden 512, FFN 512 (docs/bench/small_table.md: one step of all six dispatchers
-# 5.9 s pcie, 4.8 s nvlink, 2.5 s unshaped), scaled linearly to 4096 tokens and to the 8
-# dispatchers and variants timed here (9 with parm_hier), 1 accounted + 1 warm-up + ITERS
-# timed steps each: one pass of the 12 configurations ~23 min pcie, ~19 min nvlink, ~10 min
-# unshaped, ~2 min at world size 1; calibration ~4 min per preset, memory ~5 min, MTU ~2 min.
-# Jumbo MTU makes the shaped runs faster than that. PASSES=1 halves the timing (and gives no
-# run-to-run spread); the log (OUT_DIR/run.log) has each step's duration.
+# 5.9 s pcie, 4.8 s nvlink, 2.5 s unshaped), scaled linearly to 4096 tokens and to the 9
+# dispatchers and variants timed here, 1 accounted + 1 warm-up + ITERS timed steps each: one
+# pass of the 12 configurations ~27 min pcie, ~22 min nvlink, ~11 min unshaped, ~2 min at
+# world size 1; calibration ~4 min per preset, memory ~5 min, MTU ~2 min. Jumbo MTU makes the
+# shaped runs faster than that. PASSES=1 halves the timing (and gives no run-to-run spread);
+# the log (OUT_DIR/run.log) has each step's duration.
 #
 # Steps (each logged with its start time and duration to OUT_DIR/run.log):
 #  1. recalibrate both presets' profiles (tools/calibrate.py, in-layer terms on the grid's

@@ -148,6 +148,15 @@ def exchange(tensors: Sequence[torch.Tensor], sent: Sequence[Sequence[int]],
     return out
 
 
+def _packed(collective, rows: torch.Tensor, probs: torch.Tensor, *args):
+    """Rows and their probs through one collective, as one message where the dtypes match
+    (autograd runs through the concatenation and the slices)."""
+    if rows.dtype != probs.dtype:
+        return collective(rows, *args), collective(probs, *args)
+    packed = collective(torch.cat([rows, probs.unsqueeze(1)], dim=1), *args)
+    return packed[:, :-1], packed[:, -1]
+
+
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Ascending positions of the True entries of a flat mask holding ``count`` of them."""
     return torch.nonzero_static(mask, size=count).view(-1)
@@ -165,9 +174,10 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         secondary pairs to the relay of each node (one message per dtype); the relay expands
         them to one row per (token, expert), sorted by node member, source and expert;
         A2A [ep_intra] of those rows with their probs
-    (3) dispatch_postprocess (S1's): AG [ESP] of the received rows; sort by local expert
+    (3) dispatch_postprocess (S1's ESP stage): AG [ESP] of the received rows; sort by local
+        expert
     (4) experts
-    (5) combine_preprocess (S1's): unsort; RS [ESP] of the partial sums
+    (5) combine_preprocess (S1's ESP stage): unsort; RS [ESP] of the partial sums
     (6) token_combine: A2A [ep_intra] back to the relay, which sums each token's expert
         outputs of the node into its row; A2A [ep_inter] of those rows back to the sources
     (7) combine_postprocess: add the node partial sums of each token
@@ -239,8 +249,8 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         secondaries = secondaries[0] if secondaries else self._secondaries
         self._secondaries = None
         pair_rows, pair_probs = self._expand_at_relay(rows, row_probs.squeeze(1), secondaries)
-        return self._both(all_to_all, pair_rows, pair_probs, groups.intra, "ep_intra",
-                          route.pairs_in, route.pairs_out)
+        return _packed(all_to_all, pair_rows, pair_probs, groups.intra, "ep_intra",
+                       route.pairs_in, route.pairs_out)
 
     def _expand_at_relay(self, rows: torch.Tensor, row_probs: torch.Tensor,
                          secondaries: torch.Tensor):

@@ -17,33 +17,41 @@ class Route:
     """The collectives and the expert sort of one dispatch, for one layer call.
 
     ``gather``: A2A [EP] -> AG [ESP] (rows arrive as blocks [q][j][local expert]);
-    ``scatter``: RS [ESP] -> A2A [EP] back, its dual. ``to_expert`` sorts gathered rows
-    expert-major for the experts and ``from_expert`` undoes it (gather indices on the rows'
-    device; None where the gathered order is already expert-major). Split sizes are host lists
-    taken from the plan once; nothing here waits on the device.
+    ``scatter``: RS [ESP] -> A2A [EP] back, its dual. Without ``with_ep`` the A2As are left
+    out: a subclass that moves the rows over EP its own way (parm_hier) reuses the ESP stage.
+    ``to_expert`` sorts gathered rows expert-major for the experts and ``from_expert`` undoes
+    it (gather indices on the rows' device; None where the gathered order is already
+    expert-major). Split sizes are host lists taken from the plan once; nothing here waits on
+    the device.
     """
 
-    def __init__(self, dispatcher: ParmTokenDispatcher, plan: RoutingPlan, device):
+    def __init__(self, dispatcher: ParmTokenDispatcher, plan: RoutingPlan, device,
+                 with_ep: bool = True):
         self.ep_group, self.etp_group = dispatcher.ep_group, dispatcher.etp_group
+        self.with_ep = with_ep  # the A2As [EP] are this route's
+        ep_moves = with_ep and utils.get_pg_size(self.ep_group) > 1
         self.a2a_in, self.a2a_out = plan.a2a_input_splits(), plan.a2a_output_splits()
         self.etp_sizes = plan.etp_split_sizes()
-        self.communicates = utils.get_pg_size(self.ep_group) > 1 or utils.get_pg_size(self.etp_group) > 1
+        self.communicates = ep_moves or utils.get_pg_size(self.etp_group) > 1
         order = plan.expert_order()
         self.to_expert, self.from_expert = row_order.to_device(
             [order, None if order is None else row_order.inverse(order)], device)
 
     @property
     def trivial(self) -> bool:
-        """Nothing to move and nothing to sort (every group of one rank)."""
+        """Nothing to move and nothing to sort (e.g. every group of one rank)."""
         return not self.communicates and self.to_expert is None
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = start_all_to_all(tensor, self.ep_group, "ep", self.a2a_out, self.a2a_in).wait()
+        if self.with_ep:
+            tensor = start_all_to_all(tensor, self.ep_group, "ep", self.a2a_out, self.a2a_in).wait()
         return start_all_gather(tensor, self.etp_group, "expt_tp", self.etp_sizes).wait()
 
     def scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = start_reduce_scatter(tensor, self.etp_group, "expt_tp", self.etp_sizes).wait()
-        return start_all_to_all(tensor, self.ep_group, "ep", self.a2a_in, self.a2a_out).wait()
+        if self.with_ep:
+            tensor = start_all_to_all(tensor, self.ep_group, "ep", self.a2a_in, self.a2a_out).wait()
+        return tensor
 
     def sort(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.to_expert is None else tensor.index_select(0, self.to_expert)
@@ -116,26 +124,39 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     (7) combine_postprocess: unpermute to this rank's n tokens
     Where every group has one rank (e.g. world size 1), steps (2) and (6) do nothing at all:
     the layer costs what permutation, experts and unpermutation cost.
+    A subclass that moves the rows over EP its own way overrides token_dispatch and
+    token_combine; then (3) runs the ESP stage (AG [ESP], sort) and (5) its dual (unsort,
+    RS [ESP]) as one autograd function each.
     When the layer input is replicated over TP (no sequence parallelism), ParmMoELayer
     hands this dispatcher the rank's shard and restores the full output with one AG [TP].
     """
 
-    route: Optional[Route] = None
+    s1_route: Optional[Route] = None  # this layer call's, from token_dispatch to token_combine
+
+    @staticmethod
+    def _dispatch(route: Route, rows: torch.Tensor, row_probs: torch.Tensor):
+        return (rows, row_probs) if route.trivial else _Dispatch.apply(rows, row_probs, route)
+
+    @staticmethod
+    def _combine(route: Route, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states if route.trivial else _Combine.apply(hidden_states, route)
 
     def token_dispatch(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        self.route = Route(self, self.plan, rows.device)
-        if self.route.trivial:
-            return rows, row_probs
-        return _Dispatch.apply(rows, row_probs, self.route)
+        self.s1_route = Route(self, self.plan, rows.device)
+        return self._dispatch(self.s1_route, rows, row_probs)
 
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
+        if self.s1_route is None:  # the rows came over EP another way: the ESP stage here
+            self.s1_route = Route(self, self.plan, rows.device, with_ep=False)
+            rows, row_probs = self._dispatch(self.s1_route, rows, row_probs)
         return rows, self.plan.tokens_per_local_expert(), row_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
+        if not self.s1_route.with_ep:
+            route, self.s1_route = self.s1_route, None
+            return self._combine(route, hidden_states)
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
-        route, self.route = self.route, None
-        if route.trivial:
-            return hidden_states
-        return _Combine.apply(hidden_states, route)
+        route, self.s1_route = self.s1_route, None
+        return self._combine(route, hidden_states)
