@@ -540,7 +540,7 @@ def plot_speedups(results: List[ConfigResult], path: str) -> None:
     if not labels:
         return
     width_configs = max(len([r for r in results if r.label == label]) for label in labels)
-    fig, axes = plt.subplots(len(labels), 1, figsize=(max(8, 0.6 * width_configs), 3.4 * len(labels)),
+    fig, axes = plt.subplots(len(labels), 1, figsize=(max(8, 0.6 * width_configs) + 3, 3.4 * len(labels)),
                              squeeze=False)
     for ax, label in zip(axes[:, 0], labels):
         rows = [r for r in results if r.label == label and BASELINE in r.median_ms]
@@ -566,7 +566,7 @@ def plot_speedups(results: List[ConfigResult], path: str) -> None:
         ax.set_xticklabels([str(r.config) for r in rows])
         ax.set_ylabel(f"speedup over {BASELINE}")
         ax.set_title(f"{label}: forward+backward of one MoE layer, per configuration")
-        ax.legend(loc="upper left", fontsize=7, ncol=2)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     axes[-1, 0].set_xlabel("configuration (see the table)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

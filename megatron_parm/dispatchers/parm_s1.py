@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from megatron.core import utils
@@ -60,17 +60,13 @@ class Route:
         return tensor if self.from_expert is None else tensor.index_select(0, self.from_expert)
 
 
-def _apart(first: torch.Tensor, second: torch.Tensor, move) -> List[torch.Tensor]:
-    """Rows and probs in messages of their own (dtypes that cannot share one)."""
-    return [move(first), move(second)]
-
-
 class _Dispatch(torch.autograd.Function):
     """Rows and probs -> A2A [EP] -> AG [ESP] -> sorted for the experts, as one message.
 
     Forward: pack (one pass), the two collectives, sort (one gather); rows and probs come out
     as views of the sorted message. Backward: the two gradients packed with the unsort in
-    the same pass, then RS [ESP] -> A2A [EP] back.
+    the same pass, then RS [ESP] -> A2A [EP] back. Dtypes that cannot share a message
+    travel in messages of their own.
     """
 
     @staticmethod
@@ -78,7 +74,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.route = route
         message = Message(rows.shape[1], rows.dtype, probs.dtype)
         if not message.packs:
-            return tuple(_apart(rows, probs, lambda t: route.sort(route.gather(t))))
+            return route.sort(route.gather(rows)), route.sort(route.gather(probs))
         return message.unpack(route.sort(route.gather(message.pack(rows, probs))))
 
     @staticmethod
@@ -88,11 +84,10 @@ class _Dispatch(torch.autograd.Function):
             grad_probs = grad_rows.new_zeros(grad_rows.shape[0])
         message = Message(grad_rows.shape[1], grad_rows.dtype, grad_probs.dtype, summed=True)
         if not message.packs:
-            grads = _apart(grad_rows, grad_probs, lambda t: route.scatter(route.unsort(t)))
-        else:
-            grads = message.unpack(route.scatter(message.pack(grad_rows, grad_probs,
-                                                              order=route.from_expert)))
-        return grads[0], grads[1], None
+            return (route.scatter(route.unsort(grad_rows)), route.scatter(route.unsort(grad_probs)),
+                    None)
+        packed = message.pack(grad_rows, grad_probs, order=route.from_expert)
+        return (*message.unpack(route.scatter(packed)), None)
 
 
 class _Combine(torch.autograd.Function):
