@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from device_sim import SimulatedDevice, mark_device
-from megatron_parm.dispatchers.base import chunk_row_index, chunk_row_indices
+from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.platform.device import HOST
 
 
@@ -36,27 +36,40 @@ def test_host_reads_of_device_tensors_are_syncs():
     assert all(site.endswith("test_host_reads_of_device_tensors_are_syncs") for _, site in sim.syncs)
 
 
-def test_chunk_row_indices_on_the_rows_device_without_a_sync():
-    counts = torch.tensor([4, 0, 3, 5], device=HOST)
+def test_chunk_plans_on_the_rows_device_without_a_sync():
+    """S2's indices (chunk order, sorts, the map between the passes' chunk orders) are made on
+    the host from host counts and reach the rows' device without the host waiting."""
+    from megatron_parm.dispatchers.parm_s2 import ChunkPlan
+
+    counts = torch.tensor([[[4, 0, 3, 5]], [[2, 1, 0, 6]]], device=HOST)  # [e=2, s=1, E=4]
+    plan = RoutingPlan(counts, me_ep=0, me_etp=0, num_local_experts=2)
     rows = torch.randn(12, 2)
     mark_device(rows)
     sim = SimulatedDevice()
     with sim:
-        indices = chunk_row_indices(counts, 3, rows.device)
-        for index in indices:
-            rows.index_select(0, index)
+        chunks = ChunkPlan(plan, 3, 2, rows.device)
+        ordered = rows.index_select(0, chunks.fwd.order)
+        ordered.index_select(0, chunks.to_backward).index_select(0, chunks.restore)
+        gathered = torch.randn(int(plan.local_counts().sum()), 2, device=rows.device)
+        for index in chunks.fwd.sort + chunks.bwd.sort:
+            if index is not None:
+                gathered[: index.numel()].index_select(0, index)
     assert sim.syncs == []
-    assert [i.tolist() for i in indices] == [chunk_row_index(counts, i, 3).tolist() for i in range(3)]
-    assert sorted(torch.cat(indices).tolist()) == list(range(12))
+    assert sorted(chunks.fwd.order.tolist()) == list(range(12))
 
 
 def test_rows_for_the_experts_are_contiguous():
     """Rows unpacked from a message with their probs are a strided view; the experts get them
     contiguous (grouped_gemm refuses anything else), with one local expert too."""
-    from megatron_parm.dispatchers.base import pack_rows, sort_by_local_expert, unpack_rows
+    from megatron_parm.dispatchers.base import sort_by_local_expert
+    from megatron_parm.dispatchers.row_order import Message
 
-    rows, probs = unpack_rows(pack_rows(torch.randn(5, 4), torch.rand(5)), 4, torch.float32)
+    message = Message(4, torch.float32, torch.float32)
+    packed = message.pack(torch.randn(5, 4), torch.rand(5))
+    rows, probs = message.unpack(packed)
     assert not rows.is_contiguous()
-    for experts, sizes in ((1, [2, 3]), (2, [1, 2, 1, 1])):
+    for order in (None, torch.tensor([4, 0, 3, 1, 2], device=HOST)):
+        assert all(t.is_contiguous() for t in message.unpack_gathered(packed, order))
+    for experts, sizes in ((1, [2, 3]), (2, [1, 2, 1, 1]), (2, [2, 3])):
         out, _ = sort_by_local_expert(rows, probs, torch.tensor(sizes, device=HOST), experts)
         assert out.is_contiguous()
