@@ -46,12 +46,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_parm import schedules  # noqa: E402  (torch-free: the catalog's dispatcher names)
+
 STAGES = ("a", "b", "c", "d")
 # Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
 # CPU dry runs get CPU_SLOWDOWN times as long.
 STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60}
 CPU_SLOWDOWN = 4
-DISPATCHERS = ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm")
 TRAIN_ITERS = 30
 RESUME_ITERS = 5
 FP16_ITERS = 12
@@ -362,9 +363,9 @@ def worker_layer(out: Path, quick: bool) -> dict:
 
     spec = _layer_setup(quick)
     device.reset_peak_memory_stats()
-    timings = time_dispatchers(spec, list(DISPATCHERS), warmup=1 if quick else 3,
+    timings = time_dispatchers(spec, list(schedules.names()), warmup=1 if quick else 3,
                                iters=3 if quick else 10)
-    diffs = max_output_diff(spec, list(DISPATCHERS))
+    diffs = max_output_diff(spec, list(schedules.names()))
     base = timings["alltoall"].median_ms
     per_dispatcher = {
         name: {"median_ms": round(t.median_ms, 3), "times_ms": [round(v, 3) for v in t.times_ms],
@@ -390,7 +391,7 @@ def worker_syncs(out: Path, quick: bool) -> dict:
 
     spec = _layer_setup(quick)
     per_dispatcher = {}
-    for name in DISPATCHERS:
+    for name in schedules.names():
         layer = build_layer(spec, name)
         x, grad = _inputs(spec, 7, 2)
         for counting in (False, True):  # a warm-up call first (parm decides on its first)

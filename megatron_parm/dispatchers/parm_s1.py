@@ -63,8 +63,8 @@ class Route:
 class _Dispatch(torch.autograd.Function):
     """Rows and probs -> A2A [EP] -> AG [ESP] -> sorted for the experts, as one message.
 
-    Forward: pack (one pass), the two collectives, sort (one gather); rows and probs come out
-    as views of the sorted message. Backward: the two gradients packed with the unsort in
+    Forward: pack (one pass), the two collectives, sort and unpack (one gather); rows and
+    probs come out contiguous. Backward: the two gradients packed with the unsort in
     the same pass, then RS [ESP] -> A2A [EP] back. Dtypes that cannot share a message
     travel in messages of their own.
     """
@@ -75,7 +75,8 @@ class _Dispatch(torch.autograd.Function):
         message = Message(rows.shape[1], rows.dtype, probs.dtype)
         if not message.packs:
             return route.sort(route.gather(rows)), route.sort(route.gather(probs))
-        return message.unpack(route.sort(route.gather(message.pack(rows, probs))))
+        # sorted and unpacked in one gather: contiguous rows, as grouped GEMMs need
+        return message.unpack_gathered(route.gather(message.pack(rows, probs)), route.to_expert)
 
     @staticmethod
     def backward(ctx, grad_rows, grad_probs):
