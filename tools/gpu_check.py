@@ -17,6 +17,10 @@ output of every stage goes to OUT_DIR/gpu_check.log.
      (CUDA events, the device seam's timer) and ratios to alltoall, peak memory
   d  host synchronisations per layer call of each dispatcher (forward and backward), counted
      with torch.cuda.set_sync_debug_mode("warn") through the device seam, with call sites
+  e  what a chunk costs: parm_s2 at 1, 2, 4 and 8 chunks (and 4 forward / 1 backward) beside
+     alltoall and parm_s1 at stage c's shapes, world size 1, where nothing is to overlap; and
+     one profiled step of parm_s2@4 and of alltoall (top operators, kernel launches) in
+     OUT_DIR/e_profile.txt
 
 --allow-cpu runs everything on CPU (gloo), as the tests do for a dry run; there stage d counts
 nothing (nothing synchronises without CUDA) and says so. --quick shrinks shapes and iteration
@@ -48,10 +52,10 @@ sys.path.insert(0, str(REPO))
 
 from megatron_parm import schedules  # noqa: E402  (torch-free: the catalog's dispatcher names)
 
-STAGES = ("a", "b", "c", "d")
+STAGES = ("a", "b", "c", "d", "e")
 # Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
 # CPU dry runs get CPU_SLOWDOWN times as long.
-STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60}
+STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90}
 CPU_SLOWDOWN = 4
 TRAIN_ITERS = 30
 RESUME_ITERS = 5
@@ -72,7 +76,7 @@ def parse_args(argv=None):
     parser.add_argument("--pytest-args", default=None,
                         help="stage a: pytest arguments instead of the equivalence tests "
                              "(for dry runs of the stage itself)")
-    parser.add_argument("--worker", choices=("train", "layer", "syncs"), default=None,
+    parser.add_argument("--worker", choices=("train", "layer", "syncs", "chunks"), default=None,
                         help=argparse.SUPPRESS)  # the processes stages b-d start
     args = parser.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -228,8 +232,12 @@ class Check:
     def stage_d(self, timeout: float) -> dict:
         return self._worker_stage("syncs", "d", timeout)
 
+    def stage_e(self, timeout: float) -> dict:
+        return self._worker_stage("chunks", "e", timeout)
 
-STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d}
+
+STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d,
+                 "e": Check.stage_e}
 
 
 def device_is_cuda() -> bool:
@@ -417,7 +425,57 @@ def worker_syncs(out: Path, quick: bool) -> dict:
     return result
 
 
-WORKERS = {"train": ("b", worker_train), "layer": ("c", worker_layer), "syncs": ("d", worker_syncs)}
+CHUNK_COUNTS = (1, 2, 4, 8)
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def worker_chunks(out: Path, quick: bool) -> dict:
+    """Stage e: parm_s2's time per extra chunk where nothing is to overlap, and where it goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_parm.bench.moe_layer import _inputs, build_layer, step, time_dispatchers
+    from megatron_parm.platform import device
+
+    spec = _layer_setup(quick)
+    variants = (["alltoall", "parm_s1"] + [f"parm_s2@{c}" for c in CHUNK_COUNTS]
+                + [f"parm_s2@{CHUNK_COUNTS[2]}/1"])
+    timings = time_dispatchers(spec, variants, warmup=1 if quick else 3, iters=3 if quick else 20)
+    one = timings["parm_s2@1"].median_ms
+    per_variant = {name: {"median_ms": round(t.median_ms, 3),
+                          "spread_ms": round(max(t.times_ms) - min(t.times_ms), 3),
+                          "alltoall_over_this": round(timings["alltoall"].median_ms / t.median_ms, 3)}
+                   for name, t in timings.items()}
+    for c in CHUNK_COUNTS[1:]:  # the cost of each chunk beyond the first, in % of one chunk's step
+        extra = (timings[f"parm_s2@{c}"].median_ms - one) / (c - 1)
+        per_variant[f"parm_s2@{c}"]["per_extra_chunk_pct_of_one_chunk"] = round(100 * extra / one, 2)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda() else [])
+    sort_by = "self_cuda_time_total" if device.is_cuda() else "self_cpu_time_total"
+    launches, tables = {}, []
+    for name in ("alltoall", f"parm_s2@{CHUNK_COUNTS[2]}"):
+        layer = build_layer(spec, name)
+        x, grad = _inputs(spec, 5, 2)
+        for _ in range(2):
+            step(layer, x, grad)
+        device.synchronize()
+        with profile(activities=activities) as prof:
+            step(layer, x, grad)
+            device.synchronize()
+        averages = prof.key_averages()
+        launches[name] = sum(e.count for e in averages if e.key in LAUNCH_EVENTS)
+        tables.append(f"== {name}: one forward+backward, {launches[name]} kernel launches ==\n"
+                      + averages.table(sort_by=sort_by, row_limit=25))
+    (out / "e_profile.txt").write_text("\n\n".join(tables) + "\n")
+    finite = all(math.isfinite(t.median_ms) and t.median_ms > 0 for t in timings.values())
+    return {"status": "passed" if finite else "failed",
+            "reason": None if finite else "a variant has no valid time",
+            "timer": "CUDA events" if device.is_cuda() else "perf_counter (CPU)",
+            "variants": per_variant, "kernel_launches_per_step": launches,
+            "profile": "e_profile.txt"}
+
+
+WORKERS = {"train": ("b", worker_train), "layer": ("c", worker_layer), "syncs": ("d", worker_syncs),
+           "chunks": ("e", worker_chunks)}
 
 
 def run_worker(args) -> int:

@@ -116,8 +116,8 @@ class Choice:
     def describe(self) -> str:
         if not self.times:
             return f"{self.label} ({self.reason})"
-        listed = ", ".join(f"{schedule_label(key)} {seconds * 1e3:.3f} ms"
-                           for key, seconds in self.times.items())
+        listed = ", ".join(f"{schedule_label(key)} {seconds * 1e3:.3f} ms"  # fastest first
+                           for key, seconds in sorted(self.times.items(), key=lambda kv: kv[1]))
         return f"{self.label} (predicted: {listed})"
 
 

@@ -149,19 +149,9 @@ def load_balancing_loss(num_steps: int) -> float:
 
 
 def describe_choice(choice) -> str:
-    """One line for a dispatcher's choice: the schedule and the predicted times (ms)."""
-    schedule = getattr(choice, "schedule", None)
-    times = getattr(choice, "times", None)
-    if schedule is None or not isinstance(times, dict):
-        text = str(choice)
-        return text if len(text) <= 200 else text[:197] + "..."
-
-    def name(key):
-        return key if isinstance(key, str) else "x".join(str(part) for part in key)
-
-    predicted = ", ".join(f"{name(key)} {seconds * 1e3:.2f}"
-                          for key, seconds in sorted(times.items(), key=lambda kv: kv[1]))
-    return f"{schedule} (predicted ms per layer step: {predicted})"
+    """One line for a dispatcher's choice (perf_model.Choice.describe where it is one)."""
+    text = choice.describe() if hasattr(choice, "describe") else str(choice)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def dispatcher_choices(model) -> list:

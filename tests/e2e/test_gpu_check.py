@@ -21,6 +21,8 @@ import pytest
 
 from launch import REPO
 
+from megatron_parm import schedules
+
 SCRIPT = str(REPO / "tools/gpu_check.sh")
 TOOL = str(REPO / "tools/gpu_check.py")
 
@@ -118,7 +120,7 @@ def test_tool_refusals(tmp_path):
 def dry_run(tmp_path_factory, prepared_data):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = run([sys.executable, TOOL, "--out", str(out), "--allow-cpu", "--quick", "--stages",
-                "b,c,d", "--budget", "1500"], timeout=1600)
+                "b,c,d,e", "--budget", "1500"], timeout=1600)
     summary = json.loads((out / "summary.json").read_text())
     return proc, summary, out
 
@@ -127,7 +129,7 @@ def test_dry_run_passes_every_stage(dry_run):
     proc, summary, out = dry_run
     assert proc.returncode == 0, (proc.stdout, (out / "gpu_check.log").read_text()[-5000:])
     assert {stage: result["status"] for stage, result in summary["stages"].items()} == \
-        {"b": "passed", "c": "passed", "d": "passed"}
+        {"b": "passed", "c": "passed", "d": "passed", "e": "passed"}
     assert "stage b: passed" in (out / "gpu_check.log").read_text()
 
 
@@ -140,10 +142,21 @@ def test_dry_run_training_stage(dry_run):
 
 def test_dry_run_layer_and_sync_stages(dry_run):
     layer, syncs = dry_run[1]["stages"]["c"], dry_run[1]["stages"]["d"]
-    dispatchers = {"alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm"}
+    dispatchers = set(schedules.names())  # every schedule of the catalog
     assert set(layer["dispatchers"]) == dispatchers and layer["shape"]["dtype"] == "torch.bfloat16"
     assert layer["dispatchers"]["alltoall"]["alltoall_over_this"] == 1.0
     assert all(d["median_ms"] > 0 and d["max_abs_diff_vs_alltoall"] is not None
                for d in layer["dispatchers"].values())
     assert set(syncs["dispatchers"]) == dispatchers
     assert "no CUDA" in syncs["note"]  # on CPU nothing is counted, and the summary says so
+
+
+def test_dry_run_chunk_stage(dry_run):
+    """Stage e: S2 at each chunk count beside alltoall, the cost per extra chunk, a profile."""
+    proc, summary, out = dry_run
+    chunks = summary["stages"]["e"]
+    assert {"alltoall", "parm_s1", "parm_s2@1", "parm_s2@8", "parm_s2@4/1"} <= set(chunks["variants"])
+    assert all(v["median_ms"] > 0 for v in chunks["variants"].values())
+    assert "per_extra_chunk_pct_of_one_chunk" in chunks["variants"]["parm_s2@4"]
+    profile = (out / chunks["profile"]).read_text()
+    assert "== alltoall:" in profile and "== parm_s2@4:" in profile
