@@ -14,30 +14,20 @@ from typing import Optional
 import torch
 
 from megatron_parm import schedules
+from megatron_parm.layout_rules import layout_problem
 
 
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
                     dispatcher: Optional[str] = None, sequence_parallel: bool = True) -> None:
     """Raise ValueError naming the flag for any layout Megatron or a dispatcher cannot run.
 
-    The dispatcher's own rules are its schedule catalog entry's (megatron_parm/schedules.py).
+    The rules are layout_rules.layout_problem's; the dispatcher's own are its schedule catalog
+    entry's (megatron_parm/schedules.py).
     """
     etp = tp if etp is None else etp
-    for flag, value in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep),
-                        ("--expert-tensor-parallel-size", etp)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if world_size % tp != 0:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}) must divide the world size ({world_size})")
-    if world_size % etp != 0:
-        raise ValueError(f"--expert-tensor-parallel-size ({etp}) must divide the world size ({world_size})")
-    if world_size % (etp * ep) != 0:
-        raise ValueError(
-            f"--expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}) must divide "
-            f"the world size ({world_size})")
-    if num_experts is not None and num_experts % ep != 0:
-        raise ValueError(f"--num-experts ({num_experts}) must be divisible by "
-                         f"--expert-model-parallel-size ({ep})")
+    problem = layout_problem(world_size, tp, ep, etp, num_experts)
+    if problem:
+        raise ValueError(problem)
     if dispatcher is not None:
         schedules.get(dispatcher).check_layout(tp, ep, etp, sequence_parallel)
 

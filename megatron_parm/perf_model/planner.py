@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
+from megatron_parm.layout_rules import batch_problem
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
 from megatron_parm.perf_model.profile import Profile
@@ -176,10 +177,8 @@ def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
                                 ranks_per_node=cluster.ranks_per_node)
                 reason = check_layout(spec, layout)
                 data_parallel = world // tp
-                if reason is None and global_batch_size % (micro_batch_size * data_parallel):
-                    reason = (f"--global-batch-size {global_batch_size} is not divisible by "
-                              f"--micro-batch-size {micro_batch_size} x data-parallel size "
-                              f"{data_parallel}")
+                if reason is None:
+                    reason = batch_problem(global_batch_size, micro_batch_size, data_parallel)
                 if reason is None:
                     layouts.append(layout)
                 else:

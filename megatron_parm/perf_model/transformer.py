@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.layout_rules import layout_problem, model_problem, shape_problem
 from megatron_parm.perf_model.layout import Layout
 
 MODEL_TYPES = ("gpt", "bert")
@@ -65,15 +66,10 @@ class ModelSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                                  f"got {value!r}")
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by "
-                             f"--num-attention-heads ({self.num_attention_heads})")
-        if self.topk > self.num_experts:
-            raise ValueError(f"--moe-router-topk ({self.topk}) must not exceed --num-experts "
-                             f"({self.num_experts})")
-        if self.seq_length > self.positions:
-            raise ValueError(f"--seq-length ({self.seq_length}) must not exceed "
-                             f"--max-position-embeddings ({self.positions})")
+        problem = shape_problem(self.hidden_size, self.num_attention_heads, self.seq_length,
+                                self.positions, self.num_experts, self.topk)
+        if problem:
+            raise ValueError(problem)
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive, "
                              f"got {self.capacity_factor!r}")
@@ -115,12 +111,9 @@ class ParameterCounts:
 def parameter_counts(spec: ModelSpec, tp: int, ep: int, etp: int) -> ParameterCounts:
     """Parameters of one rank of a (tp, ep, etp) layout (every rank holds the same count)."""
     h, t, bias = spec.hidden_size, tp, spec.add_bias_linear
-    if spec.num_experts % ep != 0:
-        raise ValueError(f"--num-experts ({spec.num_experts}) must be divisible by "
-                         f"--expert-model-parallel-size ({ep})")
-    if spec.moe_ffn_hidden_size % etp != 0:
-        raise ValueError(f"--moe-ffn-hidden-size ({spec.moe_ffn_hidden_size}) must be divisible "
-                         f"by --expert-tensor-parallel-size ({etp})")
+    problem = _model_problem(spec, tp, ep, etp)
+    if problem:
+        raise ValueError(problem)
     vocab = padded_vocab_size(spec.vocab_size, t)
     embedding = vocab // t * h + spec.positions * h
     if spec.model_type == "bert" and spec.bert_binary_head:
@@ -162,19 +155,12 @@ def check_layout(spec: ModelSpec, layout: Layout) -> Optional[str]:
     Sequence parallelism is on whenever tp > 1 (the planner always uses it: it divides the
     activations by t and every dispatcher supports it).
     """
-    t, e, x = layout.tp, layout.ep, layout.etp
-    if spec.num_attention_heads % t != 0:
-        return (f"--tensor-model-parallel-size {t} does not divide --num-attention-heads "
-                f"{spec.num_attention_heads}")
-    if spec.seq_length % t != 0:
-        return f"--tensor-model-parallel-size {t} does not divide --seq-length {spec.seq_length}"
-    if spec.num_experts % e != 0:
-        return (f"--expert-model-parallel-size {e} does not divide --num-experts "
-                f"{spec.num_experts}")
-    if spec.moe_ffn_hidden_size % x != 0:
-        return (f"--expert-tensor-parallel-size {x} does not divide --moe-ffn-hidden-size "
-                f"{spec.moe_ffn_hidden_size}")
-    if spec.add_bias_linear and x != 1:
-        return (f"--expert-tensor-parallel-size {x} with linear biases: Megatron-Core 0.16.1 "
-                f"supports expert biases only at 1 (or give --disable-bias-linear)")
-    return None
+    return _model_problem(spec, layout.tp, layout.ep, layout.etp)
+
+
+def _model_problem(spec: ModelSpec, tp: int, ep: int, etp: int) -> Optional[str]:
+    """layout_rules' answer for this model on (tp, ep, etp) ranks of a world that fits them."""
+    return layout_problem(tp * ep * etp, tp, ep, etp, spec.num_experts) or model_problem(
+        tp, ep, etp, num_attention_heads=spec.num_attention_heads, seq_length=spec.seq_length,
+        sequence_parallel=tp > 1, num_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, add_bias_linear=spec.add_bias_linear)

@@ -18,6 +18,7 @@ import yaml
 from megatron_parm.data.datasets import add_data_args, parse_data_path
 from megatron_parm.data.tokenizers import add_tokenizer_args
 from megatron_parm import schedules
+from megatron_parm.layout_rules import batch_problem, model_problem, shape_problem
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import TRANSFORMER_IMPLS, check_implementation
@@ -207,50 +208,33 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length ({args.seq_length}) must not exceed "
-                         f"--max-position-embeddings ({args.max_position_embeddings})")
-    if args.hidden_size % args.num_attention_heads != 0:
-        raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
-                         f"--num-attention-heads ({args.num_attention_heads})")
+    problem = shape_problem(args.hidden_size, args.num_attention_heads, args.seq_length,
+                            args.max_position_embeddings, args.num_experts, args.moe_router_topk)
+    if problem:
+        raise ValueError(problem)
 
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
                     args.moe_token_dispatcher_type, args.sequence_parallel)
-    if args.num_attention_heads % tp != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
-                         f"by --tensor-model-parallel-size ({tp})")
-    if args.num_experts is None and ep > 1:
-        raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts (without it "
-                         f"the model is dense)")
-    # Without --num-experts the model is dense (a plain MLP): the source of an upcycled
-    # MoE checkpoint (tools/convert_checkpoint.py --upcycle).
-    if args.num_experts is not None and (args.moe_router_topk < 1
-                                         or args.moe_router_topk > args.num_experts):
-        raise ValueError(f"--moe-router-topk ({args.moe_router_topk}) must be in "
-                         f"[1, --num-experts ({args.num_experts})]")
-    if args.num_experts is not None and not args.disable_bias_linear \
-            and args.expert_tensor_parallel_size != 1:
-        raise ValueError(f"--num-experts with linear biases needs --expert-tensor-parallel-size 1 "
-                         f"(got {args.expert_tensor_parallel_size}): Megatron-Core 0.16.1 supports "
-                         f"expert biases only without expert tensor parallelism; or give "
-                         f"--disable-bias-linear")
-    if args.sequence_parallel and args.seq_length % tp != 0:
-        raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
-                         f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    problem = model_problem(
+        tp, ep, args.expert_tensor_parallel_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, sequence_parallel=args.sequence_parallel,
+        num_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        add_bias_linear=not args.disable_bias_linear)
+    if problem:  # without --num-experts the model is dense (the source of an upcycled MoE)
+        raise ValueError(problem)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
 
     data_parallel_size = world_size // tp
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
-    if args.global_batch_size % (args.micro_batch_size * data_parallel_size) != 0:
-        raise ValueError(
-            f"--global-batch-size ({args.global_batch_size}) must be divisible by "
-            f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
-            f"{data_parallel_size} = {args.micro_batch_size * data_parallel_size})")
+    problem = batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel_size)
+    if problem:
+        raise ValueError(problem)
     args.data_parallel_size = data_parallel_size
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
 

@@ -155,3 +155,21 @@ def test_expert_implementations_without_their_packages():
                                          "transformer_engine"])
     assert "--transformer-impl transformer_engine" in message and "transformer-engine" in message
     assert parse_args(TINY_GPT, world_size=1).transformer_impl == "local"
+
+
+def test_training_and_the_planner_refuse_a_layout_alike():
+    """One rule, one message (layout_rules): the expert FFN must split over ETP."""
+    from megatron_parm.perf_model.layout import Layout
+    from megatron_parm.perf_model.transformer import ModelSpec, check_layout
+
+    flags = ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+             "--expert-tensor-parallel-size", "4", "--moe-ffn-hidden-size", "6"]
+    message = error(TINY_GPT + flags)
+    assert message == ("--moe-ffn-hidden-size (6) must be divisible by "
+                       "--expert-tensor-parallel-size (4)")
+    args = parse_args(TINY_GPT, world_size=1)
+    spec = ModelSpec(model_type="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                     vocab_size=1000, num_experts=args.num_experts, moe_ffn_hidden_size=6,
+                     topk=args.moe_router_topk)
+    assert check_layout(spec, Layout(tp=4, ep=1, etp=4, nodes=1, ranks_per_node=4)) == message
