@@ -121,7 +121,8 @@ class Choice:
         return f"{self.label} (predicted: {listed})"
 
 
-def _stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
+def stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
+    """One placed step's time when the layer is cut into num_chunks (compute and bytes divided)."""
     if step.kind == "compute":
         seconds = profile.compute_time(step.flops / num_chunks)
         return StageTime(step.direction, step.name, step.kind, step.group, seconds,
@@ -156,7 +157,7 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
                          f"{num_chunks!r} / {bwd_num_chunks!r}")
     chunks = {"forward": num_chunks or 1, "backward": bwd_num_chunks or num_chunks or 1}
 
-    stages = tuple(_stage_time(step, profile, chunks[step.direction])
+    stages = tuple(stage_time(step, profile, chunks[step.direction])
                    for step in build_plan(dispatcher, shape, layout, sequence_parallel))
     totals, resources = {}, {}
     for direction in ("forward", "backward"):

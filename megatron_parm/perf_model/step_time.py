@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.layout_rules import batch_problem
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import Precision, layer_shape
-from megatron_parm.perf_model.predict import Prediction, _stage_time, predict
+from megatron_parm.perf_model.predict import Prediction, stage_time, predict
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts, replicated_over_tp
-from megatron_parm.perf_model.volumes import _step
+from megatron_parm.perf_model.volumes import place_stage
 from megatron_parm.schedules import FORWARD, Stage
 
 
@@ -77,7 +78,7 @@ def collective_seconds(profile: Profile, layout: Layout, kind: str, group: str,
     timed as the performance model places and times a dispatcher's stages (volumes.py,
     predict.py); 0 for a group of one rank."""
     stage = Stage(FORWARD, kind, kind, group, bytes_per_peer=bytes_per_peer)
-    return sum(_stage_time(step, profile, 1).seconds for step in _step(stage, layout))
+    return sum(stage_time(step, profile, 1).seconds for step in place_stage(stage, layout))
 
 
 def _gemms_seconds(profile: Profile, forward_flops) -> float:
@@ -147,10 +148,9 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
     the catalog; num_chunks for a chunked one)."""
     data_parallel = layout.world_size // layout.tp
     per_step = micro_batch_size * data_parallel
-    if global_batch_size % per_step != 0:
-        raise ValueError(f"--global-batch-size ({global_batch_size}) must be divisible by "
-                         f"--micro-batch-size x data-parallel size ({micro_batch_size} x "
-                         f"{data_parallel})")
+    problem = batch_problem(global_batch_size, micro_batch_size, data_parallel)
+    if problem:
+        raise ValueError(problem)
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
     return StepTime(

@@ -41,7 +41,7 @@ class Step:
     flops: float = 0.0
 
 
-def _step(stage: schedules.Stage, layout: Layout) -> List[Step]:
+def place_stage(stage: schedules.Stage, layout: Layout) -> List[Step]:
     """A catalog stage on this layout: its bytes split by peer location; none on a group of one."""
     if stage.kind == COMPUTE:
         return [Step(stage.direction, stage.name, COMPUTE, None, flops=stage.flops)]
@@ -67,7 +67,7 @@ def build_plan(dispatcher: str, shape: LayerShape, layout: Layout,
             f"LayerShape.num_experts={shape.num_experts} is not divisible by Layout.ep={layout.ep}"
         )
     plan = schedules.get(dispatcher).cost_plan(shape, layout, sequence_parallel)
-    return tuple(step for stage in plan for step in _step(stage, layout))
+    return tuple(step for stage in plan for step in place_stage(stage, layout))
 
 
 def comm_volumes(dispatcher: str, shape: LayerShape, layout: Layout,
