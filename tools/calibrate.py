@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-num-experts", default=DEFAULT_LAYER_EXPERTS,
                         help=f"expert counts of those layers, a comma list of multiples of the "
                              f"expert-parallel size (default {DEFAULT_LAYER_EXPERTS})")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="ranks per node for the intra/inter rule (default: "
+    parser.add_argument("--parm-ranks-per-node", "--ranks-per-node", dest="ranks_per_node",
+                        type=int, default=None,
+                        help="ranks per node for the intra/inter rule, as in training (default: "
                              "LOCAL_WORLD_SIZE, as the model and the accounting use)")
     parser.add_argument("--output", default="calibrated_profile.yaml",
                         help="profile file to write, .yaml or .json (default "
@@ -124,15 +125,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
             raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
     if os.path.splitext(args.output)[1].lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--output must end in .yaml, .yml or .json, got {args.output!r}")
-    from megatron_parm.comm.accounting import launcher_ranks_per_node
+    from megatron_parm.comm.accounting import launcher_ranks_per_node, ranks_per_node as node_rule
 
-    ranks_per_node = args.ranks_per_node or launcher_ranks_per_node()
-    if ranks_per_node is None:
-        raise ValueError("--ranks-per-node not given and LOCAL_WORLD_SIZE not set; launch with "
-                         "torchrun or give --ranks-per-node")
-    if ranks_per_node < 1 or world_size % ranks_per_node != 0:
-        raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide the world size "
-                         f"({world_size})")
+    if args.ranks_per_node is None and launcher_ranks_per_node() is None:
+        raise ValueError("--parm-ranks-per-node not given and LOCAL_WORLD_SIZE not set; launch "
+                         "with torchrun or give --parm-ranks-per-node")
+    ranks_per_node = node_rule(world_size, args.ranks_per_node)
     tp, ep, etp = cal.default_layout_sizes(world_size, ranks_per_node)
     tp = args.tensor_model_parallel_size or tp
     etp = args.expert_tensor_parallel_size or (tp if args.tensor_model_parallel_size else etp)
