@@ -167,6 +167,17 @@ def _duals(forward: List[Stage], backward_compute_factor: float = 2.0) -> List[S
     return stages
 
 
+def _with_duals(forward: List[Stage], shape, layout, row: float, sequence_parallel: bool
+                ) -> List[Stage]:
+    """forward + its duals, for a schedule that routes only this rank's n tokens: without
+    sequence parallelism the output is all-gathered back over TP in the forward pass (after
+    the duals are taken: its backward is a slice, free)."""
+    backward = _duals(forward)
+    if not sequence_parallel and layout.tp > 1:
+        forward.append(Stage(FORWARD, "restore_ag", "all_gather", "tp", shape.num_tokens * row))
+    return forward + backward
+
+
 def _sizes(shape, layout, tokens_routed: float):
     """(row, row_p, rows to each EP peer, R, flops per row) for one routing of tokens_routed."""
     row = shape.hidden_size * shape.dtype_bytes
@@ -190,10 +201,7 @@ def deduplicated_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
         Stage(FORWARD, "combine_rs", "reduce_scatter", "expt_tp", received * row),
         Stage(FORWARD, "combine_a2a", "all_to_all", "ep", to_peer * row),
     ]
-    backward = _duals(forward)
-    if not sequence_parallel and layout.tp > 1:
-        forward.append(Stage(FORWARD, "restore_ag", "all_gather", "tp", shape.num_tokens * row))
-    return forward + backward
+    return _with_duals(forward, shape, layout, row, sequence_parallel)
 
 
 def pipelined_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
@@ -248,10 +256,7 @@ def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
         Stage(FORWARD, "relay_sum", COMPUTE, flops=relay_pass),
         Stage(FORWARD, "combine_inter_a2a", "all_to_all", "ep_inter", rows * row),
     ]
-    backward = _duals(forward)
-    if not sequence_parallel and layout.tp > 1:
-        forward.append(Stage(FORWARD, "restore_ag", "all_gather", "tp", shape.num_tokens * row))
-    return forward + backward
+    return _with_duals(forward, shape, layout, row, sequence_parallel)
 
 
 def baseline_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
