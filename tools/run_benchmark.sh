@@ -5,15 +5,12 @@
 #   bash tools/run_benchmark.sh [OUT_DIR]            (default docs/bench)
 #   SMOKE=1 bash tools/run_benchmark.sh /tmp/smoke   (tiny grid, minutes: proves the pipeline)
 #
-# Expected duration on this project's 2-core machine when nothing else runs: about 2 hours
-# 15 minutes (at most 2.5 h). Sized from the previous benchmark's quiet run at 1024 tokens
-# per rank, hidden 512, FFN 512 (docs/bench/small_table.md: one step of all six dispatchers
-# 5.9 s pcie, 4.8 s nvlink, 2.5 s unshaped), scaled linearly to 4096 tokens and to the 9
-# dispatchers and variants timed here, 1 accounted + 1 warm-up + ITERS timed steps each: one
-# pass of the 12 configurations ~27 min pcie, ~22 min nvlink, ~11 min unshaped, ~2 min at
-# world size 1; calibration ~4 min per preset, memory ~5 min, MTU ~2 min. Jumbo MTU makes the
-# shaped runs faster than that. PASSES=1 halves the timing (and gives no run-to-run spread);
-# the log (OUT_DIR/run.log) has each step's duration.
+# Duration on this project's 2-core machine when nothing else runs, measured 2026-11-30 with
+# the 8-expert half of the grid (GRID=configs/bench/emulated_8experts.yaml): 48 minutes
+# (calibration 2-3 min per preset; per pass of 6 configurations ~5 min unshaped, ~8 min pcie,
+# ~7 min nvlink, 0.5 min at world size 1; memory ~3 min). The whole grid takes about 1.6 hours.
+# PASSES=1 saves a third (and gives no run-to-run spread); the log (OUT_DIR/run.log) has each
+# step's duration.
 #
 # Steps (each logged with its start time and duration to OUT_DIR/run.log):
 #  1. recalibrate both presets' profiles (tools/calibrate.py, in-layer terms on the grid's
