@@ -18,7 +18,8 @@ output of every stage goes to OUT_DIR/gpu_check.log.
   d  host synchronisations per layer call of each dispatcher (forward and backward), counted
      with torch.cuda.set_sync_debug_mode("warn") through the device seam, with call sites
   e  what a chunk costs: parm_s2 at 1, 2, 4 and 8 chunks (and 4 forward / 1 backward) beside
-     alltoall and parm_s1 at stage c's shapes, world size 1, where nothing is to overlap; and
+     alltoall and parm_s1 at stage c's shapes, world size 1, where nothing is to overlap (and
+     with 4 and 2 experts, the local experts of a rank at EP 2 and 4); and
      one profiled step of parm_s2@4 and of alltoall (top operators, kernel launches) in
      OUT_DIR/e_profile.txt
 
@@ -426,6 +427,7 @@ def worker_syncs(out: Path, quick: bool) -> dict:
 
 
 CHUNK_COUNTS = (1, 2, 4, 8)
+FEWER_LOCAL_EXPERTS = (4, 2)
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
@@ -433,21 +435,19 @@ def worker_chunks(out: Path, quick: bool) -> dict:
     """Stage e: parm_s2's time per extra chunk where nothing is to overlap, and where it goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_parm.bench.moe_layer import _inputs, build_layer, step, time_dispatchers
+    import dataclasses
+
+    from megatron_parm.bench.moe_layer import _inputs, build_layer, step
     from megatron_parm.platform import device
 
     spec = _layer_setup(quick)
     variants = (["alltoall", "parm_s1"] + [f"parm_s2@{c}" for c in CHUNK_COUNTS]
                 + [f"parm_s2@{CHUNK_COUNTS[2]}/1"])
-    timings = time_dispatchers(spec, variants, warmup=1 if quick else 3, iters=3 if quick else 20)
-    one = timings["parm_s2@1"].median_ms
-    per_variant = {name: {"median_ms": round(t.median_ms, 3),
-                          "spread_ms": round(max(t.times_ms) - min(t.times_ms), 3),
-                          "alltoall_over_this": round(timings["alltoall"].median_ms / t.median_ms, 3)}
-                   for name, t in timings.items()}
-    for c in CHUNK_COUNTS[1:]:  # the cost of each chunk beyond the first, in % of one chunk's step
-        extra = (timings[f"parm_s2@{c}"].median_ms - one) / (c - 1)
-        per_variant[f"parm_s2@{c}"]["per_extra_chunk_pct_of_one_chunk"] = round(100 * extra / one, 2)
+    per_variant = _chunk_costs(spec, variants, quick)
+    # fewer local experts (as with EP > 1): how much of a chunk's cost is per expert
+    few = {str(experts): _chunk_costs(dataclasses.replace(spec, num_experts=experts),
+                                      ["alltoall"] + [f"parm_s2@{c}" for c in CHUNK_COUNTS], quick)
+           for experts in FEWER_LOCAL_EXPERTS}
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda() else [])
     sort_by = "self_cuda_time_total" if device.is_cuda() else "self_cpu_time_total"
@@ -466,12 +466,31 @@ def worker_chunks(out: Path, quick: bool) -> dict:
         tables.append(f"== {name}: one forward+backward, {launches[name]} kernel launches ==\n"
                       + averages.table(sort_by=sort_by, row_limit=25))
     (out / "e_profile.txt").write_text("\n\n".join(tables) + "\n")
-    finite = all(math.isfinite(t.median_ms) and t.median_ms > 0 for t in timings.values())
+    finite = all(math.isfinite(v["median_ms"]) and v["median_ms"] > 0
+                 for table in [per_variant, *few.values()] for v in table.values())
     return {"status": "passed" if finite else "failed",
             "reason": None if finite else "a variant has no valid time",
             "timer": "CUDA events" if device.is_cuda() else "perf_counter (CPU)",
-            "variants": per_variant, "kernel_launches_per_step": launches,
+            "local_experts": spec.num_experts, "variants": per_variant,
+            "variants_by_local_experts": few, "kernel_launches_per_step": launches,
             "profile": "e_profile.txt"}
+
+
+def _chunk_costs(spec, variants, quick: bool) -> dict:
+    """Medians of `variants` on one layer, and S2's cost per chunk beyond the first."""
+    from megatron_parm.bench.moe_layer import time_dispatchers
+
+    timings = time_dispatchers(spec, variants, warmup=1 if quick else 3, iters=3 if quick else 20)
+    one = timings["parm_s2@1"].median_ms
+    table = {name: {"median_ms": round(t.median_ms, 3),
+                    "spread_ms": round(max(t.times_ms) - min(t.times_ms), 3),
+                    "alltoall_over_this": round(timings["alltoall"].median_ms / t.median_ms, 3)}
+             for name, t in timings.items()}
+    for c in CHUNK_COUNTS[1:]:  # the cost of each chunk beyond the first, in % of one chunk's step
+        extra = (timings[f"parm_s2@{c}"].median_ms - one) / (c - 1)
+        table[f"parm_s2@{c}"]["per_extra_chunk_ms"] = round(extra, 3)
+        table[f"parm_s2@{c}"]["per_extra_chunk_pct_of_one_chunk"] = round(100 * extra / one, 2)
+    return table
 
 
 WORKERS = {"train": ("b", worker_train), "layer": ("c", worker_layer), "syncs": ("d", worker_syncs),

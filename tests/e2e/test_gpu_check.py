@@ -158,5 +158,8 @@ def test_dry_run_chunk_stage(dry_run):
     assert {"alltoall", "parm_s1", "parm_s2@1", "parm_s2@8", "parm_s2@4/1"} <= set(chunks["variants"])
     assert all(v["median_ms"] > 0 for v in chunks["variants"].values())
     assert "per_extra_chunk_pct_of_one_chunk" in chunks["variants"]["parm_s2@4"]
+    assert set(chunks["variants_by_local_experts"]) == {"4", "2"}
+    assert all("per_extra_chunk_ms" in table["parm_s2@8"]
+               for table in chunks["variants_by_local_experts"].values())
     profile = (out / chunks["profile"]).read_text()
     assert "== alltoall:" in profile and "== parm_s2@4:" in profile
