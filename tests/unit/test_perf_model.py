@@ -4,6 +4,7 @@ Small case used throughout (hand-computed below): tp = ep = etp = 2 on 2 nodes x
 (TP/ETP inside a node, EP across), n = 8 tokens per rank, M = 4, H = 8, E = 4, k = 2, fp32.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -345,7 +346,10 @@ def test_forward_and_backward_chunks_are_modelled_apart():
 
 
 def test_choice_picks_forward_and_backward_chunks_separately():
-    profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie_measured.yaml"))
+    # in-layer terms fixed here (a recalibration moves the shipped ones): chunks cost 13.6 ms
+    profile = dataclasses.replace(
+        load_profile(os.path.join(PROFILE_DIR, "emulated_pcie_measured.yaml")),
+        chunk_overhead=0.0136, overlap_efficiency=0.67, layer_scale=1.17)
     shape = small_shape(num_tokens=2048, hidden_size=512, ffn_hidden_size=512)
     choice = choose_schedule(shape, SMALL_LAYOUT, profile)
     assert choice.schedule == min(choice.times, key=choice.times.get)
