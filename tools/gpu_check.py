@@ -67,7 +67,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out", required=True, help="folder for the log and the JSON summary")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help="comma-separated stages to run, from a, b, c, d (default: all)")
+                        help=f"comma-separated stages to run, from {', '.join(STAGES)} "
+                             f"(default: all)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on CPU when there is no GPU (a dry run of every stage)")
     parser.add_argument("--quick", action="store_true",

@@ -54,10 +54,10 @@ class Route:
         return tensor
 
     def sort(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.to_expert is None else tensor.index_select(0, self.to_expert)
+        return row_order.gather(tensor, self.to_expert)
 
     def unsort(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.from_expert is None else tensor.index_select(0, self.from_expert)
+        return row_order.gather(tensor, self.from_expert)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -191,10 +191,6 @@ class ChunkPlan:
             d.unsort = [next(moved) for _ in d.unsort]
 
 
-def _gather_rows(tensor: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return tensor if index is None else tensor.index_select(0, index)
-
-
 class _ChunkedExperts:
     """The forward and backward pipelines of one S2 layer call."""
 
@@ -235,7 +231,7 @@ class _ChunkedExperts:
         if message.packs:  # one pass: chunk order and packing
             origin = (message.pack(rows, probs, order=d.order),)
         else:
-            origin = (_gather_rows(rows, d.order), _gather_rows(probs, d.order))
+            origin = (row_order.gather(rows, d.order), row_order.gather(probs, d.order))
         out = rows.new_empty(rows.shape)
         first, second, third, fourth = self._stages(d, [out])
 
@@ -244,8 +240,7 @@ class _ChunkedExperts:
             if message.packs:
                 gathered = message.unpack_gathered(gathered[0], d.sort[i])
             else:
-                gathered = tuple(t.contiguous() if d.sort[i] is None else t.index_select(0, d.sort[i])
-                                 for t in gathered)
+                gathered = row_order.gather_contiguous(gathered, d.sort[i])
             ys, start = [], 0
             for k, count in enumerate(d.sub_rows[i], start=d.first_sub[i]):
                 x, x_probs = (t[start : start + count] for t in gathered)
@@ -260,7 +255,7 @@ class _ChunkedExperts:
                     self.saved[k] = (x, x_probs, y)
                 ys.append(y.detach())
             y = ys[0] if len(ys) == 1 else torch.cat(ys)
-            return (_gather_rows(y, d.unsort[i]),)
+            return (row_order.gather(y, d.unsort[i]),)
 
         run_pipeline(d.num_chunks, lambda i: first(i, tuple(t[d.rows(i)] for t in origin)),
                      second, compute, third, fourth)
@@ -270,7 +265,7 @@ class _ChunkedExperts:
         """Output gradient in forward chunk order in; gradients of rows and probs out in the
         expert order of the permutation."""
         d = self.chunks.bwd
-        grad_out = _gather_rows(grad_out, self.chunks.to_backward)
+        grad_out = row_order.gather(grad_out, self.chunks.to_backward)
         num_rows, hidden = grad_out.shape
         message = Message(hidden, grad_out.dtype, probs_dtype, summed=True)
         if message.packs:
@@ -281,7 +276,7 @@ class _ChunkedExperts:
 
         def compute(i: int, gathered: Tensors) -> Tensors:
             (grad_y,) = gathered
-            grad_y = _gather_rows(grad_y, d.sort[i])
+            grad_y = row_order.gather(grad_y, d.sort[i])
             subs = range(d.first_sub[i], d.first_sub[i] + len(d.sub_rows[i]))
             saved = [self.saved.pop(k) for k in subs]  # freed once used
             ys, grads, start = [], [], 0
@@ -298,12 +293,12 @@ class _ChunkedExperts:
             grad_p = grad_p[0] if len(grad_p) == 1 else torch.cat(grad_p)
             if message.packs:  # one pass: packing and unsorting
                 return (message.pack(grad_x, grad_p, order=d.unsort[i]),)
-            return _gather_rows(grad_x, d.unsort[i]), _gather_rows(grad_p, d.unsort[i])
+            return row_order.gather(grad_x, d.unsort[i]), row_order.gather(grad_p, d.unsort[i])
 
         run_pipeline(d.num_chunks, lambda i: first(i, (grad_out[d.rows(i)],)),
                      second, compute, third, fourth)
         grads = message.unpack(outputs[0]) if message.packs else outputs
-        return tuple(_gather_rows(g, self.chunks.restore) for g in grads)
+        return tuple(row_order.gather(g, self.chunks.restore) for g in grads)
 
 
 class _PipelinedExpertsFunction(torch.autograd.Function):

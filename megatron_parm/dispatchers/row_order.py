@@ -75,6 +75,17 @@ def to_device(indices: Sequence[Optional[torch.Tensor]], device) -> List[Optiona
     return [None if t is None else next(moved) for t in indices]
 
 
+def gather(tensor: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """``tensor[order]`` (rows), or the tensor itself where order is None."""
+    return tensor if order is None else tensor.index_select(0, order)
+
+
+def gather_contiguous(tensors: Sequence[torch.Tensor], order: Optional[torch.Tensor]) -> tuple:
+    """Each of ``tensors`` gathered in ``order`` (None: as they are), contiguous: the experts'
+    grouped GEMMs need contiguous rows, and the gather makes them in the same pass."""
+    return tuple(t.contiguous() if order is None else t.index_select(0, order) for t in tensors)
+
+
 def lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
@@ -132,8 +143,5 @@ class Message:
         return rows, tail.contiguous().view(self.probs_dtype).view(-1)
 
     def unpack_gathered(self, packed: torch.Tensor, order: Optional[torch.Tensor]):
-        """(rows, probs) of the message gathered in ``order`` (None: as they are), contiguous:
-        the experts' grouped GEMMs need contiguous rows, and the gather makes them in the
-        same pass."""
-        return tuple(t.contiguous() if order is None else t.index_select(0, order)
-                     for t in self.unpack(packed))
+        """(rows, probs) of the message gathered in ``order``, contiguous (gather_contiguous)."""
+        return gather_contiguous(self.unpack(packed), order)
