@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GROUPED_GEMM_ALIGN_BYTES = 16  # PyTorch's grouped_mm: every operand row on a 16-byte boundary
+
 
 def shape_problem(hidden_size: int, num_attention_heads: int, seq_length: int,
                   max_position_embeddings: int, num_experts: Optional[int], topk: int
@@ -82,4 +85,20 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, data_parallel_s
         return (f"--global-batch-size ({global_batch_size}) must be divisible by "
                 f"--micro-batch-size x data-parallel size ({micro_batch_size} x "
                 f"{data_parallel_size} = {per_step})")
+    return None
+
+
+def grouped_gemm_problem(dtype: str, hidden_size: int, ffn_per_rank: int) -> Optional[str]:
+    """Why PyTorch's grouped GEMM (megatron_parm.experts.TorchGroupedMLP) cannot run experts of
+    these widths in dtype ('fp32', 'bf16', 'fp16'): a sentence that says what to change; None
+    where it can. Each row of its operands must start on a 16-byte boundary."""
+    if dtype not in DTYPE_BYTES:
+        return f"the grouped GEMM takes fp32, bf16 or fp16 weights, not {dtype}"
+    step = GROUPED_GEMM_ALIGN_BYTES // DTYPE_BYTES[dtype]
+    for flag, width in (("--hidden-size", hidden_size),
+                        ("--moe-ffn-hidden-size / --expert-tensor-parallel-size", ffn_per_rank)):
+        if width % step:
+            return (f"{flag} gives rows of {width} {dtype} values ({width * DTYPE_BYTES[dtype]} "
+                    f"bytes); the grouped GEMM needs a multiple of {step} values "
+                    f"({GROUPED_GEMM_ALIGN_BYTES} bytes): change {flag}, or drop --moe-grouped-gemm")
     return None

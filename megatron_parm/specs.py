@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -47,8 +48,11 @@ class ExpertRowParallelLinear(RowParallelLinear):
         return output, bias
 
 
-def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a transformer-layer spec whose MoELayer MLP is a ParmMoELayer."""
+def with_parm_moe(spec: ModuleSpec, expert_impl: Optional[str] = None) -> ModuleSpec:
+    """A copy of a transformer-layer spec whose MoELayer MLP is a ParmMoELayer.
+
+    expert_impl "TorchGroupedMLP" puts megatron_parm.experts.TorchGroupedMLP in place of the
+    spec's experts (see megatron_parm.experts.implementation_name); None keeps them."""
     mlp = spec.submodules.mlp
     if not isinstance(mlp, ModuleSpec) or mlp.module is not MoELayer:
         return spec
@@ -56,6 +60,12 @@ def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
     experts = mlp.submodules.experts
+    if expert_impl == "TorchGroupedMLP":
+        from megatron_parm.experts import TorchGroupedMLP
+
+        experts = ModuleSpec(module=TorchGroupedMLP)
+    elif expert_impl not in (None, experts.module.__name__):
+        raise ValueError(f"expert_impl {expert_impl!r}: the spec builds {experts.module.__name__}")
     if getattr(experts.submodules, "linear_fc2", None) is RowParallelLinear:
         experts = dataclasses.replace(experts, submodules=dataclasses.replace(
             experts.submodules, linear_fc2=ExpertRowParallelLinear))
@@ -65,9 +75,10 @@ def with_parm_moe(spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=submodules)
 
 
-def get_gpt_layer_parm_spec(*args, **kwargs) -> ModuleSpec:
-    """get_gpt_layer_local_spec (same arguments) with ParmMoELayer as the MoE MLP."""
-    return with_parm_moe(get_gpt_layer_local_spec(*args, **kwargs))
+def get_gpt_layer_parm_spec(*args, expert_impl: Optional[str] = None, **kwargs) -> ModuleSpec:
+    """get_gpt_layer_local_spec (same arguments) with ParmMoELayer as the MoE MLP (and
+    expert_impl's experts: see with_parm_moe)."""
+    return with_parm_moe(get_gpt_layer_local_spec(*args, **kwargs), expert_impl)
 
 
 def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
@@ -86,24 +97,28 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
 
 
 def layer_spec(model_type: str, num_experts, transformer_impl: str = "local",
-               moe_grouped_gemm: bool = False) -> ModuleSpec:
+               moe_grouped_gemm: bool = False, expert_impl: Optional[str] = None) -> ModuleSpec:
     """The transformer-layer spec with ParmMoELayer for a model type and implementation
-    (checked first by megatron_parm.training.implementation.check_implementation)."""
+    (checked first by megatron_parm.training.implementation.check_implementation); expert_impl
+    as megatron_parm.experts.implementation_name names it."""
     if transformer_impl == "transformer_engine":
         return get_gpt_layer_parm_te_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     if model_type == "gpt":
-        return get_gpt_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
-    return get_bert_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+        return get_gpt_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                       expert_impl=expert_impl)
+    return get_bert_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                    expert_impl=expert_impl)
 
 
-def get_bert_layer_parm_spec(num_experts: int, moe_grouped_gemm: bool = False) -> ModuleSpec:
+def get_bert_layer_parm_spec(num_experts: int, moe_grouped_gemm: bool = False,
+                             expert_impl: Optional[str] = None) -> ModuleSpec:
     """Megatron's local BERT layer spec (padding attention mask) with a ParmMoELayer MLP.
 
     Megatron-Core has no MoE spec for BERT; the MoE MLP is the one of the GPT local spec.
     """
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 
-    moe_mlp = get_gpt_layer_parm_spec(num_experts=num_experts,
-                                      moe_grouped_gemm=moe_grouped_gemm).submodules.mlp
+    moe_mlp = get_gpt_layer_parm_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                      expert_impl=expert_impl).submodules.mlp
     submodules = dataclasses.replace(bert_layer_local_spec.submodules, mlp=moe_mlp)
     return dataclasses.replace(bert_layer_local_spec, submodules=submodules)

@@ -280,8 +280,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--untie-embeddings-and-output-weights is not supported for BERT")
     mixed_precision.validate(args)
     check_implementation(args.transformer_impl, args.moe_grouped_gemm, model_type=args.model_type,
-                         num_experts=args.num_experts, bf16=args.bf16,
-                         add_bias_linear=not args.disable_bias_linear, cuda=_cuda_available())
+                         num_experts=args.num_experts, dtype=mixed_precision.dtype_name(args),
+                         add_bias_linear=not args.disable_bias_linear, cuda=_cuda_available(),
+                         hidden_size=args.hidden_size,
+                         ffn_per_rank=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
+                         // args.expert_tensor_parallel_size)
 
 
 def _cuda_available() -> bool:

@@ -1,6 +1,7 @@
 """Which layer and expert implementation a run asks for, and whether this machine has it.
 
     TRANSFORMER_IMPLS            values of --transformer-impl
+    expert_implementation(...)   the expert module a run builds (SequentialMLP, TorchGroupedMLP, ...)
     check_implementation(...)    ValueError naming the flag and the missing package
 
 No torch or Megatron import here: the check runs while the flags are parsed, before any
@@ -10,6 +11,8 @@ process group exists. megatron_parm.specs.layer_spec builds the spec that was as
 from __future__ import annotations
 
 import importlib
+
+from megatron_parm.layout_rules import grouped_gemm_problem
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
@@ -22,17 +25,32 @@ def _importable(package: str) -> bool:
     return True
 
 
+def expert_implementation(transformer_impl: str, moe_grouped_gemm: bool, *, cuda: bool,
+                          bf16: bool) -> str:
+    """The expert module a run builds (the start-up line names it): SequentialMLP without
+    --moe-grouped-gemm; with it TEGroupedMLP (--transformer-impl transformer_engine),
+    Megatron's GroupedMLP where the grouped_gemm package, a GPU and --bf16 are there (the
+    flag's meaning in Megatron-LM), else TorchGroupedMLP (PyTorch's grouped_mm)."""
+    if not moe_grouped_gemm:
+        return "SequentialMLP"
+    if transformer_impl == "transformer_engine":
+        return "TEGroupedMLP"
+    if cuda and bf16 and _importable("grouped_gemm"):
+        return "GroupedMLP"
+    return "TorchGroupedMLP"
+
+
 def check_implementation(transformer_impl: str, moe_grouped_gemm: bool, *, model_type: str = "gpt",
-                         num_experts=None, bf16: bool = False, add_bias_linear: bool = False,
-                         cuda: bool = True) -> None:
+                         num_experts=None, dtype: str = "fp32", add_bias_linear: bool = False,
+                         cuda: bool = True, hidden_size: int = 0, ffn_per_rank: int = 0) -> None:
     """Refuse an expert / layer implementation this machine cannot build (ValueError naming
-    the flag and the package), before any process group exists.
+    the flag and the missing package or what to change), before any process group exists.
 
     --transformer-impl transformer_engine: Megatron-Core's TE layer spec (needs transformer-engine
     and a GPU; GPT only: Megatron-Core has no MoE BERT spec with TE).
-    --moe-grouped-gemm: the experts of a layer as one grouped GEMM: TEGroupedMLP with
-    transformer_engine, else Megatron's GroupedMLP (needs the grouped_gemm package, a GPU,
-    --bf16 and --disable-bias-linear, as GroupedMLP asserts).
+    --moe-grouped-gemm: the experts of a layer as one grouped GEMM, by expert_implementation:
+    grouped experts have no biases (--disable-bias-linear); PyTorch's grouped GEMM needs
+    16-byte rows (layout_rules.grouped_gemm_problem).
     """
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, "
@@ -52,15 +70,11 @@ def check_implementation(transformer_impl: str, moe_grouped_gemm: bool, *, model
     if not num_experts:
         raise ValueError("--moe-grouped-gemm needs --num-experts (it groups the experts' GEMMs)")
     if transformer_impl == "local":
-        if not _importable("grouped_gemm"):
-            raise ValueError("--moe-grouped-gemm needs the grouped_gemm package, which is not "
-                             "installed (or --transformer-impl transformer_engine with "
-                             "transformer-engine installed)")
-        if not cuda:
-            raise ValueError("--moe-grouped-gemm needs a GPU (grouped_gemm runs on CUDA)")
-        if not bf16:
-            raise ValueError("--moe-grouped-gemm with --transformer-impl local needs --bf16 "
-                             "(Megatron-Core's GroupedMLP runs in bf16 only)")
         if add_bias_linear:
             raise ValueError("--moe-grouped-gemm with --transformer-impl local needs "
-                             "--disable-bias-linear (GroupedMLP has no biases)")
+                             "--disable-bias-linear (grouped experts have no biases)")
+        if expert_implementation(transformer_impl, True, cuda=cuda,
+                                 bf16=dtype == "bf16") == "TorchGroupedMLP":
+            problem = grouped_gemm_problem(dtype, hidden_size, ffn_per_rank)
+            if problem is not None:
+                raise ValueError(f"--moe-grouped-gemm: {problem}")

@@ -93,6 +93,11 @@ def _value(args, flag: str):
     return DYNAMIC_DEFAULTS.get(flag, False if flag in ("bf16", "fp16") else None)
 
 
+def dtype_name(args) -> str:
+    """'bf16', 'fp16' or 'fp32': the parameters' dtype as layout_rules.DTYPE_BYTES names it."""
+    return "bf16" if _value(args, "bf16") else "fp16" if _value(args, "fp16") else "fp32"
+
+
 def params_dtype(args) -> torch.dtype:
     if _value(args, "bf16"):
         return torch.bfloat16

@@ -23,6 +23,7 @@ from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.platform import device
 from megatron_parm.specs import layer_spec
 from megatron_parm.training import mixed_precision
+from megatron_parm.training.implementation import expert_implementation
 
 
 def build_config(args) -> ParmTransformerConfig:
@@ -64,6 +65,12 @@ def build_config(args) -> ParmTransformerConfig:
     )
 
 
+def expert_module_name(config) -> str:
+    """The expert module this run's layers are built with (SequentialMLP, TorchGroupedMLP, ...)."""
+    return expert_implementation(config.transformer_impl, config.moe_grouped_gemm,
+                                 cuda=device.is_cuda(), bf16=config.bf16)
+
+
 def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> torch.nn.Module:
     """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any; with
     --bf16 / --fp16 inside Megatron-Core's Float16Module.
@@ -78,7 +85,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                          f"(must be divisible by it) or the tokenizer ({vocab_size} tokens)")
     spec = layer_spec(args.model_type, args.num_experts, config.transformer_impl,
-                      config.moe_grouped_gemm)
+                      config.moe_grouped_gemm, expert_module_name(config))
     if args.model_type == "gpt":
         model = GPTModel(
             config=config,

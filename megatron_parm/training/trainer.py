@@ -58,7 +58,8 @@ from megatron_parm.training.log import (
     validation_block,
 )
 from megatron_parm.training import mixed_precision
-from megatron_parm.training.model import FORWARD_STEPS, build_model, moe_layers, unwrap
+from megatron_parm.training.model import (
+    FORWARD_STEPS, build_config, build_model, expert_module_name, moe_layers, unwrap)
 
 
 def initialize_distributed() -> None:
@@ -252,7 +253,7 @@ def pretrain(args) -> dict:
     print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
                  f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
                  f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
-                 f"dispatcher {args.moe_token_dispatcher_type}, "
+                 f"dispatcher {args.moe_token_dispatcher_type}, experts {expert_module_name(build_config(args))}, "
                  f"{device.current().type}/{torch.distributed.get_backend()}")
     if optional_packages_note():  # Megatron-Core's own warnings about them are hidden
         print_rank_0(f"> {optional_packages_note()}")

@@ -147,14 +147,35 @@ def test_mixed_precision_flags():
 
 
 def test_expert_implementations_without_their_packages():
-    message = one_line_error(TINY_GPT + ["--bf16", "--moe-grouped-gemm"])
-    assert "--moe-grouped-gemm" in message and "grouped_gemm" in message
+    # Without grouped_gemm and TE, --moe-grouped-gemm runs on PyTorch's grouped_mm.
+    from megatron_parm.training.implementation import expert_implementation
+
+    for dtype in ([], ["--bf16"]):
+        args = parse_args(TINY_GPT + dtype + ["--moe-grouped-gemm"], world_size=1)
+        assert args.moe_grouped_gemm
+    assert expert_implementation("local", True, cuda=False, bf16=True) == "TorchGroupedMLP"
+    assert expert_implementation("local", False, cuda=False, bf16=True) == "SequentialMLP"
+    assert expert_implementation("transformer_engine", True, cuda=True, bf16=True) == "TEGroupedMLP"
     message = one_line_error(TINY_GPT + ["--transformer-impl", "transformer_engine"])
     assert "--transformer-impl transformer_engine" in message and "transformer-engine" in message
     message = one_line_error(TINY_GPT + ["--moe-grouped-gemm", "--transformer-impl",
                                          "transformer_engine"])
     assert "--transformer-impl transformer_engine" in message and "transformer-engine" in message
     assert parse_args(TINY_GPT, world_size=1).transformer_impl == "local"
+
+
+def test_grouped_gemm_refuses_widths_it_cannot_take():
+    """16-byte rows: a bf16 hidden size of 36 (72 bytes) is refused, naming the flag and the fix;
+    the same width runs in fp32 (144 bytes)."""
+    flags = ["--moe-grouped-gemm", "--hidden-size", "36", "--num-attention-heads", "4"]
+    message = one_line_error(TINY_GPT + flags + ["--bf16"])
+    assert message.startswith("--moe-grouped-gemm: --hidden-size gives rows of 36 bf16 values")
+    assert "multiple of 8" in message
+    parse_args(TINY_GPT + flags, world_size=1)
+    message = one_line_error(TINY_GPT + ["--moe-grouped-gemm", "--moe-ffn-hidden-size", "66",
+                                         "--expert-tensor-parallel-size", "2",
+                                         "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert "--moe-ffn-hidden-size / --expert-tensor-parallel-size gives rows of 33" in message
 
 
 def test_training_and_the_planner_refuse_a_layout_alike():
