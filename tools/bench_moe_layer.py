@@ -13,10 +13,17 @@ all alike; each step's time is the slowest rank's, and the table shows medians, 
 ds_baseline and alltoall, the bytes sent intra- and inter-node per step (summed over ranks,
 from the byte accounting, which covers Megatron's own dispatchers too), the peak memory per
 rank (--memory) and the largest output difference to alltoall. --output appends one JSON
-line per dispatcher. By default every schedule of the catalog that runs the configuration's
+line per dispatcher (and expert implementation). By default every schedule of the catalog that runs the configuration's
 layout is timed; a chunked one at its default chunks, or at each of --chunk-variants
 (``parm_s2@2``, ...; a variant can also be named in --dispatchers, e.g. ``parm_s2@8/4``:
 8 chunks forward, 4 backward).
+
+The experts are Megatron's SequentialMLP unless asked otherwise: --moe-grouped-gemm picks
+the module Megatron-LM's flag builds here (GroupedMLP with grouped_gemm on a GPU in --bf16,
+else TorchGroupedMLP, PyTorch's grouped_mm), and --expert-impls runs several side by side,
+interleaved with the same weights (``all``: every one this machine can build). Every JSON
+line names its ``expert_impl`` (and ``dtype``); ratios compare dispatchers with the same
+experts, and the output difference is to alltoall with the first implementation.
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_parm import platform  # noqa: E402
 from megatron_parm import schedules  # noqa: E402
+from megatron_parm import tuning  # noqa: E402
+from megatron_parm.training.implementation import EXPERT_IMPLS  # noqa: E402
 from megatron_parm.platform import device  # noqa: E402
 
-ALL = "all"  # every schedule of the catalog that runs the layout
+ALL = "all"  # every schedule of the catalog that runs the layout (--dispatchers), every
+# expert implementation this machine can build (--expert-impls)
 
 
 def parse_args(argv=None):
@@ -62,6 +72,7 @@ def parse_args(argv=None):
                    help="backward chunks of the chunked schedules (default: the forward count)")
     p.add_argument("--parm-profile", default=None,
                    help="performance-model profile for the automatic dispatcher `parm`")
+    tuning.add_args(p)  # --parm-tune, --parm-tune-steps, ... (as in training)
     p.add_argument("--dispatchers", default=ALL,
                    help=f"comma-separated, from {', '.join(schedules.names())} (a chunked one "
                         f"also as NAME@C or NAME@C/B: C chunks forward, B backward); default "
@@ -69,6 +80,15 @@ def parse_args(argv=None):
     p.add_argument("--chunk-variants", default=None,
                    help="comma-separated chunk counts: time each chunked schedule at each of "
                         "them (NAME@C) instead of at its default")
+    p.add_argument("--bf16", action="store_true", help="parameters and inputs in bfloat16")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="grouped experts, as Megatron-LM's flag builds them here: GroupedMLP "
+                        "where the grouped_gemm package, a GPU and --bf16 are there, else "
+                        "TorchGroupedMLP (PyTorch's grouped_mm)")
+    p.add_argument("--expert-impls", default=None,
+                   help=f"comma-separated expert implementations to time side by side, from "
+                        f"{', '.join(EXPERT_IMPLS)}, or '{ALL}' (every one this machine can "
+                        f"build); default: SequentialMLP (or the grid's expert_impl)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--memory", action="store_true",
@@ -101,6 +121,21 @@ def parse_args(argv=None):
     except ValueError as err:
         p.error(str(err) if "--chunk-variants" in str(err) else
                 f"--chunk-variants: expected comma-separated integers, got {args.chunk_variants!r}")
+    if args.expert_impls is not None and args.moe_grouped_gemm:
+        p.error("--moe-grouped-gemm and --expert-impls: give one of them (--expert-impls "
+                "SequentialMLP,TorchGroupedMLP times both)")
+    if args.expert_impls is not None:
+        args.expert_impls = [i.strip() for i in args.expert_impls.split(",") if i.strip()]
+        unknown = [i for i in args.expert_impls if i not in EXPERT_IMPLS + (ALL,)]
+        if unknown or not args.expert_impls:
+            p.error(f"--expert-impls: unknown implementation {unknown[0]!r} (one of "
+                    f"{', '.join(EXPERT_IMPLS)}, or {ALL})" if unknown else
+                    "--expert-impls: none given")
+    try:
+        tuning.check_args(args.parm_tune_steps, args.parm_tune_margin, args.parm_tune_candidates,
+                          args.parm_tune_cache)
+    except ValueError as err:
+        p.error(str(err))
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.iters < 1 and not args.memory:
@@ -109,6 +144,8 @@ def parse_args(argv=None):
 
 
 def spec_from_args(args, **overrides):
+    import torch
+
     from megatron_parm.bench.moe_layer import MoELayerSpec
 
     spec = MoELayerSpec(
@@ -118,7 +155,15 @@ def spec_from_args(args, **overrides):
         tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         num_chunks=args.parm_num_chunks, bwd_num_chunks=args.parm_bwd_num_chunks,
-        parm_profile=args.parm_profile)
+        parm_profile=args.parm_profile, params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    spec.extra.update(parm_tune=args.parm_tune, parm_tune_steps=args.parm_tune_steps,
+                      parm_tune_margin=args.parm_tune_margin,
+                      parm_tune_candidates=args.parm_tune_candidates,
+                      parm_tune_cache=args.parm_tune_cache)
+    if args.moe_grouped_gemm:
+        from megatron_parm.training.implementation import expert_implementation
+
+        spec.expert_impl = expert_implementation("local", True, cuda=device.is_cuda(), bf16=args.bf16)
     for key, value in overrides.items():
         if not hasattr(spec, key):
             raise ValueError(f"--grid: unknown field {key!r} (fields of MoELayerSpec: "
@@ -222,16 +267,45 @@ def dispatchers_for(spec, entries, chunk_variants):
     return list(dict.fromkeys(out))
 
 
-def format_table(spec, results, diffs) -> str:
-    base = results.get("ds_baseline")
-    a2a = results.get("alltoall")
+def expert_impls_for(spec, entries):
+    """The expert implementations to time on spec: ``entries`` (None: the spec's own), ``all``
+    expanded to every one this machine can build; those it cannot are skipped with a line."""
+    import dataclasses
+
+    out = []
+    for entry in entries or [spec.expert_impl]:
+        for impl in EXPERT_IMPLS if entry == ALL else [entry]:
+            problem = dataclasses.replace(spec, expert_impl=impl).expert_problem()
+            if problem is None:
+                out.append(impl)
+            else:
+                print(f"skipping expert implementation {impl}: {problem}", flush=True)
+    return list(dict.fromkeys(out))
+
+
+def format_table(spec, by_impl, diffs) -> str:
+    """by_impl: {expert_impl: {dispatcher: Timing}}; diffs: {expert_impl: {dispatcher: diff}}.
+    Ratios are to ds_baseline and alltoall with the same experts."""
+    several = len(by_impl) > 1
     lines = [
         f"MoE layer: S={spec.seq_length} B={spec.micro_batch_size} M={spec.hidden_size} "
         f"F={spec.ffn_hidden_size} E={spec.num_experts} k={spec.topk} | tp={spec.tp} ep={spec.ep} "
-        f"etp={spec.etp} sp={spec.sequence_parallel} | world={dist.get_world_size()}",
-        f"{'dispatcher':<14} {'median ms':>10} {'x ds_base':>10} {'x alltoall':>11} "
-        f"{'intra MB':>9} {'inter MB':>9} {'peak MB':>8} {'max |diff|':>11}",
+        f"etp={spec.etp} sp={spec.sequence_parallel} | world={dist.get_world_size()} | "
+        f"{str(spec.params_dtype).replace('torch.', '')}"
+        + ("" if several else f" | experts {next(iter(by_impl), spec.expert_impl)}"),
+        (f"{'experts':<16} " if several else "")
+        + f"{'dispatcher':<14} {'median ms':>10} {'x ds_base':>10} {'x alltoall':>11} "
+          f"{'intra MB':>9} {'inter MB':>9} {'peak MB':>8} {'max |diff|':>11}",
     ]
+    for impl, results in by_impl.items():
+        lines += _table_rows(results, diffs.get(impl, {}), f"{impl:<16} " if several else "")
+    return "\n".join(lines)
+
+
+def _table_rows(results, diffs, prefix):
+    base = results.get("ds_baseline")
+    a2a = results.get("alltoall")
+    lines = []
     for name, timing in results.items():
         intra = sum(v["intra"] for v in timing.bytes.values()) / 1e6
         inter = sum(v["inter"] for v in timing.bytes.values()) / 1e6
@@ -241,10 +315,10 @@ def format_table(spec, results, diffs) -> str:
         peak = f"{timing.peak_bytes / 1e6:.0f}" if timing.peak_bytes is not None else "-"
         median = f"{timing.median_ms:>10.1f}" if timed else f"{'-':>10}"
         lines.append(
-            f"{name:<14} {median} {vs_base:>10} {vs_a2a:>11} "
+            f"{prefix}{name:<14} {median} {vs_base:>10} {vs_a2a:>11} "
             f"{intra:>9.2f} {inter:>9.2f} {peak:>8} "
             f"{diffs.get(name, float('nan')):>11.2e}" + (f"  chose {timing.choice}" if timing.choice else ""))
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv=None):
@@ -259,7 +333,7 @@ def main(argv=None):
         args.warmup, args.iters = 0, 0
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
+    from megatron_parm.bench.moe_layer import dtype_name, max_output_diff_by_experts, time_experts
     from megatron_parm.comm.accounting import launcher_ranks_per_node
     from megatron_parm.parallel import initialize_model_parallel
 
@@ -274,24 +348,35 @@ def main(argv=None):
             model_parallel_cuda_manual_seed(1234)
             layout = (spec.tp, spec.ep, spec.etp)
         names = dispatchers_for(spec, args.dispatchers, args.chunk_variants)
-        results = time_dispatchers(spec, names, warmup=args.warmup, iters=args.iters,
-                                   memory=args.memory)
-        diffs = {} if args.no_check else max_output_diff(spec, names)
+        impls = expert_impls_for(spec, args.expert_impls)
+        if not impls:
+            raise ValueError(f"--expert-impls: none of {', '.join(args.expert_impls)} can run "
+                             f"configuration {index} here (the lines above say why)")
+        by_impl = time_experts(spec, names, impls, warmup=args.warmup, iters=args.iters,
+                               memory=args.memory)
+        diffs = {} if args.no_check else max_output_diff_by_experts(spec, names, impls)
         if dist.get_rank() != 0:
             continue
-        print(f"[{index + 1}/{len(specs)}] " + format_table(spec, results, diffs), flush=True)
+        print(f"[{index + 1}/{len(specs)}] " + format_table(spec, by_impl, diffs), flush=True)
+        chosen = [f"{name} chose {t.choice_line}" for r in by_impl.values()
+                  for name, t in r.items() if t.choice_line]
+        if chosen:
+            print("\n".join(chosen + [f"({tuning.CHUNK_NOTATION})"]), flush=True)
         if args.output:
             with open(args.output, "a") as f:
-                for name, timing in results.items():
+                for impl, name, timing in ((i, n, t) for i, r in by_impl.items() for n, t in r.items()):
                     record = dict(label=args.label, run=args.run_id, config=index, dispatcher=name,
                                   median_ms=timing.median_ms, times_ms=timing.times_ms, choice=timing.choice,
+                                  choice_line=timing.choice_line,
                                   bytes=timing.bytes, rank_bytes=timing.rank_bytes,
                                   peak_bytes=timing.peak_bytes, step_peak_bytes=timing.step_peak_bytes,
-                                  memory_kind=timing.memory_kind, max_diff_vs_alltoall=diffs.get(name),
+                                  memory_kind=timing.memory_kind,
+                                  max_diff_vs_alltoall=diffs.get(impl, {}).get(name),
                                   world_size=dist.get_world_size(),
                                   local_world_size=launcher_ranks_per_node() or 0)
                     record.update({k: v for k, v in vars(spec).items()
                                    if k not in ("extra", "params_dtype", "layout")})
+                    record.update(expert_impl=impl, dtype=dtype_name(spec.params_dtype))
                     f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
 

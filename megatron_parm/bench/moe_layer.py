@@ -9,6 +9,11 @@ CPU), so that a step's time is the device's time on both.
 
 Dispatchers are given by name, or, for a chunked schedule, as a *variant* with its chunk
 counts: ``parm_s2@4`` (4 chunks both ways) or ``parm_s2@8/4`` (8 forward, 4 backward).
+
+The experts are the spec's ``expert_impl``, one of
+megatron_parm.training.implementation.EXPERT_IMPLS (SequentialMLP by default;
+TorchGroupedMLP, GroupedMLP, TEGroupedMLP); time_experts runs several side by side, their
+weights made equal across implementations (copy_weights).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
 from megatron_parm.perf_model.calibrate import layer_fit_schedules
 from megatron_parm.platform import device
-from megatron_parm.specs import get_gpt_layer_parm_spec
+from megatron_parm.specs import layer_spec
+from megatron_parm.training.implementation import (EXPERT_IMPLS, expert_impl_flags,
+                                                   expert_impl_problem)
 
 
 @dataclass
@@ -51,6 +58,7 @@ class MoELayerSpec:
     parm_profile: Optional[str] = None
     aux_loss_coeff: float = 0.0
     params_dtype: torch.dtype = torch.float32
+    expert_impl: str = EXPERT_IMPLS[0]  # the expert module (implementation.EXPERT_IMPLS)
     # Conveniences for grids (applied by ``resolved``): "tp,ep,etp" sets the three sizes, and
     # tokens per rank entering the layer sets seq_length for the layout and micro-batch.
     layout: Optional[str] = None
@@ -74,6 +82,7 @@ class MoELayerSpec:
         return spec
 
     def config(self, dispatcher: str) -> ParmTransformerConfig:
+        transformer_impl, grouped_gemm = expert_impl_flags(self.expert_impl)
         return ParmTransformerConfig(
             num_layers=1, hidden_size=self.hidden_size, num_attention_heads=4,
             ffn_hidden_size=self.ffn_hidden_size, moe_ffn_hidden_size=self.ffn_hidden_size,
@@ -86,12 +95,27 @@ class MoELayerSpec:
             moe_pad_expert_input_to_capacity=self.pad_to_capacity, use_cpu_initialization=True,
             add_bias_linear=False, params_dtype=self.params_dtype,
             bf16=self.params_dtype == torch.bfloat16, parm_num_chunks=self.num_chunks,
-            parm_bwd_num_chunks=self.bwd_num_chunks, parm_profile=self.parm_profile, **self.extra)
+            parm_bwd_num_chunks=self.bwd_num_chunks, parm_profile=self.parm_profile,
+            moe_grouped_gemm=grouped_gemm, transformer_impl=transformer_impl, **self.extra)
+
+    def expert_problem(self) -> Optional[str]:
+        """Why this machine cannot build the spec's expert_impl (None: it can)."""
+        return expert_impl_problem(self.expert_impl, cuda=device.is_cuda(),
+                                   dtype=dtype_name(self.params_dtype),
+                                   num_experts=self.num_experts, hidden_size=self.hidden_size,
+                                   ffn_per_rank=self.ffn_hidden_size // self.etp)
 
     def local_input_shape(self):
         """This rank's layer input [S/t, B, M] (or [S, B, M] replicated without SP)."""
         rows = self.seq_length // self.tp if (self.sequence_parallel or self.tp == 1) else self.seq_length
         return (rows, self.micro_batch_size, self.hidden_size)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'fp32', 'bf16' or 'fp16', as the precision flags and layout_rules name them."""
+    from megatron_parm.experts import _DTYPE_NAMES  # the grouped GEMM's names of its dtypes
+
+    return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
 def parse_variant(entry: str) -> Tuple[str, Optional[int], Optional[int]]:
@@ -120,18 +144,55 @@ def variant(name: str, forward: int, backward: Optional[int] = None) -> str:
 
 
 def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
-    """The layer with a dispatcher or a variant of one (``parm_s2@8/4``)."""
+    """The layer with a dispatcher or a variant of one (``parm_s2@8/4``) and the spec's experts
+    (ValueError saying why where this machine cannot build them)."""
     name, forward, backward = parse_variant(dispatcher)
     if forward is not None:
         spec = dataclasses.replace(spec, num_chunks=forward, bwd_num_chunks=backward)
-    layer = ParmMoELayer(spec.config(name), get_gpt_layer_parm_spec(num_experts=spec.num_experts)
-                         .submodules.mlp.submodules)
+    problem = spec.expert_problem()
+    if problem is not None:
+        raise ValueError(f"expert_impl {spec.expert_impl}: {problem}")
+    transformer_impl, grouped_gemm = expert_impl_flags(spec.expert_impl)
+    mlp = layer_spec("gpt", spec.num_experts, transformer_impl, grouped_gemm,
+                     spec.expert_impl).submodules.mlp
+    layer = ParmMoELayer(spec.config(name), mlp.submodules)
     return layer.to(device.current()).train()
 
 
+def expert_weights(experts: torch.nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per local expert, views (fc1 [M, F1], fc2 [F2, M]) of its two weights, whichever the
+    implementation (F1, F2 this rank's widths; F1 = 2 F2 with a gated activation): copying
+    into them sets the weights."""
+    kind = type(experts).__name__
+    if hasattr(experts, "local_experts"):  # SequentialMLP: one MLP per expert, [out, in]
+        return [(e.linear_fc1.weight.t(), e.linear_fc2.weight.t()) for e in experts.local_experts]
+    if hasattr(experts, "weight1"):  # GroupedMLP, TorchGroupedMLP: one tensor per layer
+        count, hidden = experts.num_local_experts, experts.config.hidden_size
+        fc1 = experts.weight1.view(count, hidden, -1)
+        fc2 = experts.weight2.view(count, -1, hidden)
+        return [(fc1[e], fc2[e]) for e in range(count)]
+    if kind == "TEGroupedMLP":  # TE's GroupedLinear: weight0 .. weight{E-1}, [out, in]
+        return [(getattr(experts.linear_fc1, f"weight{e}").t(),
+                 getattr(experts.linear_fc2, f"weight{e}").t())
+                for e in range(experts.num_local_experts)]
+    raise TypeError(f"expert_weights: unknown expert module {kind}")
+
+
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
-    """Same router and expert weights (both layers built on this rank with one layout)."""
-    dst.load_state_dict(src.state_dict())
+    """Same router and expert weights (both layers built on this rank with one layout, their
+    experts of the same or of different implementations)."""
+    if type(src.experts) is type(dst.experts):
+        dst.load_state_dict(src.state_dict())
+        return
+    mine = {k: v for k, v in src.state_dict().items() if not k.startswith("experts.")}
+    missing, unexpected = dst.load_state_dict(mine, strict=False)
+    assert not unexpected and all(k.startswith("experts.") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        pairs = list(zip(expert_weights(src.experts), expert_weights(dst.experts)))
+        assert pairs and len(pairs) == src.experts.num_local_experts, "expert counts differ"
+        for (src_fc1, src_fc2), (dst_fc1, dst_fc2) in pairs:
+            dst_fc1.copy_(src_fc1)
+            dst_fc2.copy_(src_fc2)
 
 
 def step(layer: ParmMoELayer, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -154,6 +215,8 @@ class Timing:
     peak_bytes: Optional[int] = None
     step_peak_bytes: Optional[int] = None
     memory_kind: Optional[str] = None
+    choice_line: Optional[str] = None  # parm: how it chose, with every candidate's time
+    expert_impl: str = EXPERT_IMPLS[0]
 
     @property
     def median_ms(self) -> Optional[float]:
@@ -169,8 +232,23 @@ def time_dispatchers(spec: MoELayerSpec, dispatchers: List[str], warmup: int = 2
     (Megatron's own dispatchers included, through account_native_dispatchers). With
     ``memory``, one more step per dispatcher measures its peak memory (bench.memory).
     """
-    return time_layers({name: build_layer(spec, name) for name in dispatchers}, spec, warmup,
-                       iters, seed, memory=memory)
+    timings = time_layers({name: build_layer(spec, name) for name in dispatchers}, spec, warmup,
+                          iters, seed, memory=memory)
+    return {name: dataclasses.replace(t, expert_impl=spec.expert_impl) for name, t in timings.items()}
+
+
+def time_experts(spec: MoELayerSpec, dispatchers: List[str], expert_impls: List[str],
+                 warmup: int = 2, iters: int = 5, seed: int = 1234,
+                 memory: bool = False) -> Dict[str, Dict[str, Timing]]:
+    """time_dispatchers for each expert implementation, all interleaved in one loop (same
+    router and expert weights): {expert_impl: {dispatcher: Timing}}."""
+    layers = {(impl, name): build_layer(dataclasses.replace(spec, expert_impl=impl), name)
+              for impl in expert_impls for name in dispatchers}
+    timings = time_layers(layers, spec, warmup, iters, seed, memory=memory)
+    out: Dict[str, Dict[str, Timing]] = {impl: {} for impl in expert_impls}
+    for (impl, name), timing in timings.items():
+        out[impl][name] = dataclasses.replace(timing, dispatcher=name, expert_impl=impl)
+    return out
 
 
 def time_schedules(spec: MoELayerSpec, chunk_counts: List[int], warmup: int = 2, iters: int = 5,
@@ -209,6 +287,10 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
                 results[key].peak_bytes, results[key].step_peak_bytes = (int(v) for v in both.tolist())
                 results[key].memory_kind = peak.kind
+    for key in keys:  # parm's measured choice (--parm-tune): its tuning calls come first
+        while getattr(layers[key].token_dispatcher, "tuning", False):
+            step(layers[key], x, grad)
+            layers[key].zero_grad(set_to_none=True)
     for it in range(warmup + iters):
         for key in keys:
             dist.barrier()
@@ -223,6 +305,7 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
         choice = getattr(layer.token_dispatcher, "choice", None)
         if choice is not None:
             results[key].choice = choice.label
+            results[key].choice_line = choice.describe()
     return results
 
 
@@ -255,17 +338,28 @@ def _world_bytes(stats):
 def max_output_diff(spec: MoELayerSpec, dispatchers: List[str], reference: str = "alltoall",
                     seed: int = 99) -> Dict[str, float]:
     """Max |out - out_reference| over ranks for each dispatcher, same weights and input."""
-    layers = {name: build_layer(spec, name) for name in set(dispatchers) | {reference}}
-    for name in layers:
-        if name != reference:
-            copy_weights(layers[reference], layers[name])
+    return max_output_diff_by_experts(spec, dispatchers, [spec.expert_impl], reference,
+                                      seed)[spec.expert_impl]
+
+
+def max_output_diff_by_experts(spec: MoELayerSpec, dispatchers: List[str], expert_impls: List[str],
+                               reference: str = "alltoall", seed: int = 99) -> Dict[str, Dict[str, float]]:
+    """{expert_impl: {dispatcher: max |out - out_reference|}} over ranks, same weights and
+    input; the reference is `reference` with the first of expert_impls."""
+    keys = [(expert_impls[0], reference)] + [(impl, name) for impl in expert_impls
+                                             for name in dispatchers]
+    layers = {key: build_layer(dataclasses.replace(spec, expert_impl=key[0]), key[1])
+              for key in dict.fromkeys(keys)}
+    for key in layers:
+        if key != keys[0]:
+            copy_weights(layers[keys[0]], layers[key])
     (x,) = _inputs(spec, seed, 1)
     grad = torch.ones_like(x)
-    ref = step(layers[reference], x, grad)
-    diffs = {}
-    for name in dispatchers:
-        d = torch.tensor([(step(layers[name], x, grad) - ref).abs().max().item()],
+    ref = step(layers[keys[0]], x, grad)
+    diffs: Dict[str, Dict[str, float]] = {impl: {} for impl in expert_impls}
+    for impl, name in keys[1:]:
+        d = torch.tensor([(step(layers[(impl, name)], x, grad) - ref).abs().max().item()],
                          device=device.current())
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
-        diffs[name] = d.item()
+        diffs[impl][name] = d.item()
     return diffs

@@ -1,7 +1,11 @@
 """Reading benchmark JSON lines: per-configuration ratios, bounds, memory, grid summaries,
 the targets, and the performance model's accuracy.
 
-A record is one (label, run, config, dispatcher) line written by tools/bench_moe_layer.py.
+A record is one (label, run, config, dispatcher) line written by tools/bench_moe_layer.py,
+with the expert implementation it ran (``expert_impl``; SequentialMLP in records without one):
+a configuration timed with several is one row per implementation, tables gain an ``experts``
+column where the rows differ in it, and a label's summary compares each implementation's
+times with SequentialMLP's.
 Labels name what was run: a link preset of the emulated cluster (``pcie``, ``nvlink``: the
 emulator's presets give the link rates), ``unshaped`` (the same grid, links not shaped: the
 layer's time without network cost), ``memory`` (a --memory pass: peak memory, no times), or
@@ -26,10 +30,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from megatron_parm import schedules
+from megatron_parm.training.implementation import EXPERT_IMPLS
 
 UNSHAPED = "unshaped"
 MEMORY = "memory"
 REFERENCE = "alltoall"  # Megatron's dispatcher, what Parm is measured against
+SEQUENTIAL = EXPERT_IMPLS[0]  # the default experts, what the others are measured against
+RECORD_DEFAULTS = {"expert_impl": SEQUENTIAL, "dtype": "fp32"}  # for records written before them
 BASELINE = "ds_baseline"
 
 # The issue's targets: limit per label where it differs (None: any label it applies to), and
@@ -124,7 +131,7 @@ class Bound:
 class ConfigResult:
     label: str
     config: int
-    fields: dict
+    fields: dict  # the record's configuration, expert_impl and dtype included
     median_ms: Dict[str, float] = field(default_factory=dict)
     times_ms: Dict[str, List[float]] = field(default_factory=dict)
     run_medians: Dict[str, Dict[str, float]] = field(default_factory=dict)  # dispatcher -> run -> median
@@ -136,6 +143,10 @@ class ConfigResult:
     step_peak_bytes: Dict[str, int] = field(default_factory=dict)
     bounds: Dict[str, Bound] = field(default_factory=dict)
     parm_choice: Optional[str] = None
+
+    @property
+    def expert_impl(self) -> str:
+        return self.fields["expert_impl"]
 
     @property
     def best_parm(self) -> Tuple[str, float]:
@@ -202,10 +213,12 @@ def _node_bytes(record: dict) -> Optional[Tuple[int, int]]:
 
 
 def group_results(records: List[dict]) -> List[ConfigResult]:
-    grouped: Dict[Tuple[str, int], ConfigResult] = {}
-    times: Dict[Tuple[str, int, str, str], List[float]] = defaultdict(list)
+    """One ConfigResult per (label, config, expert_impl), sorted so."""
+    grouped: Dict[Tuple[str, int, str], ConfigResult] = {}
+    times: Dict[Tuple[str, int, str, str, str], List[float]] = defaultdict(list)
     for r in records:
-        key = (r.get("label", ""), r["config"])
+        r = dict(RECORD_DEFAULTS, **{k: v for k, v in r.items() if v is not None or k not in RECORD_DEFAULTS})
+        key = (r.get("label", ""), r["config"], r["expert_impl"])
         if key not in grouped:
             grouped[key] = ConfigResult(key[0], key[1], {k: v for k, v in r.items() if k not in _NOT_FIELDS})
         res = grouped[key]
@@ -223,8 +236,8 @@ def group_results(records: List[dict]) -> List[ConfigResult]:
             res.node_bytes[name] = node
         if r.get("choice"):
             res.parm_choice = r["choice"]
-    for (label, config, name, run), steps in times.items():
-        res = grouped[(label, config)]
+    for (label, config, impl, name, run), steps in times.items():
+        res = grouped[(label, config, impl)]
         res.times_ms.setdefault(name, []).extend(steps)
         res.run_medians.setdefault(name, {})[run] = statistics.median(steps)
     for res in grouped.values():
@@ -261,7 +274,7 @@ def compute_ms(unshaped: Optional[ConfigResult]) -> Optional[float]:
 
 _SHAPE_FIELDS = ("seq_length", "micro_batch_size", "hidden_size", "ffn_hidden_size", "num_experts",
                  "topk", "capacity_factor", "pad_to_capacity", "tp", "ep", "etp",
-                 "sequence_parallel", "world_size", "local_world_size")
+                 "sequence_parallel", "world_size", "local_world_size", "expert_impl", "dtype")
 
 
 def shape_key(r: ConfigResult) -> tuple:
@@ -329,7 +342,7 @@ def _timing_summary(label: str, rows: List[ConfigResult], unshaped: Dict[tuple, 
                    for r, b in zip(rows, payload) for d in b
                    if is_parm(d) and REFERENCE in b and BASELINE in b)
     out = dict(
-        configs=len(rows),
+        configs=len({r.config for r in rows}),  # rows: one per config and expert implementation
         median_best_parm_vs_ds_baseline=statistics.median([1 / v for v in best_vs_ds]) if best_vs_ds else None,
         median_best_parm_vs_alltoall=statistics.median([1 / v for v in best_vs_a2a]) if best_vs_a2a else None,
         best_parm_time_vs_alltoall=_stats(best_vs_a2a),
@@ -388,9 +401,32 @@ def _memory_summary(rows: List[ConfigResult]) -> dict:
     return out
 
 
+def several_expert_impls(results: List[ConfigResult]) -> bool:
+    """Whether the results differ in their expert implementation."""
+    return len({r.expert_impl for r in results}) > 1
+
+
+def expert_impl_times(rows: List[ConfigResult]) -> Dict[str, Dict[str, dict]]:
+    """Per expert implementation other than SequentialMLP, per dispatcher: its time over
+    SequentialMLP's in the same label and configuration (min / median / max over configs;
+    < 1: faster)."""
+    sequential = {(r.label, r.config): r for r in rows if r.expert_impl == SEQUENTIAL}
+    ratios: Dict[str, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        base = sequential.get((r.label, r.config))
+        if r.expert_impl == SEQUENTIAL or base is None:
+            continue
+        for d, t in r.median_ms.items():
+            if base.median_ms.get(d):
+                ratios[r.expert_impl][d].append(t / base.median_ms[d])
+    return {impl: {d: _stats(v) for d, v in per.items()} for impl, per in ratios.items()}
+
+
 def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
     """Per label: medians of the best Parm schedule's ratios, bounds, spreads, memory, and
-    the targets (``targets``: one entry per target with its value, limit and whether met)."""
+    the targets (``targets``: one entry per target with its value, limit and whether met).
+    Where a label's rows differ in expert implementation, ``expert_impls`` lists them and
+    ``time_vs_sequential_experts`` compares their times (expert_impl_times)."""
     by_label: Dict[str, List[ConfigResult]] = defaultdict(list)
     for res in results:
         by_label[res.label].append(res)
@@ -406,6 +442,11 @@ def summarize(results: List[ConfigResult]) -> Dict[str, dict]:
                     d: _stats([r.median_ms[d] / r.median_ms[REFERENCE] for r in rows
                                if d in r.median_ms and REFERENCE in r.median_ms])
                     for d in ("parm", "parm_s1")}
+        if several_expert_impls(rows):
+            summary[label]["expert_impls"] = sorted({r.expert_impl for r in rows},
+                                                    key=EXPERT_IMPLS.index)
+            if label != MEMORY:
+                summary[label]["time_vs_sequential_experts"] = expert_impl_times(rows)
         summary[label]["targets"] = check_targets(label, summary[label])
     return summary
 
@@ -477,7 +518,9 @@ def markdown_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
     parm's choice, the largest run-to-run spread of the row's medians and the inter-node
     bytes of alltoall / S1 / ds_baseline."""
     timed = [d for d in dispatchers if any(d in r.median_ms for r in results)]
-    head = ["label", "config", "shape | tp,ep,etp"] + [f"{d} ms" for d in timed] + [
+    experts = several_expert_impls([r for r in results if r.median_ms])
+    head = ["label", "config"] + (["experts"] if experts else []) + ["shape | tp,ep,etp"] + [
+        f"{d} ms" for d in timed] + [
         "best Parm", "best / alltoall", "best / ds_baseline", "bound ms", "eff. best",
         "eff. alltoall", "parm chose", "spread", "inter MB a2a/S1/ds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -489,7 +532,7 @@ def markdown_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
         bound = r.bounds.get(best) if best else None
         spreads = [s for s in (r.spread(d) for d in r.median_ms) if s is not None]
         inter = "/".join(f"{r.inter_bytes.get(d, 0) / 1e6:.1f}" for d in (REFERENCE, "parm_s1", BASELINE))
-        cells = [r.label, str(r.config), r.shape()] + [
+        cells = [r.label, str(r.config)] + ([r.expert_impl] if experts else []) + [r.shape()] + [
             f"{r.median_ms[d]:.0f}" if d in r.median_ms else "-" for d in timed] + [
             best or "-", _fmt(1 / r.ratio(REFERENCE) if r.ratio(REFERENCE) else None),
             _fmt(1 / r.ratio(BASELINE) if r.ratio(BASELINE) else None),
@@ -506,7 +549,9 @@ def memory_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
     if not rows:
         return ""
     measured = [d for d in dispatchers if any(d in r.peak_bytes for r in rows)]
-    head = ["config", "shape | tp,ep,etp"] + [f"{d} MB (step)" for d in measured] + [
+    experts = several_expert_impls(rows)
+    head = ["config"] + (["experts"] if experts else []) + ["shape | tp,ep,etp"] + [
+        f"{d} MB (step)" for d in measured] + [
         "worst Parm / alltoall", "(step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -514,7 +559,7 @@ def memory_table(results: List[ConfigResult], dispatchers: List[str]) -> str:
         ref, ref_step = r.peak_bytes.get(REFERENCE), r.step_peak_bytes.get(REFERENCE)
         worst = max((r.peak_bytes[d] / ref for d in parm), default=None) if ref else None
         worst_step = max((r.step_peak_bytes[d] / ref_step for d in parm), default=None) if ref_step else None
-        cells = [str(r.config), r.shape()] + [
+        cells = [str(r.config)] + ([r.expert_impl] if experts else []) + [r.shape()] + [
             f"{r.peak_bytes[d] / 1e6:.0f} ({r.step_peak_bytes[d] / 1e6:.0f})" if d in r.peak_bytes else "-"
             for d in measured] + [_fmt(worst), _fmt(worst_step)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -563,7 +608,9 @@ def plot_speedups(results: List[ConfigResult], path: str) -> None:
                        marker="_", s=400, color="black", zorder=3, label="at the bound (best Parm)")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([str(r.config) for r in rows])
+        experts = several_expert_impls(rows)
+        ax.set_xticklabels([f"{r.config} {r.expert_impl}" if experts else str(r.config) for r in rows],
+                           rotation=90 if experts else 0, fontsize=7 if experts else None)
         ax.set_ylabel(f"speedup over {BASELINE}")
         ax.set_title(f"{label}: forward+backward of one MoE layer, per configuration")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)

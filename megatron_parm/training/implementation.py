@@ -3,6 +3,9 @@
     TRANSFORMER_IMPLS            values of --transformer-impl
     expert_implementation(...)   the expert module a run builds (SequentialMLP, TorchGroupedMLP, ...)
     check_implementation(...)    ValueError naming the flag and the missing package
+    EXPERT_IMPLS                 the expert modules by name, SequentialMLP (the default) first
+    expert_impl_flags(name)      the (--transformer-impl, --moe-grouped-gemm) that build one
+    expert_impl_problem(name, ...)  why this machine cannot run one (None: it can)
 
 No torch or Megatron import here: the check runs while the flags are parsed, before any
 process group exists. megatron_parm.specs.layer_spec builds the spec that was asked for.
@@ -11,6 +14,7 @@ process group exists. megatron_parm.specs.layer_spec builds the spec that was as
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from megatron_parm.layout_rules import grouped_gemm_problem
 
@@ -78,3 +82,36 @@ def check_implementation(transformer_impl: str, moe_grouped_gemm: bool, *, model
             problem = grouped_gemm_problem(dtype, hidden_size, ffn_per_rank)
             if problem is not None:
                 raise ValueError(f"--moe-grouped-gemm: {problem}")
+
+
+# The expert modules a layer can be built with, by class name; the first is the default.
+EXPERT_IMPLS = ("SequentialMLP", "TorchGroupedMLP", "GroupedMLP", "TEGroupedMLP")
+
+
+def expert_impl_flags(name: str):
+    """(--transformer-impl, --moe-grouped-gemm) of the layer spec that builds expert module
+    `name` (megatron_parm.specs.layer_spec; ValueError for an unknown name)."""
+    if name not in EXPERT_IMPLS:
+        raise ValueError(f"unknown expert implementation {name!r}: one of {', '.join(EXPERT_IMPLS)}")
+    if name == "TEGroupedMLP":
+        return "transformer_engine", True
+    return "local", name != "SequentialMLP"
+
+
+def expert_impl_problem(name: str, *, cuda: bool, dtype: str, num_experts: int,
+                        hidden_size: int, ffn_per_rank: int) -> Optional[str]:
+    """Why expert module `name` cannot run here with these widths in dtype ('fp32', 'bf16',
+    'fp16'), as a sentence; None where it can. For tools that run several side by side."""
+    transformer_impl, grouped = expert_impl_flags(name)
+    if name == "TorchGroupedMLP":  # what check_implementation checks where it would build it
+        problem = grouped_gemm_problem(dtype, hidden_size, ffn_per_rank)
+        return None if problem is None else f"--moe-grouped-gemm: {problem}"
+    if name == "GroupedMLP" and expert_implementation(
+            transformer_impl, grouped, cuda=cuda, bf16=dtype == "bf16") != name:
+        return "GroupedMLP needs the grouped_gemm package, a GPU and bf16"
+    try:
+        check_implementation(transformer_impl, grouped, num_experts=num_experts, dtype=dtype,
+                             cuda=cuda, hidden_size=hidden_size, ffn_per_rank=ffn_per_rank)
+    except ValueError as err:
+        return str(err)
+    return None

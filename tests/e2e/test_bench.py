@@ -82,6 +82,43 @@ def test_world_size_1_runs_parm_as_s1_without_communication(world1_output):
             assert r["memory_kind"] == "cpu_resident" and r["peak_bytes"] > r["step_peak_bytes"] > 0
 
 
+def test_expert_implementations_side_by_side(tmp_path):
+    """--expert-impls: both implementations timed in one run, same weights (outputs equal to
+    alltoall with SequentialMLP), each JSON line naming its experts; the report compares them."""
+    out = tmp_path / "experts.jsonl"
+    torchrun("tools/bench_moe_layer.py", 1, "--seq-length", "32", "--hidden-size", "32",
+             "--moe-ffn-hidden-size", "64", "--num-experts", "4", "--dispatchers",
+             "alltoall,parm_s2@2", "--expert-impls", "SequentialMLP,TorchGroupedMLP", "--iters", "2",
+             "--warmup", "0", "--label", "experts", "--output", str(out), timeout=600)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["expert_impl"], r["dispatcher"]) for r in records) == [
+        (impl, d) for impl in ("SequentialMLP", "TorchGroupedMLP") for d in ("alltoall", "parm_s2@2")]
+    assert all(r["dtype"] == "fp32" and r["median_ms"] > 0 for r in records)
+    assert all(r["max_diff_vs_alltoall"] < 1e-5 for r in records)
+    summary = tmp_path / "summary.json"
+    subprocess.run([sys.executable, "tools/bench_report.py", str(out), "--summary", str(summary)],
+                   cwd=REPO, check=True, capture_output=True)
+    compared = json.loads(summary.read_text())["experts"]["time_vs_sequential_experts"]
+    assert set(compared) == {"TorchGroupedMLP"} and set(compared["TorchGroupedMLP"]) == {
+        "alltoall", "parm_s2@2"}
+
+
+def test_moe_grouped_gemm_flag_picks_the_grouped_experts():
+    """--moe-grouped-gemm: Megatron-LM's meaning where its packages are there, else
+    TorchGroupedMLP; refused with --expert-impls (one line naming both flags)."""
+    proc = subprocess.run([sys.executable, "-c", (
+        "import sys; sys.path.insert(0, 'tools'); import bench_moe_layer as b;"
+        "from megatron_parm.training.implementation import expert_implementation as e;"
+        "from megatron_parm.platform import device;"
+        "spec = b.spec_from_args(b.parse_args(['--moe-grouped-gemm', '--bf16']));"
+        "assert spec.expert_impl == e('local', True, cuda=device.is_cuda(), bf16=True), spec;"
+        "assert b.spec_from_args(b.parse_args([])).expert_impl == 'SequentialMLP';"
+        "b.parse_args(['--moe-grouped-gemm', '--expert-impls', 'all'])")],
+        cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "--moe-grouped-gemm and --expert-impls: give one of them" in proc.stderr
+
+
 def test_report_makes_tables_summary_and_plot(bench_output, world1_output):
     tmp, out, _ = bench_output
     _, world1 = world1_output

@@ -121,3 +121,28 @@ def test_model_time_shares_add_up_to_the_sequential_prediction():
     total = predict("alltoall", shape, layout, profile).total_s
     # every stage is on one resource or two links in parallel: the sum is at least the total
     assert compute + inter + intra >= total / profile.layer_scale - 1e-12
+
+
+def test_expert_implementations_are_rows_of_their_own_and_compared():
+    """Records of one configuration with two expert implementations are two rows (ratios
+    within each), the table names the implementation, the summary compares their times;
+    records without expert_impl (written before it) are SequentialMLP's."""
+    records = [record("ws1", d, [t], world_size=1, local_world_size=1, tp=1, ep=1, etp=1)
+               for d, t in (("alltoall", 100), ("parm_s1", 90), ("parm_s2@4", 160))]
+    records += [record("ws1", d, [t], world_size=1, local_world_size=1, tp=1, ep=1, etp=1,
+                       expert_impl="TorchGroupedMLP", dtype="fp32")
+                for d, t in (("alltoall", 50), ("parm_s1", 45), ("parm_s2@4", 60))]
+    rows = report.group_results(records)
+    assert [r.expert_impl for r in rows] == ["SequentialMLP", "TorchGroupedMLP"]
+    assert [r.ratio("alltoall") for r in rows] == [pytest.approx(100 / 90), pytest.approx(50 / 45)]
+    summary = report.summarize(rows)["ws1"]
+    assert summary["configs"] == 1 and summary["expert_impls"] == ["SequentialMLP", "TorchGroupedMLP"]
+    grouped = summary["time_vs_sequential_experts"]["TorchGroupedMLP"]
+    assert grouped["alltoall"]["max"] == pytest.approx(0.5)
+    assert grouped["parm_s2@4"]["median"] == pytest.approx(60 / 160)
+    table = report.markdown_table(rows, report.ordered_dispatchers(rows))
+    assert "| experts |" in table and "| ws1 | 0 | TorchGroupedMLP |" in table
+    # one implementation only: no column, no comparison
+    alone = report.group_results(records[:3])
+    assert "experts" not in report.markdown_table(alone, report.ordered_dispatchers(alone))
+    assert "time_vs_sequential_experts" not in report.summarize(alone)["ws1"]
