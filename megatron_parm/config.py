@@ -7,7 +7,7 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_parm import schedules
+from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import check_ranks_per_node
 
 
@@ -29,8 +29,26 @@ class ParmTransformerConfig(TransformerConfig):
     """--parm-ranks-per-node: ranks per node, for parm_hier's node groups and the performance
     model (None: the launcher's LOCAL_WORLD_SIZE; comm.accounting.ranks_per_node)."""
 
+    parm_tune: Optional[bool] = None
+    """--parm-tune / --no-parm-tune: parm measures the model's best candidates in the first
+    steps (None: on without parm_profile, off with it; tuning.enabled)."""
+
+    parm_tune_steps: int = tuning.DEFAULT_STEPS
+    """--parm-tune-steps: timed calls per candidate (after one warm-up call)."""
+
+    parm_tune_margin: float = tuning.DEFAULT_MARGIN
+    """--parm-tune-margin: candidates predicted within (1 + margin) x the model's first."""
+
+    parm_tune_candidates: int = tuning.DEFAULT_MAX_CANDIDATES
+    """--parm-tune-candidates: at most this many candidates are timed."""
+
+    parm_tune_cache: Optional[str] = None
+    """--parm-tune-cache: JSON file of measured choices (None: not kept)."""
+
     def __post_init__(self):
         super().__post_init__()
+        tuning.check_args(self.parm_tune_steps, self.parm_tune_margin, self.parm_tune_candidates,
+                          self.parm_tune_cache)
         if self.parm_num_chunks is not None:
             schedules.check_num_chunks(self.parm_num_chunks)
         if self.parm_ranks_per_node is not None:

@@ -1,17 +1,21 @@
-"""Parm's automatic dispatcher: the performance model picks a candidate schedule (and chunks)."""
+"""Parm's automatic dispatcher: the performance model ranks the candidate schedules (and
+chunks); the fastest predicted runs, or, with tuning (megatron_parm/tuning.py), the fastest
+measured of the best few."""
 
 from __future__ import annotations
 
 import logging
+import platform as host
+import time
 import warnings
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import utils
 
-from megatron_parm import schedules
+from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
 from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
@@ -20,7 +24,7 @@ from megatron_parm.platform import device
 
 logger = logging.getLogger(__name__)
 
-# Used with a warning where no --parm-profile is given: the shipped estimate for the machine kind.
+# Used where no --parm-profile is given: the shipped estimate for the machine kind.
 DEFAULT_PROFILES = {"cuda": "nvlink_ib_estimate", "cpu": "emulated_pcie"}
 
 
@@ -28,18 +32,99 @@ def default_profile_path() -> str:
     return resolve_profile(DEFAULT_PROFILES["cuda" if device.is_cuda() else "cpu"])
 
 
+def _is_failure(error: Exception) -> bool:
+    """A candidate that cannot run here (out of memory, a refused layout or size), as opposed
+    to a bug: skipped while tuning."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError, ValueError, NotImplementedError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text
+                                                or "can't allocate memory" in text)
+
+
+def _stamp():
+    """Now, on the device's clock: a recorded CUDA event (read at the decision), or seconds."""
+    if device.is_cuda():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(start, end) -> float:
+    if start is None or end is None:
+        return 0.0
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward stamps ``record[slot]`` once the gradients of all its tensors
+    have arrived (the start of the dispatcher's backward at its output, the end at its inputs)."""
+
+    @staticmethod
+    def forward(ctx, record, slot, *tensors):
+        ctx.record, ctx.slot = record, slot
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.record[ctx.slot] = _stamp()
+        return (None, None, *grads)
+
+
+class _Tuning:
+    """One layer's tuning at one token count: the call plan, each call's stamps, failures."""
+
+    def __init__(self, model: Choice, plan: tuning.CallPlan, key: Dict, cache, writable: bool):
+        self.model, self.plan, self.key = model, plan, key
+        self.cache, self.writable = cache, writable
+        self.calls: List[Dict] = []  # per issued training call: stamps, or {"failed": True}
+        self.failed = set()
+
+    @property
+    def issued_all(self) -> bool:
+        return len(self.calls) >= self.plan.num_calls
+
+    def call_seconds(self, index: int) -> float:
+        record = self.calls[index]
+        if record.get("failed") or self.plan.candidates[self.plan.candidate(index)] in self.failed:
+            return tuning.FAILED
+        return (_seconds(record.get("fwd_start"), record.get("fwd_end"))
+                + _seconds(record.get("bwd_start"), record.get("bwd_end")))
+
+
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     """parm: per layer, the performance model predicts every candidate schedule of the
-    catalog (parm_s1, parm_s2 at several chunk counts, ...) and the fastest one runs.
+    catalog (parm_s1, parm_s2 at several chunk counts, ...); the fastest predicted one runs,
+    or, with tuning (--parm-tune; the default without --parm-profile), the fastest measured
+    of the model's best few.
 
     Workflow: at the first dispatch of a token count n (known only then), build the layer's
     shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from
     --parm-ranks-per-node or LOCAL_WORLD_SIZE),
-    ask ``choose_schedule`` with the profile of --parm-profile (or the default estimate, with
-    a warning) for the schedule and, for a chunked one, its forward and backward chunk
-    counts; check that every rank chose the same, log the choice once, and from then on run
-    that schedule's workflow (see its dispatcher's docstring).
-    The inputs of the choice are the same on every rank, so the choice is too.
+    ask ``choose_schedule`` with the profile of --parm-profile (or the shipped estimate) for
+    the schedule and, for a chunked one, its forward and backward chunk counts; check that
+    every rank chose the same. Without tuning, run that schedule's workflow (see its
+    dispatcher's docstring) from then on. With tuning:
+      1. a result of an earlier run in --parm-tune-cache for the same shape, layout, cluster
+         and profile, read by every rank and agreed by one MIN/MAX all-reduce, is run as it is;
+      2. else the shortlist (tuning.shortlist: the model's first and the best of the others
+         within --parm-tune-margin, at most --parm-tune-candidates) takes turns on the layer's
+         training calls (round-robin): one warm-up round, then --parm-tune-steps timed rounds.
+         A call's time is its forward from dispatch_preprocess to combine_postprocess and its
+         backward from the gradient's arrival at the output to its arrival at the inputs
+         (_Mark), i.e. dispatch, experts and combine, where the schedules differ; CUDA events
+         on GPUs, perf_counter on CPU;
+      3. at the next call after the last, one all-reduce MAX over the world gives every
+         call's slowest-rank time; the candidate with the fastest timed call wins on every rank
+         (tuning.decide), rank 0 writes the cache, and the winner runs from then on.
+    Every candidate computes the same values, so tuning changes no result. Calls without
+    gradients (evaluation) run the current candidate and are not timed. A candidate whose
+    dispatcher cannot be built, or whose forward fails (out of memory, a refused size) the
+    same way on every rank, is skipped with one warning.
     Where the EP and ESP groups both have one rank (e.g. world size 1) there is nothing to
     overlap or deduplicate: it runs the first unchunked candidate (parm_s1, which then only
     permutes, computes and unpermutes) without asking the model or the other ranks.
@@ -54,25 +139,45 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size,
                                                   bool(config.sequence_parallel))
         # One dispatcher per candidate schedule that can run this layout.
-        self.schedules: Dict[str, ParmTokenDispatcher] = {
-            s.name: dispatcher_class(s.name)(num_local_experts, local_expert_indices, config,
-                                             pg_collection)
-            for s in runnable}
+        self.schedules: Dict[str, ParmTokenDispatcher] = {}
+        for schedule in runnable:
+            try:
+                self.schedules[schedule.name] = dispatcher_class(schedule.name)(
+                    num_local_experts, local_expert_indices, config, pg_collection)
+            except ValueError as err:  # a layout this schedule refuses: not a candidate
+                warnings.warn(f"parm: candidate {schedule.name} skipped: {err}")
+        if not self.schedules:
+            raise ValueError(f"parm: no candidate schedule could be built for tp="
+                             f"{self.attn_tp_size}, ep={self.ep_size}, etp={self.etp_size}")
         self.active: ParmTokenDispatcher = next(iter(self.schedules.values()))
         # Nothing to hide: every group this dispatcher communicates on has one rank.
         self.nothing_to_hide = self.ep_size == 1 and self.etp_size == 1
-        self.sequential = next((s.name for s in runnable if not s.chunked), None)
+        self.sequential = next((s.name for s in runnable if not s.chunked
+                                and s.name in self.schedules), None)
         self.layer_number: Optional[int] = None
-        self.choices: Dict[int, object] = {}  # tokens per rank -> perf_model.Choice
-        self.profile = self._load_profile(getattr(config, "parm_profile", None))
+        self.choices: Dict[int, tuning.ParmChoice] = {}  # tokens per rank -> final choice
+        self.tunings: Dict[int, _Tuning] = {}  # tokens per rank -> tuning under way
+        self.tune = tuning.enabled(getattr(config, "parm_tune", None),
+                                   getattr(config, "parm_profile", None))
+        self.profile = self._load_profile(getattr(config, "parm_profile", None), self.tune)
+        self._record: Optional[Dict] = None  # the stamps of the timed call under way
 
     @staticmethod
-    def _load_profile(path: Optional[str]):
+    def _load_profile(path: Optional[str], tune: bool):
         if path:
             return load_profile(path)  # a bad or missing file is an error naming path and field
         default = default_profile_path()
-        warnings.warn(f"--parm-profile not given: the automatic dispatcher uses the default "
-                      f"profile {default} (estimates; run tools/calibrate.py for your cluster)")
+        if tune:
+            warnings.warn(f"--parm-profile not given: parm ranks the schedules with the shipped "
+                          f"estimate {default} and measures the best few in the run's first "
+                          f"steps (--no-parm-tune: the estimate alone; tools/calibrate.py "
+                          f"measures a profile)")
+        else:
+            warnings.warn(f"--parm-profile not given and --no-parm-tune: parm runs what the "
+                          f"shipped estimate {default} predicts fastest, untested on this "
+                          f"machine (it can be 1.3x slower than the best schedule: "
+                          f"docs/benchmark.md); drop --no-parm-tune to measure, or run "
+                          f"tools/calibrate.py")
         return load_profile(default)
 
     @property
@@ -81,8 +186,18 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     @property
     def choice(self):
-        """The latest perf_model.Choice (schedule, predicted times), or None before the first call."""
-        return self.choices[self._last_tokens] if self.choices else None
+        """The latest choice (tuning.ParmChoice; while tuning, the model's), or None before
+        the first call."""
+        if not self.choices and not self.tunings:
+            return None
+        if self._last_tokens in self.choices:
+            return self.choices[self._last_tokens]
+        return self._model_choice(self.tunings[self._last_tokens].model)
+
+    @property
+    def tuning(self) -> bool:
+        """Tuning is under way: more calls decide the schedule (trainer and bench wait)."""
+        return any(tokens not in self.choices for tokens in self.tunings)
 
     def _layout(self) -> Layout:
         world = dist.get_world_size()
@@ -90,47 +205,71 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         return Layout(tp=self.attn_tp_size, ep=self.ep_size, etp=self.etp_size,
                       nodes=world // per_node, ranks_per_node=per_node)
 
-    def _choose(self, num_tokens: int, dtype: torch.dtype, where: torch.device) -> None:
-        self._last_tokens = num_tokens
-        if num_tokens in self.choices:
-            choice = self.choices[num_tokens]
-        elif self.nothing_to_hide and self.sequential:
-            choice = Choice(self.sequential, {}, {}, reason="every EP and ESP group has one rank: "
-                                                            "nothing to overlap")
-            self.choices[num_tokens] = choice
-        else:
-            cfg = self.config
-            shape = LayerShape(
-                num_tokens=num_tokens, hidden_size=cfg.hidden_size,
-                ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
-                num_experts=self.num_experts, topk=self.topk,
-                capacity_factor=cfg.moe_expert_capacity_factor, pad_to_capacity=self.drop_and_pad,
-                dtype_bytes=dtype.itemsize,
-                gated_linear_unit=bool(cfg.gated_linear_unit))
-            requested = getattr(cfg, "parm_num_chunks", None)
-            requested_bwd = getattr(cfg, "parm_bwd_num_chunks", None)
-            extra = ()
-            if (requested or 0) > 1 or (requested_bwd or 0) > 1:  # the flags' pair is tried too
-                pair = (requested or requested_bwd, requested_bwd or requested)
-                extra = (pair,) if min(pair) > 1 else ()
-            choice = choose_schedule(shape, self._layout(), self.profile,
-                                     sequence_parallel=bool(cfg.sequence_parallel),
-                                     extra_chunks=extra)
-            self._check_agreement(choice, where)
-            self.choices[num_tokens] = choice
-            if dist.get_rank() == 0:
-                logger.info("parm: layer %s, %d tokens per rank: %s", self.layer_number, num_tokens,
-                            choice.describe())
-        self.active = self.schedules[choice.dispatcher]
-        if self.active.pipelined:
-            self.active.num_chunks, self.active.bwd_num_chunks = choice.num_chunks, choice.bwd_num_chunks
+    def _shape(self, num_tokens: int, dtype: torch.dtype) -> LayerShape:
+        cfg = self.config
+        return LayerShape(
+            num_tokens=num_tokens, hidden_size=cfg.hidden_size,
+            ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            num_experts=self.num_experts, topk=self.topk,
+            capacity_factor=cfg.moe_expert_capacity_factor, pad_to_capacity=self.drop_and_pad,
+            dtype_bytes=dtype.itemsize, gated_linear_unit=bool(cfg.gated_linear_unit))
 
-    def _check_agreement(self, choice, where: torch.device) -> None:
-        """Once per token count: every rank chose the same (on ``where``, the rows' device,
-        as NCCL needs; the comparison below is a host sync, paid on the first call only)."""
-        # The choice as three integers: the schedule's place in the catalog, and its chunks.
-        code = torch.tensor([list(self.schedules).index(choice.dispatcher), choice.num_chunks,
-                             choice.bwd_num_chunks], dtype=torch.long, device=where)
+    def _profile_text(self) -> str:
+        provenance = getattr(self.profile, "provenance", "")
+        given = "--parm-profile" if getattr(self.config, "parm_profile", None) else "default"
+        return f"profile {self.profile.name} ({provenance}, {given})"
+
+    def _model_choice(self, model: Choice) -> tuning.ParmChoice:
+        return tuning.ParmChoice(model.schedule, "model", model, profile=self._profile_text())
+
+    def _predict(self, num_tokens: int, dtype: torch.dtype) -> Choice:
+        cfg = self.config
+        requested = getattr(cfg, "parm_num_chunks", None)
+        requested_bwd = getattr(cfg, "parm_bwd_num_chunks", None)
+        extra = ()
+        if (requested or 0) > 1 or (requested_bwd or 0) > 1:  # the flags' pair is tried too
+            pair = (requested or requested_bwd, requested_bwd or requested)
+            extra = (pair,) if min(pair) > 1 else ()
+        choice = choose_schedule(self._shape(num_tokens, dtype), self._layout(), self.profile,
+                                 sequence_parallel=bool(cfg.sequence_parallel),
+                                 extra_chunks=extra)
+        built = {key: t for key, t in choice.times.items() if tuning._name(key) in self.schedules}
+        if tuning._name(choice.schedule) not in self.schedules:  # a candidate that was skipped
+            best = min(built, key=lambda key: (built[key], list(built).index(key)))
+            choice = Choice(best, built, choice.predictions)
+        return choice
+
+    def _choose(self, num_tokens: int, dtype: torch.dtype, where: torch.device,
+                timed: bool) -> None:
+        self._last_tokens = num_tokens
+        self._record = None
+        if num_tokens in self.choices:
+            return self._run(self.choices[num_tokens].schedule)
+        if num_tokens in self.tunings:
+            return self._tuning_call(self.tunings[num_tokens], where, timed)
+        if self.nothing_to_hide and self.sequential:
+            choice = Choice(self.sequential, {}, {}, reason="every EP and ESP group has one "
+                                                            "rank: nothing to overlap")
+            self.choices[num_tokens] = self._model_choice(choice)
+            return self._run(choice.schedule)
+        model = self._predict(num_tokens, dtype)
+        self._check_agreement(model.schedule, where)
+        if not self.tune:
+            self.choices[num_tokens] = self._model_choice(model)
+            return self._run(model.schedule)
+        self._start_tuning(num_tokens, dtype, model, where)
+        return self._choose(num_tokens, dtype, where, timed)
+
+    def _run(self, schedule) -> None:
+        self.active = self.schedules[tuning._name(schedule)]
+        if self.active.pipelined:
+            self.active.num_chunks, self.active.bwd_num_chunks = (
+                (1, 1) if isinstance(schedule, str) else (schedule[1], schedule[2]))
+
+    def _check_agreement(self, schedule, where: torch.device) -> None:
+        """Every rank chose the same (on ``where``, the rows' device, as NCCL needs; the
+        comparison below is a host sync, paid on the first call only)."""
+        code = self._code(schedule, where)
         low, high = code.clone(), code.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -138,12 +277,122 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             raise RuntimeError("parm: ranks chose different schedules; the performance model's "
                                "inputs (profile, shapes, ranks per node) must be the same on all ranks")
 
+    def _code(self, schedule, where: torch.device) -> torch.Tensor:
+        """A schedule as three integers (its place among the built ones, and its chunks);
+        None as -1s."""
+        if schedule is None or tuning._name(schedule) not in self.schedules:
+            values = [-1, -1, -1]
+        else:
+            chunks = (1, 1) if isinstance(schedule, str) else schedule[1:]
+            values = [list(self.schedules).index(tuning._name(schedule)), *chunks]
+        return torch.tensor(values, dtype=torch.long, device=where)
+
+    # -- tuning ------------------------------------------------------------------------------
+
+    def _cluster(self) -> Dict:
+        kind = (torch.cuda.get_device_name() if device.is_cuda()
+                else f"cpu {host.machine()} x{torch.get_num_threads()} threads")
+        return {"device": kind, "backend": str(dist.get_backend()),
+                "world_size": dist.get_world_size()}
+
+    def _start_tuning(self, num_tokens: int, dtype: torch.dtype, model: Choice,
+                      where: torch.device) -> None:
+        cfg = self.config
+        key = tuning.cache_key(self._shape(num_tokens, dtype), self._layout(),
+                               bool(cfg.sequence_parallel), self._cluster(),
+                               tuning.profile_identity(self.profile))
+        path = getattr(cfg, "parm_tune_cache", None)
+        cache = tuning.TuningCache(path) if path else None
+        lookup = cache.lookup(key) if cache else tuning.Lookup()
+        cached = lookup.measured
+        if cached is not None and tuning._name(cached.winner) not in self.schedules:
+            cached = None
+        # Every rank must have read the same winner (a file on one node only is not trusted).
+        code = self._code(cached.winner if cached else None, where)
+        low, high = code.clone(), code.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if cached is not None and torch.equal(low, high):
+            self.choices[num_tokens] = tuning.ParmChoice(
+                cached.winner, "cached", model, seconds=cached.seconds, cache=path,
+                profile=self._profile_text())
+            return
+        if lookup.warning:
+            warnings.warn(lookup.warning)
+        candidates = tuning.shortlist(model.times, cfg.parm_tune_margin, cfg.parm_tune_candidates)
+        if len(candidates) < 2:  # nothing to compare: the model's first runs
+            self.choices[num_tokens] = self._model_choice(model)
+            return
+        plan = tuning.CallPlan(tuple(candidates), cfg.parm_tune_steps)
+        self.tunings[num_tokens] = _Tuning(model, plan, key, cache, lookup.writable)
+
+    def _tuning_call(self, state: _Tuning, where: torch.device, timed: bool) -> None:
+        if state.issued_all:
+            return self._finish(state, where)
+        plan = state.plan
+        if not timed:  # no backward to time (evaluation): the current candidate, not counted
+            return None
+        candidate = plan.candidates[plan.candidate(len(state.calls))]
+        self._record = {"candidate": candidate}
+        state.calls.append(self._record)
+        self._run(self._fallback(state) if candidate in state.failed else candidate)
+
+    def _fallback(self, state: _Tuning):
+        return next(c for c in state.plan.candidates if c not in state.failed)
+
+    def _fail(self, state: _Tuning, error: Exception) -> None:
+        """Skip the current candidate: one warning, and the next unfailed one runs instead."""
+        candidate = self._record["candidate"]
+        state.failed.add(candidate)
+        self._record["failed"] = True
+        warnings.warn(f"parm: candidate {tuning.label(candidate)} failed while tuning and is "
+                      f"skipped ({type(error).__name__}: {' '.join(str(error).split())[:200]})")
+        if device.is_cuda():
+            torch.cuda.empty_cache()
+        if all(c in state.failed for c in state.plan.candidates):
+            raise error
+        self._run(self._fallback(state))
+
+    def _finish(self, state: _Tuning, where: torch.device) -> None:
+        """The one collective: every call's slowest-rank time; then the same winner everywhere."""
+        seconds = torch.tensor([state.call_seconds(i) for i in range(state.plan.num_calls)],
+                               dtype=torch.float64, device=where)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        measured = tuning.decide(state.plan, seconds.tolist())
+        path = state.cache.path if state.cache is not None and state.writable else None
+        if path and dist.get_rank() == 0:
+            try:
+                state.cache.store(state.key, measured)
+            except OSError as err:
+                warnings.warn(f"parm: --parm-tune-cache {path} could not be written ({err})")
+                path = None
+        self.choices[self._last_tokens] = tuning.ParmChoice(
+            measured.winner, "measured", state.model, seconds=measured.seconds,
+            cost_s=measured.cost_s, steps=state.plan.steps, cache=path,
+            profile=self._profile_text())
+        self._run(measured.winner)
+
+    def _guarded(self, phase: str, *args):
+        """A tuning call's first phase (by name), with a failing candidate skipped."""
+        try:
+            return getattr(self.active, phase)(*args)
+        except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept
+            if not _is_failure(error):
+                raise
+            self._fail(self.tunings[self._last_tokens], error)
+            return getattr(self.active, phase)(*args)
+
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        timed = torch.is_grad_enabled() and (hidden_states.requires_grad or probs.requires_grad)
         self._choose(hidden_states.numel() // hidden_states.shape[-1], hidden_states.dtype,
-                     hidden_states.device)
-        return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
+                     hidden_states.device, timed)
+        if self._record is None:
+            return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
+        self._record["fwd_start"] = _stamp()
+        hidden_states, probs = _Mark.apply(self._record, "bwd_end", hidden_states, probs)
+        return self._guarded("dispatch_preprocess", hidden_states, routing_map, probs)
 
     def token_dispatch(self, hidden_states, probs):
         return self.active.token_dispatch(hidden_states, probs)
@@ -158,7 +407,28 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         return self.active.token_combine(hidden_states)
 
     def combine_postprocess(self, hidden_states):
-        return self.active.combine_postprocess(hidden_states)
+        output = self.active.combine_postprocess(hidden_states)
+        if self._record is None:
+            return output
+        (output,) = _Mark.apply(self._record, "bwd_start", output)
+        self._record["fwd_end"] = _stamp()
+        return output
 
     def dispatch_compute_combine(self, rows, row_probs, expert_fn):
-        return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+        if self._record is None:
+            return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+        try:
+            return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+        except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept
+            if not _is_failure(error):
+                raise
+            # The rows are already S1's (S2 shares its preprocess): this call finishes in
+            # one chunk each way; later calls of the failed candidate run the fallback.
+            self._fail(self.tunings[self._last_tokens], error)
+            self.active = self._record_owner_one_chunk()
+            return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+
+    def _record_owner_one_chunk(self):
+        owner = self.schedules[tuning._name(self._record["candidate"])]
+        owner.num_chunks = owner.bwd_num_chunks = 1
+        return owner

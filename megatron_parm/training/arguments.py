@@ -17,7 +17,7 @@ import yaml
 
 from megatron_parm.data.datasets import add_data_args, parse_data_path
 from megatron_parm.data.tokenizers import add_tokenizer_args
-from megatron_parm import schedules
+from megatron_parm import schedules, tuning
 from megatron_parm.layout_rules import batch_problem, model_problem, shape_problem
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision
@@ -84,6 +84,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--parm-ranks-per-node", type=int, default=None,
                        help="Ranks per node, for parm_hier's node groups and the performance "
                             "model; default: LOCAL_WORLD_SIZE (set by torchrun).")
+    tuning.add_args(group)
     group.add_argument("--moe-grouped-gemm", action="store_true",
                        help="Run a layer's local experts as one grouped GEMM (TEGroupedMLP with "
                             "--transformer-impl transformer_engine, else GroupedMLP: needs the "
@@ -273,6 +274,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             load_profile(args.parm_profile)
         except ValueError as err:
             raise ValueError(f"--parm-profile: {err}") from err
+    tuning.check_args(args.parm_tune_steps, args.parm_tune_margin, args.parm_tune_candidates,
+                      args.parm_tune_cache)
+    args.parm_tune_cache = tuning.default_cache(args.parm_tune_cache, args.save)
     if args.use_distributed_optimizer and not _cuda_available():
         raise ValueError("--use-distributed-optimizer needs CUDA: Megatron-Core 0.16.1's "
                          "distributed optimizer only wraps CUDA parameters")

@@ -18,6 +18,7 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.utils import openai_gelu
 
+from megatron_parm import tuning
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.platform import device
@@ -62,6 +63,11 @@ def build_config(args) -> ParmTransformerConfig:
         parm_bwd_num_chunks=args.parm_bwd_num_chunks,
         parm_profile=args.parm_profile,
         parm_ranks_per_node=args.parm_ranks_per_node,
+        parm_tune=getattr(args, "parm_tune", None),
+        parm_tune_steps=getattr(args, "parm_tune_steps", tuning.DEFAULT_STEPS),
+        parm_tune_margin=getattr(args, "parm_tune_margin", tuning.DEFAULT_MARGIN),
+        parm_tune_candidates=getattr(args, "parm_tune_candidates", tuning.DEFAULT_MAX_CANDIDATES),
+        parm_tune_cache=getattr(args, "parm_tune_cache", None),
     )
 
 

@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 from megatron_parm import platform
+from megatron_parm.tuning import CHUNK_NOTATION
 from megatron_parm.cli import optional_packages_note
 from megatron_parm.checkpointing import (
     check_model_flags,
@@ -150,15 +151,15 @@ def load_balancing_loss(num_steps: int) -> float:
 
 
 def describe_choice(choice) -> str:
-    """One line for a dispatcher's choice (perf_model.Choice.describe where it is one)."""
-    text = choice.describe() if hasattr(choice, "describe") else str(choice)
-    return text if len(text) <= 200 else text[:197] + "..."
+    """One line for a dispatcher's choice, whole (its describe() where it has one)."""
+    return choice.describe() if hasattr(choice, "describe") else str(choice)
 
 
 def dispatcher_choices(model) -> list:
     """The schedule each MoE layer's dispatcher chose (dispatchers that choose expose
-    `choice`); None for the others."""
-    return [getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
+    `choice`); None for the others, and for one still measuring (`tuning`)."""
+    return [None if getattr(layer.token_dispatcher, "tuning", False)
+            else getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
 
 
 def evaluate(forward_step, data_iterator, model, args) -> dict:
@@ -353,11 +354,18 @@ def pretrain(args) -> dict:
         interval_steps += 1
         progress.update(iteration)
 
-        if choices is None or iteration % args.log_interval == 0:
+        if choices is None or None in choices or iteration % args.log_interval == 0:
+            # Each layer's choice once (again only if it changes), as soon as it is made.
             new_choices = dispatcher_choices(model)
-            if new_choices != choices and any(c is not None for c in new_choices):
+            previous = choices or [None] * len(new_choices)
+            changed = [(number, choice) for number, (old, choice)
+                       in enumerate(zip(previous, new_choices), start=1)
+                       if choice is not None and choice != old]
+            if changed:
                 progress.clear()
-                for layer_number, choice in enumerate(new_choices, start=1):
+                if not any(previous) and any("c=" in describe_choice(c) for _, c in changed):
+                    print_rank_0(f"> schedules: {CHUNK_NOTATION}")
+                for layer_number, choice in changed:
                     print_rank_0(f"> MoE layer {layer_number}: {args.moe_token_dispatcher_type} "
                                  f"chose {describe_choice(choice)}")
             choices = new_choices

@@ -3,9 +3,14 @@
 One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE (tiny) for 20 iterations with each dispatcher in turn, from the same seed;
   * BERT MoE (tiny) for 20 iterations with a Parm dispatcher, saving a checkpoint.
+  * GPT-2 MoE with parm without tuning (--no-parm-tune; the loop's parm tunes by default);
+  * parm tuning with candidates that fail (S2 at 2 forward chunks out of memory, parm_hier
+    refused), kept in a cache file, then a run that finds it there.
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
+  * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
+    warning each); the choice is logged once per layer, measured, then cached;
   * the checkpoint is in Megatron-LM's layout and the console lines are in its format.
 """
 
@@ -48,6 +53,10 @@ def worker(out_path: str, run_dir: str) -> None:
     for name in dispatchers_to_compare():
         args = parse_args(TINY_GPT + LAYOUT + SHORT + ["--moe-token-dispatcher-type", name])
         results["gpt"][name] = pretrain(args)["losses"]
+    args = parse_args(TINY_GPT + LAYOUT + SHORT + ["--moe-token-dispatcher-type", "parm",
+                                                   "--no-parm-tune"])
+    results["parm_no_tune"] = pretrain(args)["losses"]
+    results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -58,6 +67,50 @@ def worker(out_path: str, run_dir: str) -> None:
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     torch.distributed.barrier()
+
+
+# Tuning at 1 timed call per candidate: the tiny layer's 3 candidates x 2 calls, decided at
+# the 7th iteration.
+TUNE = ["--moe-token-dispatcher-type", "parm", "--parm-tune-steps", "1", "--train-iters", "10",
+        "--lr-decay-iters", str(NUM_ITERS)]  # the 20-iteration runs' learning rates
+
+
+def tune_with_failures(run_dir: str):
+    """parm tuning where S2 at 2 forward chunks runs out of memory (in its pipeline: that call
+    finishes in one chunk) and parm_hier refuses its input (in its first phase); then a 2-iteration run that finds the result in the cache. Returns the first run's
+    losses and the distinct warnings rank 0 saw."""
+    import warnings
+
+    import torch
+
+    from megatron_parm.dispatchers.parm_hier import ParmHierTokenDispatcher
+    from megatron_parm.dispatchers.parm_s2 import ParmS2TokenDispatcher
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import pretrain
+
+    pipeline, preprocess = (ParmS2TokenDispatcher.dispatch_compute_combine,
+                            ParmHierTokenDispatcher.dispatch_preprocess)
+
+    def out_of_memory(self, *args):
+        if self.num_chunks == 2:
+            raise torch.OutOfMemoryError("injected: out of memory at 2 chunks")
+        return pipeline(self, *args)
+
+    def refused(self, *args):
+        raise ValueError("injected: parm_hier refuses this input")
+
+    flags = TINY_GPT + LAYOUT + SHORT + TUNE + ["--parm-tune-cache", f"{run_dir}/tune.json"]
+    ParmS2TokenDispatcher.dispatch_compute_combine = out_of_memory
+    ParmHierTokenDispatcher.dispatch_preprocess = refused
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            losses = pretrain(parse_args(flags))["losses"]
+    finally:
+        ParmS2TokenDispatcher.dispatch_compute_combine = pipeline
+        ParmHierTokenDispatcher.dispatch_preprocess = preprocess
+    pretrain(parse_args(flags + ["--train-iters", "2"]))
+    return losses, sorted({str(w.message) for w in seen if "tuning" in str(w.message)})
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +134,37 @@ def test_dispatchers_agree_over_20_iterations(run):
     for name, losses in results["gpt"].items():
         worst = max(abs(a - b) for a, b in zip(losses, reference))
         assert len(losses) == NUM_ITERS and worst <= 1e-4, (name, worst, losses, reference)
+
+
+def test_parm_tuning_changes_no_loss(run):
+    """Tuned (the loop's parm, no --parm-profile), untuned, and with failing candidates: the
+    same losses, to the dispatchers' tolerance."""
+    results, _, _ = run
+    tuned, untuned = results["gpt"]["parm"], results["parm_no_tune"]
+    assert len(untuned) == NUM_ITERS
+    assert max(abs(a - b) for a, b in zip(tuned, untuned)) <= 1e-4, (tuned, untuned)
+    failing = results["tune_fail"]
+    assert len(failing) == 10
+    assert max(abs(a - b) for a, b in zip(failing, untuned)) <= 1e-4, (failing, untuned)
+
+
+def test_parm_tuning_skips_failures_and_logs_once_then_caches(run):
+    results, stdout, run_dir = run
+    assert results["tune_fail_warnings"] == [
+        "parm: candidate parm_hier failed while tuning and is skipped (ValueError: injected: "
+        "parm_hier refuses this input)",
+        "parm: candidate parm_s2(c=2) failed while tuning and is skipped (OutOfMemoryError: "
+        "injected: out of memory at 2 chunks)"], results["tune_fail_warnings"]
+    cache = run_dir / "tune.json"
+    measured = re.findall(r"^> MoE layer (\d): parm chose parm_s1 \(measured, fastest of 1 "
+                          r"calls.*runners-up .*parm_s2\(c=2\) failed.*; kept in "
+                          + re.escape(str(cache)) + "$", stdout, re.M)
+    assert measured == ["1", "2"], stdout[-4000:]
+    cached = re.findall(r"^> MoE layer (\d): parm chose parm_s1 \(cached in "
+                        + re.escape(str(cache)), stdout, re.M)
+    assert cached == ["1", "2"], stdout[-4000:]
+    assert stdout.count("> schedules: c=F/B: F pipeline chunks forward") >= 1
+    assert json.loads(cache.read_text())["entries"][0]["winner"] == "parm_s1"
 
 
 def test_bert_loss_falls_and_checkpoint_saved(run):

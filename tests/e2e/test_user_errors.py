@@ -50,6 +50,10 @@ def bad_inputs(run: Path) -> dict:
         "unknown dispatcher": (["--moe-token-dispatcher-type", "foo"],
                                "error: argument --moe-token-dispatcher-type: invalid choice: 'foo'"),
         "chunks 0": (["--parm-num-chunks", "0"], "error: --parm-num-chunks must be an integer >= 1, got 0"),
+        "tuning steps 0": (["--parm-tune-steps", "0"],
+                           "error: --parm-tune-steps must be a positive integer, got 0"),
+        "tuning margin negative": (["--parm-tune-margin", "-0.1"],
+                                   "error: --parm-tune-margin must be a positive number, got -0.1"),
         "layout that does not divide": (
             ["--tensor-model-parallel-size", "3"],
             "error: --tensor-model-parallel-size (3) must divide the world size (4)"),

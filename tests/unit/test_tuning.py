@@ -1,0 +1,113 @@
+"""parm's measured choice, its pure parts: flags, shortlist, call plan, decision, cache, log line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_parm import tuning
+from megatron_parm.perf_model import LayerShape, Layout
+
+S2 = "parm_s2"
+TIMES = {"parm_s1": 0.365, (S2, 2, 2): 0.308, (S2, 2, 4): 0.3055, (S2, 4, 4): 0.316,
+         "parm_hier": 0.3655, (S2, 8, 8): 0.39}
+
+
+def test_shortlist_puts_other_schedules_before_other_chunks():
+    assert tuning.shortlist(TIMES, 0.5, 4) == [(S2, 2, 4), "parm_s1", "parm_hier", (S2, 2, 2)]
+    assert tuning.shortlist(TIMES, 0.05, 4) == [(S2, 2, 4), (S2, 2, 2), (S2, 4, 4)]
+    assert tuning.shortlist(TIMES, 0.5, 1) == [(S2, 2, 4)]
+
+
+def test_plan_takes_turns_and_the_fastest_timed_call_wins_skipping_failures():
+    plan = tuning.CallPlan(("a", "b", "c"), steps=2)
+    assert plan.num_calls == 9 and [plan.candidate(i) for i in range(9)] == [0, 1, 2] * 3
+    assert [plan.timed(i) for i in range(9)] == [False] * 3 + [True] * 6
+    # a: warm-up 5, then 2 and 4; b failed on some rank; c: warm-up 9, then 1.5 and 2
+    measured = tuning.decide(plan, [5, 1, 9, 2, tuning.FAILED, 1.5, 4, 1, 2])
+    assert measured.winner == "c" and measured.seconds == {"a": 2, "b": tuning.FAILED, "c": 1.5}
+    # cost: every call's time beyond the winner's (failed calls count no time)
+    assert measured.cost_s == pytest.approx(3.5 + 0 + 7.5 + 0.5 + 0 + 0 + 2.5 + 0 + 0.5)
+    with pytest.raises(RuntimeError, match="every candidate schedule failed"):
+        tuning.decide(tuning.CallPlan(("a",), 1), [tuning.FAILED, tuning.FAILED])
+
+
+@pytest.mark.parametrize("steps,margin,count,cache,message", [
+    (0, 0.5, 4, None, "--parm-tune-steps must be a positive integer, got 0"),
+    (-2, 0.5, 4, None, "--parm-tune-steps must be a positive integer, got -2"),
+    (3, 0.0, 4, None, "--parm-tune-margin must be a positive number, got 0.0"),
+    (3, -0.1, 4, None, "--parm-tune-margin must be a positive number, got -0.1"),
+    (3, float("nan"), 4, None, "--parm-tune-margin must be a positive number, got nan"),
+    (3, 0.5, 0, None, "--parm-tune-candidates must be a positive integer, got 0"),
+    (3, 0.5, 4, "/tmp", "--parm-tune-cache must name a file, got the directory /tmp"),
+])
+def test_bad_tuning_flags_name_the_flag(steps, margin, count, cache, message):
+    with pytest.raises(ValueError) as err:
+        tuning.check_args(steps, margin, count, cache)
+    assert str(err.value) == message
+
+
+def test_tuning_is_the_default_without_a_profile_and_a_flag_turns_it_either_way():
+    assert tuning.enabled(None, None) and not tuning.enabled(None, "nvlink_ib_estimate")
+    assert tuning.enabled(True, "nvlink_ib_estimate") and not tuning.enabled(False, None)
+    assert tuning.default_cache(None, "runs/x") == "runs/x/parm_tuning.json"
+    assert tuning.default_cache(None, None) is None and tuning.default_cache("c.json", "x") == "c.json"
+
+
+def test_training_flags(tmp_path):
+    from megatron_parm.training.arguments import parse_args
+
+    base = ["--config", "configs/gpt2_tiny_moe.yaml", "--moe-token-dispatcher-type", "parm"]
+    args = parse_args(base + ["--save", str(tmp_path)], world_size=1)
+    assert args.parm_tune is None and args.parm_tune_steps == tuning.DEFAULT_STEPS
+    assert args.parm_tune_cache == str(tmp_path / tuning.CACHE_NAME)
+    assert parse_args(base + ["--no-parm-tune"], world_size=1).parm_tune is False
+    with pytest.raises(ValueError, match="--parm-tune-margin must be a positive number"):
+        parse_args(base + ["--parm-tune-margin", "0"], world_size=1)
+
+
+def _key(num_tokens=128, device="cpu"):
+    shape = LayerShape(num_tokens=num_tokens, hidden_size=64, ffn_hidden_size=256, num_experts=4,
+                       topk=2, dtype_bytes=4)
+    return tuning.cache_key(shape, Layout(2, 2, 2, 1, 4), True,
+                            {"device": device, "backend": "gloo", "world_size": 4}, "p:abc")
+
+
+def test_cache_round_trip_and_misses(tmp_path):
+    path = tmp_path / "sub" / "tune.json"
+    cache = tuning.TuningCache(str(path))
+    assert cache.lookup(_key()) == tuning.Lookup()  # no file: tune, no warning
+    measured = tuning.Measured((S2, 2, 4), {(S2, 2, 4): 0.1, "parm_s1": 0.2}, 0.05, 8)
+    cache.store(_key(), measured)
+    found = tuning.TuningCache(str(path)).lookup(_key()).measured
+    assert found.winner == (S2, 2, 4) and found.seconds == measured.seconds
+    # another shape, another cluster: a warning naming what differs, and tuning again
+    other = tuning.TuningCache(str(path)).lookup(_key(num_tokens=256))
+    assert other.measured is None and other.writable
+    assert "differs in shape.num_tokens)" in other.warning and other.warning.startswith(
+        f"parm: --parm-tune-cache {path} holds results for another shape")
+    assert "cluster.device" in tuning.TuningCache(str(path)).lookup(_key(device="gpu")).warning
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "x"}), json.dumps(
+    {"format": tuning.CACHE_FORMAT, "version": tuning.CACHE_VERSION, "entries": [{"k": 1}]})])
+def test_unreadable_cache_warns_and_is_left_as_it_is(tmp_path, content):
+    path = tmp_path / "tune.json"
+    path.write_text(content)
+    lookup = tuning.TuningCache(str(path)).lookup(_key())
+    assert lookup.measured is None and not lookup.writable
+    assert lookup.warning.startswith(f"parm: --parm-tune-cache {path} is unreadable (")
+    assert lookup.warning.endswith("tuning again; the file is left as it is")
+    assert path.read_text() == content
+
+
+def test_choice_line_is_whole_and_names_how():
+    seconds = {"parm_s1": 0.079, (S2, 2, 4): 0.122, "parm_hier": 0.081, (S2, 2, 2): tuning.FAILED}
+    line = tuning.ParmChoice("parm_s1", "measured", seconds=seconds, cost_s=0.2, steps=3,
+                             cache="c.json").describe()
+    assert line == ("parm_s1 (measured, fastest of 3 calls, slowest rank, forward+backward: "
+                    "parm_s1 79.0 ms; runners-up parm_hier 81.0 ms, parm_s2(c=2/4) 122.0 ms, "
+                    "parm_s2(c=2) failed); tuning cost 200.0 ms; kept in c.json")
+    cached = tuning.ParmChoice("parm_s1", "cached", seconds=seconds, cache="c.json").describe()
+    assert cached.startswith("parm_s1 (cached in c.json: parm_s1 79.0 ms; runners-up")
