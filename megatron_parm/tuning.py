@@ -7,8 +7,9 @@ the model ranks best on the real layer, with the run's own tokens, and keeps the
 
     shortlist(choice, margin, max_candidates)
         the model's first, then the best-predicted variant of every other schedule within
-        (1 + margin) x the first's predicted time, then the next best variants, at most
-        max_candidates in all (distinct schedules first: the model errs most between them)
+        (1 + margin) x the first's predicted time, then the other variants within it, fewest
+        chunks first, at most max_candidates in all (distinct schedules first: the model errs
+        most between them; then chunk counts away from its guess)
     CallPlan(candidates, steps)
         the layer's training calls 0, 1, ...: the candidates take turns (round-robin), a first
         round of warm-up calls, then `steps` timed rounds
@@ -115,8 +116,17 @@ def shortlist(times: Dict, margin: float, max_candidates: int) -> List:
         if _name(key) not in seen:
             picked.append(key)
             seen.add(_name(key))
-    picked += [key for key in within if key not in picked]  # then other variants
+    # Then the other variants, fewest chunks first: the model's cost of a chunk is its least
+    # certain term (an uncalibrated profile may price chunks as free and rank the most chunks
+    # first), so the variant furthest from that guess is the most informative to time.
+    picked += sorted((key for key in within if key not in picked),
+                     key=lambda key: (_chunks(key), times[key]))
     return picked[:max_candidates]
+
+
+def _chunks(schedule) -> tuple:
+    """(forward, backward) chunks of a chunked variant; () for a schedule without chunks."""
+    return () if isinstance(schedule, str) else tuple(schedule[1:])
 
 
 @dataclass(frozen=True)

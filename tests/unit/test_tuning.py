@@ -20,6 +20,14 @@ def test_shortlist_puts_other_schedules_before_other_chunks():
     assert tuning.shortlist(TIMES, 0.5, 1) == [(S2, 2, 4)]
 
 
+def test_shortlist_times_the_fewest_chunks_when_the_model_likes_many():
+    """An uncalibrated model that prices chunks as free ranks the most chunks first: the next
+    variant timed is the one with the fewest chunks, not the model's runner-up."""
+    times = {(S2, 8, 8): 0.30, (S2, 4, 8): 0.301, (S2, 4, 4): 0.302, (S2, 2, 2): 0.31,
+             "parm_s1": 0.33}
+    assert tuning.shortlist(times, 0.5, 3) == [(S2, 8, 8), "parm_s1", (S2, 2, 2)]
+
+
 def test_plan_takes_turns_and_the_fastest_timed_call_wins_skipping_failures():
     plan = tuning.CallPlan(("a", "b", "c"), steps=2)
     assert plan.num_calls == 9 and [plan.candidate(i) for i in range(9)] == [0, 1, 2] * 3
