@@ -99,6 +99,11 @@ class TorchGroupedMLP(GroupedMLP):
             dtype = rows.dtype
             rows = (probs.unsqueeze(-1) * rows).to(dtype)
             probs = torch.ones_like(probs)
+        if rows.stride() != (rows.shape[1], 1):
+            # A one-row slice of a wider buffer counts as contiguous (S2's sub-chunk of one row
+            # of a packed message): .contiguous() keeps its row stride, which grouped_mm refuses
+            # unless it is a multiple of 16 bytes.
+            rows = rows.clone(memory_format=torch.contiguous_format)
         experts = self.num_local_experts
         w1 = self.weight1.view(experts, self.config.hidden_size, -1)
         w2 = self.weight2.view(experts, -1, self.config.hidden_size)

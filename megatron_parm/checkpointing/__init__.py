@@ -26,6 +26,7 @@ otherwise. Every rank calls save_checkpoint / load_checkpoint (they are collecti
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import shutil
@@ -125,17 +126,28 @@ def _optimizer_state(optimizer, model_state, is_loading: bool):
     on fp32 copies of the bf16/fp16 parameters: those main parameters are saved too, as
     'optimizer.state.fp32_param...' (Megatron's name), so a resumed run continues from the
     exact fp32 values rather than from their rounded bf16 copies."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,
     )
 
     tensors, targets, step = {}, {}, None
+    num_factories = collections.Counter()
 
     def add(sharded_param, value, name):
+        # A ShardedTensorFactory (GroupedMLP's and TorchGroupedMLP's weight1 / weight2) gives
+        # a factory too: dist_checkpointing builds it when saving, so the moments are stored in
+        # SequentialMLP's layout and under its keys, and merges it back when loading.
         sharded = make_sharded_optimizer_tensor(sharded_param, value, prefix=f"optimizer.state.{name}")
-        # One key holds every layer (a layer axis): name the entry by key and offset.
-        entry = f"{sharded.key}@{','.join(map(str, sharded.global_offset))}"
+        # One key holds every layer (a layer axis): name the entry by key and offset; a factory
+        # has no offset until built, so by key and its rank among this rank's factories of it.
+        if isinstance(sharded, ShardedTensorFactory):
+            where = f"factory{num_factories[sharded.key]}"
+            num_factories[sharded.key] += 1
+        else:
+            where = ",".join(map(str, sharded.global_offset))
+        entry = f"{sharded.key}@{where}"
         tensors[entry] = sharded
         targets[entry] = value
 
@@ -307,6 +319,7 @@ def _agree(problems: list) -> list:
 
 
 def _sharded_tensors(state):
+    """Every ShardedTensor of STATE, factories built: what loading STATE reads."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -314,7 +327,8 @@ def _sharded_tensors(state):
         if isinstance(value, ShardedTensor):
             yield value
         elif isinstance(value, ShardedTensorFactory):
-            for built in nested_values(value.build()):
+            # build() gives one ShardedTensor (GroupedMLP without GLU), a list or a dict
+            for built in nested_values([value.build()]):
                 if isinstance(built, ShardedTensor):
                     yield built
 
@@ -358,9 +372,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     metadata = read_metadata(path)
     problems = _agree(check_request(_sharded_tensors(request), metadata))
     if problems:
+        # The first tensor on the error's own line, any others below it.
         shown = "\n  ".join(problems[:8])
         more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
-        raise CheckpointError(f"{path} does not fit this model:\n  {shown}{more}")
+        raise CheckpointError(f"{path} does not fit this model: {shown}{more}")
 
     state = dist_checkpointing.load(request, path)
     _unwrap(model).load_state_dict(state["model"])

@@ -15,7 +15,9 @@ dispatchers, the performance model and the byte accounting), so that one launch 
 machine has the several nodes parm_hier splits its dispatch by; without it, one node.
 
 Every schedule also runs once more under tests/device_sim.py's simulated device (placement
-errors, host syncs).
+errors, host syncs). On GROUPED_LAYOUTS every dispatcher runs with grouped experts too:
+Megatron's GroupedMLP (bf16, on a stand-in of grouped_gemm) and megatron_parm.experts'
+TorchGroupedMLP (float32, and bf16 for some), against SequentialMLP.
 
 Everything runs on megatron_parm.platform.device.current(): the CPU here; on a machine with
 one GPU (tools/gpu_check.sh, stage a) every rank puts its tensors on that GPU and gloo moves
@@ -104,12 +106,14 @@ PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free",
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
               per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False,
-              bwd_chunks=None):
+              bwd_chunks=None, torch_grouped=False):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part.
 
     simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
     grouped: Megatron's GroupedMLP experts (--moe-grouped-gemm) on tests/fake_grouped_gemm.py,
-    in bf16 as GroupedMLP requires. bf16: the layer in bf16. Results come back in float32.
+    in bf16 as GroupedMLP requires. torch_grouped: megatron_parm.experts.TorchGroupedMLP
+    experts (PyTorch's grouped_mm), in float32 or bf16. bf16: the layer in bf16. Results come
+    back in float32.
     bwd_chunks: --parm-bwd-num-chunks (the chunked schedules' backward pipeline).
     """
     bf16 = bf16 or grouped
@@ -130,12 +134,14 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
-        moe_grouped_gemm=grouped, parm_num_chunks=num_chunks, parm_bwd_num_chunks=bwd_chunks,
+        moe_grouped_gemm=grouped or torch_grouped, parm_num_chunks=num_chunks,
+        parm_bwd_num_chunks=bwd_chunks,
         parm_profile=profile,
         parm_ranks_per_node=per_node)
     if bf16:
         data = {name: tensor.to(torch.bfloat16) for name, tensor in data.items()}
-    spec = get_gpt_layer_parm_spec(num_experts=E, moe_grouped_gemm=grouped)
+    spec = get_gpt_layer_parm_spec(num_experts=E, moe_grouped_gemm=grouped or torch_grouped,
+                                   expert_impl="TorchGroupedMLP" if torch_grouped else None)
     layer = ParmMoELayer(cfg, spec.submodules.mlp.submodules).to(device.current())
     layer.train()
 
@@ -198,8 +204,8 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
 
 def expert_weights(layer, num_local, grads=False):
     """Per local expert, its fc1 [F/s, M] and fc2 [M, F/s] weights (or their grads) as views
-    into the layer's parameters: SequentialMLP's linears, or GroupedMLP's weight1 / weight2
-    ([L, M, F/s] and [L, F/s, M] for its grouped GEMMs, transposed here)."""
+    into the layer's parameters: SequentialMLP's linears, or (Torch)GroupedMLP's weight1 /
+    weight2 ([L, M, F/s] and [L, F/s, M] for its grouped GEMMs, transposed here)."""
     experts = layer.experts
     if hasattr(experts, "weight1"):
         w1 = experts.weight1.grad if grads else experts.weight1
@@ -436,13 +442,43 @@ def check_layout(tp, ep, etp, per_node, records):
     simulated_device(tp, ep, etp, per_node, layout, records)
     if layout in GROUPED_LAYOUTS.get(dist.get_world_size(), ()):
         grouped_experts(tp, ep, etp, per_node, layout, records)
+        torch_grouped_experts(tp, ep, etp, per_node, layout, records)
     if rank == 0:
         print(f"layout {layout}: done", flush=True)
 
 
-# World size -> layouts where the GroupedMLP experts run (bf16 on CPU is slow): ETP 2 with 4
-# and with 2 local experts, EP 4 without ETP.
+# World size -> layouts where the grouped experts (GroupedMLP, TorchGroupedMLP) run (bf16 on
+# CPU is slow): ETP 2 with 4 and with 2 local experts, EP 4 without ETP.
 GROUPED_LAYOUTS = {4: ("2,2,2", "1,4,1"), 8: ("2,4,2",)}
+# Dispatchers that also run TorchGroupedMLP in bf16 (float32: all of them): Megatron's and S2,
+# whose chunks each call the experts.
+TORCH_GROUPED_BF16 = ("alltoall", "parm_s2")
+
+
+def torch_grouped_experts(tp, ep, etp, per_node, layout, records):
+    """Every dispatcher with megatron_parm.experts.TorchGroupedMLP experts (PyTorch's grouped_mm)
+    against alltoall with SequentialMLP: in float32 (the suite's tolerance) for all of them, in
+    bf16 for TORCH_GROUPED_BF16. S2 runs with NUM_CHUNKS chunks and a backward pipeline of
+    another size (BWD_CHUNKS["drop"]), so that every per-chunk expert call of both passes
+    goes through the grouped GEMM. parm decides with the latency-free profile (S2)."""
+    data = global_tensors(321, dist.get_world_size() // tp)
+    case = CASES["dropless"]
+    for dtype, names in (("fp32", dispatchers(tp, ep, etp)), ("bf16", TORCH_GROUPED_BF16)):
+        bf16 = dtype == "bf16"
+        sequential, _, _ = run_layer("alltoall", case, tp, ep, etp, tp > 1, data, bf16=bf16,
+                                     per_node=per_node)
+        for name in names:
+            grouped, _, _ = run_layer(name, case, tp, ep, etp, tp > 1, data, torch_grouped=True,
+                                      bf16=bf16, per_node=per_node, bwd_chunks=BWD_CHUNKS["drop"],
+                                      profile=PROFILE_PATHS["latency-free"] if name == "parm" else None)
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                records.append(dict(layout=layout, case=f"torch-grouped-{dtype}", dispatcher=name,
+                                    against="sequential", quantity=key,
+                                    err=rel_err(grouped[key], sequential[key])))
+            if name == "parm":
+                records.append(dict(layout=layout, case=f"torch-grouped-{dtype}", dispatcher=name,
+                                    against="schedule", quantity="schedule",
+                                    choice=grouped["choice"]))
 
 
 def grouped_experts(tp, ep, etp, per_node, layout, records):

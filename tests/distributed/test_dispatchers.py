@@ -24,7 +24,7 @@ import pytest
 
 from launch import torchrun
 from megatron_parm import schedules
-from moe_equivalence_worker import GROUPED_LAYOUTS
+from moe_equivalence_worker import GROUPED_LAYOUTS, TORCH_GROUPED_BF16
 from toy_schedule import TOY
 
 TOL = 1e-5
@@ -281,3 +281,37 @@ def test_grouped_gemm_called_as_the_package_requires(records, world, layout):
     bad = {(r["dispatcher"], r["rank"]): (r["error"], r["violations"], r["mixing"]) for r in rows
            if r["error"] or r["violations"] or r["mixing"]}
     assert not bad, bad
+
+
+def _torch_grouped(records, world, layout, dtype, dispatcher):
+    rows = _select(records, world, layout, case=f"torch-grouped-{dtype}", dispatcher=dispatcher,
+                   against="sequential")
+    assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
+    return rows
+
+
+@pytest.mark.parametrize("world,layout", GROUPED)
+@pytest.mark.parametrize("dispatcher", ["alltoall"] + PARM)
+def test_torch_grouped_experts_compute_the_same(records, world, layout, dispatcher):
+    """--moe-grouped-gemm without grouped_gemm: TorchGroupedMLP (PyTorch's grouped_mm) behind
+    every dispatcher gives the output and gradients of SequentialMLP behind alltoall, in
+    float32 to the suite's tolerance. S2 runs 3 forward and 2 backward chunks, and parm picks
+    S2 here (a latency-free profile), so that per-chunk expert calls run the grouped GEMM."""
+    _skip_unless_supported(dispatcher, layout)
+    rows = _torch_grouped(records, world, layout, "fp32", dispatcher)
+    bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
+    assert not bad, f"{dispatcher} with TorchGroupedMLP differs from SequentialMLP: {bad}"
+    if dispatcher == "parm":
+        choice, = _select(records, world, layout, case="torch-grouped-fp32", dispatcher="parm",
+                          against="schedule")
+        assert choice["choice"].startswith("('parm_s2'"), choice
+
+
+@pytest.mark.parametrize("world,layout", GROUPED)
+@pytest.mark.parametrize("dispatcher", TORCH_GROUPED_BF16)
+def test_torch_grouped_experts_in_bf16(records, world, layout, dispatcher):
+    """TorchGroupedMLP in bf16 (its grouped GEMM on 16-byte rows) against SequentialMLP in
+    bf16 behind alltoall, to bf16 precision."""
+    rows = _torch_grouped(records, world, layout, "bf16", dispatcher)
+    bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= GROUPED_TOL}
+    assert not bad, f"{dispatcher} with TorchGroupedMLP in bf16 differs from SequentialMLP: {bad}"

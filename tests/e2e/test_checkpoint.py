@@ -11,6 +11,15 @@ tests through one module fixture:
   converters       to another layout (1,4,1), to one file and back, dense -> MoE upcycling.
   wide  (8 ranks)  (2,4,2) evaluates the checkpoint, its converted copies and the upcycled one.
 Dropout is on (0.1), so a bitwise resume needs every rank's RNG states back.
+
+The tests of checkpoints between expert implementations (`-k grouped`) have their own launch,
+through megatron_parm.launch as a user starts one:
+  grouped (4 ranks)  a run with SequentialMLP experts, resumed with --moe-grouped-gemm
+                     (TorchGroupedMLP) in another layout, and that one's checkpoint resumed
+                     with SequentialMLP and with TorchGroupedMLP in two more (dropout off, so
+                     that the losses of different layouts agree); a checkpoint with an expert
+                     tensor of another shape; last, --moe-grouped-gemm with a width the grouped
+                     GEMM cannot take, which ends the launch with status 2.
 """
 
 from __future__ import annotations
@@ -63,6 +72,50 @@ def dense_config(out_dir: Path) -> str:
 
 def eval_loss(summary):
     return summary["eval"][-1][1]["lm loss"]
+
+
+GROUPED = ["--moe-grouped-gemm"]
+# Every run of the grouped launch: no dropout, iterations 1-6, a checkpoint every 2.
+GROUPED_RUN = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "6",
+               "--save-interval", "2"]
+FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+FC2_MOMENT = "optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc2.weight"
+# Rows of 66 fp32 values: not on the 16-byte boundary PyTorch's grouped GEMM needs.
+BAD_WIDTH = ["--moe-ffn-hidden-size", "66"]
+
+
+def grouped_worker(run: Path, train) -> dict:
+    """The grouped launch's runs (see the module docstring); returns the results."""
+    import torch
+
+    from megatron_parm.checkpointing.full import read_full, write_full
+
+    rank = torch.distributed.get_rank()
+    results = {}
+    # sequential (2,2,2): iterations 1-6, saved at 2, 4, 6
+    results["sequential"] = train(*layout_flags(2, 2, 2, "alltoall"), *GROUPED_RUN,
+                                  "--save", f"{run}/sequential")["losses"]
+    # its iteration 2 with TorchGroupedMLP (1,4,1), S2's chunks: iterations 3-6, saved at 4, 6
+    results["to_grouped"] = train(*layout_flags(1, 4, 1, "parm_s2"), *GROUPED, *GROUPED_RUN,
+                                  "--load", f"{run}/sequential/iter_0000002",
+                                  "--save", f"{run}/grouped")["losses"]
+    # the grouped iteration 4 back with SequentialMLP (4,1,4), and grouped with ETP 2 (2,2,2)
+    results["back"] = train(*layout_flags(4, 1, 4, "ds_baseline"), *GROUPED_RUN,
+                            "--load", f"{run}/grouped/iter_0000004")["losses"]
+    results["grouped_etp"] = train(*layout_flags(2, 2, 2, "parm_s1"), *GROUPED, *GROUPED_RUN,
+                                   "--load", f"{run}/grouped/iter_0000004")["losses"]
+    if rank == 0:  # a copy with one expert fewer in fc1 and another FFN width in a moment of fc2
+        full = read_full(f"{run}/sequential/iter_0000002")
+        full.tensors[FC1] = full.tensors[FC1][:, :3].clone()
+        full.tensors[FC2_MOMENT] = full.tensors[FC2_MOMENT][..., :128].clone()
+        write_full(f"{run}/bad", 2, full)
+    torch.distributed.barrier()
+    try:
+        train(*layout_flags(1, 4, 1, "alltoall"), *GROUPED, *GROUPED_RUN, "--load", f"{run}/bad")
+        results["bad_checkpoint"] = None
+    except ValueError as err:  # CheckpointError is a ValueError
+        results["bad_checkpoint"] = str(err)
+    return results
 
 
 def worker(mode: str, run_dir: str) -> None:
@@ -131,6 +184,9 @@ def worker(mode: str, run_dir: str) -> None:
         results["dense_eval"] = eval_loss(train(*dense_layout, "--load", f"{run}/dense",
                                                 "--skip-train", "--train-iters", "3", config=dense))
 
+    if mode == "grouped":
+        results = grouped_worker(run, train)
+
     if mode == "wide":
         flags = layout_flags(2, 4, 2, "parm_s2")
         results["eval"] = {name: eval_loss(train(*flags, "--load", path, "--skip-train"))
@@ -142,6 +198,12 @@ def worker(mode: str, run_dir: str) -> None:
     if torch.distributed.get_rank() == 0:
         (run / f"{mode}.json").write_text(json.dumps(results))
     torch.distributed.barrier()
+    if mode == "grouped":  # the pretraining entry point, as a launch runs it: ends with status 2
+        sys.path.insert(0, str(REPO / "pretrain_scripts"))
+        from megatron_parm import cli
+        from pretrain_gpt2_moe import main
+
+        cli.run(main, BASE + layout_flags(1, 4, 1, "alltoall") + GROUPED + BAD_WIDTH)
 
 
 def crash_launch(script: str, run: Path) -> str:
@@ -327,8 +389,80 @@ def test_inspect_lists_iterations_layout_and_tensors(runs):
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in proc.stdout
 
 
+# ---------------------------------------------------------------------------------------------
+# Between expert implementations: the grouped launch
+# ---------------------------------------------------------------------------------------------
+
+CROSS_LAYOUT_TOL = 1e-6  # as test_eval_loss_identical_in_every_layout
+
+
+@pytest.fixture(scope="module")
+def grouped_runs(tmp_path_factory, prepared_data):
+    """The grouped launch (module docstring), through megatron_parm.launch: (run folder,
+    rank 0's results, the launch's exit status and output)."""
+    run = tmp_path_factory.mktemp("grouped")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)  # the output a user sees
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4", "--master-addr",
+         "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).relative_to(REPO)),
+         "worker", "grouped", str(run)],
+        cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    output = proc.stdout + proc.stderr
+    assert (run / "grouped.json").is_file(), output[-6000:]
+    return run, json.loads((run / "grouped.json").read_text()), proc.returncode, output
+
+
+def _close(losses, reference):
+    return len(losses) == len(reference) and all(
+        abs(a - b) <= CROSS_LAYOUT_TOL for a, b in zip(losses, reference))
+
+
+def test_grouped_experts_resume_a_sequential_checkpoint_and_back(grouped_runs):
+    """SequentialMLP (2,2,2) -> TorchGroupedMLP (1,4,1) -> SequentialMLP (4,1,4) and
+    TorchGroupedMLP (2,2,2): each resumed run repeats the losses of the run it resumed. The
+    second iteration after each load steps with the loaded Adam moments (fresh ones give
+    another loss there)."""
+    _, results, _, output = grouped_runs
+    sequential = results["sequential"]
+    assert len(sequential) == 6
+    assert _close(results["to_grouped"], sequential[2:]), (results["to_grouped"], sequential)
+    for name in ("back", "grouped_etp"):
+        assert _close(results[name], results["to_grouped"][2:]), (name, results[name], results)
+    # The start-up lines: 2 runs with each implementation, and the refused checkpoint's.
+    assert output.count(", experts SequentialMLP,") == 2, output[-6000:]
+    assert output.count(", experts TorchGroupedMLP,") == 3, output[-6000:]
+
+
+def test_grouped_checkpoint_of_other_expert_shapes_names_the_tensor(grouped_runs):
+    """One expert fewer in fc1 and another FFN width in an Adam moment of fc2, loaded with
+    TorchGroupedMLP experts: the error's own line names the first tensor with both shapes."""
+    _, results, _, _ = grouped_runs
+    message = results["bad_checkpoint"]
+    assert message is not None, "the damaged checkpoint loaded"
+    first, *others = message.splitlines()
+    assert first.endswith(f"does not fit this model: {FC1}: shape (2, 3, 256, 64) in the "
+                          f"checkpoint, (2, 4, 256, 64) in this model"), message
+    assert [line.strip() for line in others] == [
+        f"{FC2_MOMENT}: shape (2, 4, 64, 128) in the checkpoint, (2, 4, 64, 256) in this model"], message
+
+
+def test_grouped_gemm_width_refused_by_the_launcher_in_one_line(grouped_runs):
+    """--moe-grouped-gemm with rows the grouped GEMM cannot take: status 2, one line naming
+    the flags, no traceback and no torchrun report."""
+    _, _, status, output = grouped_runs
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert status == 2, output[-6000:]
+    assert errors == [
+        "error: --moe-grouped-gemm: --moe-ffn-hidden-size / --expert-tensor-parallel-size gives "
+        "rows of 66 fp32 values (264 bytes); the grouped GEMM needs a multiple of 4 values "
+        "(16 bytes): change --moe-ffn-hidden-size / --expert-tensor-parallel-size, or drop "
+        "--moe-grouped-gemm"], output[-6000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-6000:]
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "worker":
         sys.exit("usage: torchrun --nproc-per-node N tests/e2e/test_checkpoint.py worker "
-                 "{crash,main,wide} RUN_DIR")
+                 "{crash,main,wide,grouped} RUN_DIR")
     worker(sys.argv[2], sys.argv[3])
