@@ -15,7 +15,10 @@
 # Stages (tools/gpu_check.py says more): a dispatcher equivalence on 4 ranks sharing the GPU
 # over gloo; b tiny GPT-2 MoE in bf16 on NCCL, 30 iterations, checkpoint saved and loaded, and
 # fp16; c one MoE layer at GPT-2-small-MoE shapes, every dispatcher timed with CUDA events;
-# d host synchronisations per layer call; e what each S2 chunk costs, with a profile. Writes OUT_DIR/gpu_check.log and OUT_DIR/summary.json.
+# d host synchronisations per layer call; e what each S2 chunk costs, with a profile; f the
+# same with SequentialMLP and grouped experts on that layer and a larger one (hidden 2048, FFN
+# 8192), kernel launches and issue 18's targets. Writes OUT_DIR/gpu_check.log and
+# OUT_DIR/summary.json.
 # Exit status: 0 every stage passed, 1 some did not, 2 bad arguments or setup, 124 timed out.
 set -uo pipefail
 

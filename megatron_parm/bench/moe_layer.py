@@ -242,12 +242,23 @@ def time_experts(spec: MoELayerSpec, dispatchers: List[str], expert_impls: List[
                  memory: bool = False) -> Dict[str, Dict[str, Timing]]:
     """time_dispatchers for each expert implementation, all interleaved in one loop (same
     router and expert weights): {expert_impl: {dispatcher: Timing}}."""
-    layers = {(impl, name): build_layer(dataclasses.replace(spec, expert_impl=impl), name)
-              for impl in expert_impls for name in dispatchers}
-    timings = time_layers(layers, spec, warmup, iters, seed, memory=memory)
-    out: Dict[str, Dict[str, Timing]] = {impl: {} for impl in expert_impls}
+    layers = build_expert_layers(spec, dispatchers, expert_impls)
+    return by_expert_impl(time_layers(layers, spec, warmup, iters, seed, memory=memory))
+
+
+def build_expert_layers(spec: MoELayerSpec, dispatchers: List[str],
+                        expert_impls: List[str]) -> Dict[Tuple[str, str], ParmMoELayer]:
+    """{(expert_impl, dispatcher): layer} for time_layers (which makes their weights equal)."""
+    return {(impl, name): build_layer(dataclasses.replace(spec, expert_impl=impl), name)
+            for impl in expert_impls for name in dispatchers}
+
+
+def by_expert_impl(timings: Dict[Tuple[str, str], Timing]) -> Dict[str, Dict[str, Timing]]:
+    """time_layers' results of build_expert_layers as {expert_impl: {dispatcher: Timing}}."""
+    out: Dict[str, Dict[str, Timing]] = {}
     for (impl, name), timing in timings.items():
-        out[impl][name] = dataclasses.replace(timing, dispatcher=name, expert_impl=impl)
+        out.setdefault(impl, {})[name] = dataclasses.replace(timing, dispatcher=name,
+                                                             expert_impl=impl)
     return out
 
 

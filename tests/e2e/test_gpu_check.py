@@ -5,7 +5,8 @@ What can be checked without a GPU: the wrapper's argument handling and wheel-ins
 stages), its refusal without megatron-core, the Python tool's refusals, and every stage's
 code on CPU (--allow-cpu --quick): stage a's pytest run and report, stage b's bf16/fp16
 training with checkpoint save, load and resume, stage c's layer timing of every dispatcher,
-stage d's sync counting (which counts nothing without CUDA, and says so).
+stage d's sync counting (which counts nothing without CUDA, and says so), stage e's chunk
+costs and profile, stage f's expert implementations with their targets.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_tool_refusals(tmp_path):
 def dry_run(tmp_path_factory, prepared_data):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = run([sys.executable, TOOL, "--out", str(out), "--allow-cpu", "--quick", "--stages",
-                "b,c,d,e", "--budget", "1500"], timeout=1600)
+                "b,c,d,e,f", "--budget", "1500"], timeout=1600)
     summary = json.loads((out / "summary.json").read_text())
     return proc, summary, out
 
@@ -129,7 +130,7 @@ def test_dry_run_passes_every_stage(dry_run):
     proc, summary, out = dry_run
     assert proc.returncode == 0, (proc.stdout, (out / "gpu_check.log").read_text()[-5000:])
     assert {stage: result["status"] for stage, result in summary["stages"].items()} == \
-        {"b": "passed", "c": "passed", "d": "passed", "e": "passed"}
+        {"b": "passed", "c": "passed", "d": "passed", "e": "passed", "f": "passed"}
     assert "stage b: passed" in (out / "gpu_check.log").read_text()
 
 
@@ -163,3 +164,39 @@ def test_dry_run_chunk_stage(dry_run):
                for table in chunks["variants_by_local_experts"].values())
     profile = (out / chunks["profile"]).read_text()
     assert "== alltoall:" in profile and "== parm_s2@4:" in profile
+
+
+def test_dry_run_expert_stage(dry_run):
+    """Stage f: both layers, SequentialMLP and TorchGroupedMLP (the others only where their
+    packages are), every variant's time, chunk cost and launches, the targets as data."""
+    proc, summary, out = dry_run
+    stage = summary["stages"]["f"]
+    assert set(stage["layers"]) == {"gpt2_small_moe", "large"}
+    variants = {"alltoall", "parm_s1", "parm_s2@1", "parm_s2@2", "parm_s2@4", "parm_s2@8"}
+    for layer in stage["layers"].values():
+        impls = layer["expert_impls"]
+        assert {"SequentialMLP", "TorchGroupedMLP"} <= set(impls)
+        assert set(impls) | set(layer["not_run"]) == {"SequentialMLP", "TorchGroupedMLP",
+                                                        "GroupedMLP", "TEGroupedMLP"}
+        assert layer["shape"]["dtype"] == "torch.bfloat16" and layer["shape"]["experts"] == 8
+        for impl, table in impls.items():
+            assert set(table) == variants and all(v["median_ms"] > 0 for v in table.values())
+            assert all(isinstance(v["kernel_launches"], int) for v in table.values())
+            for c in (2, 4, 8):
+                assert {"per_extra_chunk_ms", "per_extra_chunk_pct_of_one_chunk",
+                        "kernel_launches_per_extra_chunk"} <= set(table[f"parm_s2@{c}"])
+        assert all(v["over_sequential"] > 0 for v in impls["TorchGroupedMLP"].values())
+    # two targets per layer and grouped implementation, reported, not failing the stage
+    targets = {(t["target"], t["layer"]): t for t in stage["targets"]
+               if t["expert_impl"] == "TorchGroupedMLP"}
+    assert set(targets) == {(target, layer) for target in ("per_extra_chunk_pct_max",
+                                                          "time_over_sequential_max")
+                            for layer in ("gpt2_small_moe", "large")}
+    assert targets[("per_extra_chunk_pct_max", "large")]["limit"] == 3.0
+    assert targets[("per_extra_chunk_pct_max", "gpt2_small_moe")]["limit"] == 10.0
+    assert all(isinstance(t["met"], bool) for t in stage["targets"])
+    assert "no CUDA" in stage["note"]
+    log = (out / "gpu_check.log").read_text()
+    assert "target per_extra_chunk_pct_max (large, TorchGroupedMLP)" in log
+    profile = (out / stage["profile"]).read_text()
+    assert "== large, TorchGroupedMLP, parm_s2@4:" in profile
