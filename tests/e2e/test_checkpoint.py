@@ -393,7 +393,9 @@ def test_inspect_lists_iterations_layout_and_tensors(runs):
 # Between expert implementations: the grouped launch
 # ---------------------------------------------------------------------------------------------
 
-CROSS_LAYOUT_TOL = 1e-6  # as test_eval_loss_identical_in_every_layout
+# Relative: a sum in another order is an ulp or two of the loss (at a loss of 8.6 one float32
+# ulp is 9.5e-7, seen at ETP 2); a lost optimizer state moves it by far more.
+CROSS_LAYOUT_TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +417,7 @@ def grouped_runs(tmp_path_factory, prepared_data):
 
 def _close(losses, reference):
     return len(losses) == len(reference) and all(
-        abs(a - b) <= CROSS_LAYOUT_TOL for a, b in zip(losses, reference))
+        abs(a - b) <= CROSS_LAYOUT_TOL * max(1.0, abs(b)) for a, b in zip(losses, reference))
 
 
 def test_grouped_experts_resume_a_sequential_checkpoint_and_back(grouped_runs):
