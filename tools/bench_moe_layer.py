@@ -13,8 +13,8 @@ all alike; each step's time is the slowest rank's, and the table shows medians, 
 ds_baseline and alltoall, the bytes sent intra- and inter-node per step (summed over ranks,
 from the byte accounting, which covers Megatron's own dispatchers too), the peak memory per
 rank (--memory) and the largest output difference to alltoall. --output appends one JSON
-line per dispatcher (and expert implementation). By default every schedule of the catalog that runs the configuration's
-layout is timed; a chunked one at its default chunks, or at each of --chunk-variants
+line per dispatcher (and expert implementation). By default every schedule of the catalog
+that runs the configuration's layout is timed; a chunked one at its default chunks, or at each of --chunk-variants
 (``parm_s2@2``, ...; a variant can also be named in --dispatchers, e.g. ``parm_s2@8/4``:
 8 chunks forward, 4 backward).
 

@@ -601,7 +601,8 @@ def worker_experts(out: Path, quick: bool) -> dict:
     ran = all(len(layer["expert_impls"]) >= 2 for layer in layers_out.values())
     result = {"status": "passed" if finite and ran else "failed",
               "reason": None if finite and ran else
-              "a variant has no valid time" if not finite else "fewer than two expert implementations ran",
+              "a variant has no valid time" if not finite else
+              "fewer than two expert implementations ran",
               "timer": "CUDA events" if device.is_cuda() else "perf_counter (CPU)",
               "layers": layers_out, "targets": targets,
               "targets_met": f"{sum(t['met'] for t in targets)} of {len(targets)}",
@@ -647,7 +648,8 @@ def print_expert_results(result: dict) -> None:
                 extra = (f" (+{v['per_extra_chunk_ms']} ms = {v['per_extra_chunk_pct_of_one_chunk']}%"
                          f" per chunk)" if "per_extra_chunk_ms" in v else "")
                 ratio = f" x{v['over_sequential']} of SequentialMLP" if "over_sequential" in v else ""
-                cells.append(f"{name} {v['median_ms']} ms{extra}{ratio}, {v['kernel_launches']} launches")
+                cells.append(f"{name} {v['median_ms']} ms{extra}{ratio}, "
+                             f"{v['kernel_launches']} launches")
             print(f"  {impl}: " + "; ".join(cells), flush=True)
     for t in result["targets"]:
         print(f"  target {t['target']} ({t['layer']}, {t['expert_impl']}): {t['value']} vs "
