@@ -78,6 +78,9 @@ def with_parm_moe(spec: ModuleSpec, expert_impl: Optional[str] = None) -> Module
 def get_gpt_layer_parm_spec(*args, expert_impl: Optional[str] = None, **kwargs) -> ModuleSpec:
     """get_gpt_layer_local_spec (same arguments) with ParmMoELayer as the MoE MLP (and
     expert_impl's experts: see with_parm_moe)."""
+    if expert_impl == "TorchGroupedMLP":
+        # Its experts replace the spec's: skip the legacy GroupedMLP spec and its warning.
+        kwargs["moe_grouped_gemm"] = False
     return with_parm_moe(get_gpt_layer_local_spec(*args, **kwargs), expert_impl)
 
 
