@@ -142,12 +142,7 @@ def plan_direction(plan: RoutingPlan, num_chunks: int, num_subs: int) -> Directi
     starts = block_start[chunk_of] + sub_bounds[:-1] - chunk_bounds[chunk_of]
     # sub-chunk-major, then expert-major inside each: [k][x][q][j]
     index = row_order.ranges(starts.permute(0, 3, 1, 2), sub_parts.permute(0, 3, 1, 2))
-    chunk_rows = flat.sum(dim=1).tolist()
-    sort, unsort = [], []
-    for piece in index.split(chunk_rows):
-        moved = not row_order.is_identity(piece)
-        sort.append(piece if moved else None)
-        unsort.append(row_order.inverse(piece) if moved else None)
+    sort, unsort = row_order.split_orders(index, flat.sum(dim=1).tolist())
     return Direction(
         num_chunks=c, offsets=offsets,
         a2a_in=parts.view(c, e, num_local).sum(dim=2).tolist(),
@@ -198,6 +193,9 @@ class _ChunkedExperts:
         self.ep_group, self.etp_group = dispatcher.ep_group, dispatcher.etp_group
         self.chunks = chunks
         self.expert_fn = expert_fn
+        # Rows and probs travel as one message only where a collective moves them; with one
+        # rank in both groups packing would only add copies (a pass, and one per chunk).
+        self.travels = self.ep_group.size() > 1 or self.etp_group.size() > 1
         # per sub-chunk: (rows, probs) the experts saw and their output, for the backward
         self.saved: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -227,7 +225,7 @@ class _ChunkedExperts:
     def forward(self, rows: torch.Tensor, probs: torch.Tensor, build_graph: bool) -> torch.Tensor:
         """Expert-order rows and probs in, expert outputs out in forward chunk order."""
         d = self.chunks.fwd
-        message = Message(rows.shape[1], rows.dtype, probs.dtype)
+        message = Message(rows.shape[1], rows.dtype, probs.dtype, travels=self.travels)
         if message.packs:  # one pass: chunk order and packing
             origin = (message.pack(rows, probs, order=d.order),)
         else:
@@ -241,9 +239,9 @@ class _ChunkedExperts:
                 gathered = message.unpack_gathered(gathered[0], d.sort[i])
             else:
                 gathered = row_order.gather_contiguous(gathered, d.sort[i])
-            ys, start = [], 0
+            ys, start, whole = [], 0, len(d.sub_rows[i]) == 1
             for k, count in enumerate(d.sub_rows[i], start=d.first_sub[i]):
-                x, x_probs = (t[start : start + count] for t in gathered)
+                x, x_probs = gathered if whole else (t[start : start + count] for t in gathered)
                 start += count
                 with torch.enable_grad() if build_graph else torch.no_grad():
                     if build_graph:
@@ -267,7 +265,7 @@ class _ChunkedExperts:
         d = self.chunks.bwd
         grad_out = row_order.gather(grad_out, self.chunks.to_backward)
         num_rows, hidden = grad_out.shape
-        message = Message(hidden, grad_out.dtype, probs_dtype, summed=True)
+        message = Message(hidden, grad_out.dtype, probs_dtype, summed=True, travels=self.travels)
         if message.packs:
             outputs = [message.empty(grad_out, num_rows)]
         else:
@@ -279,11 +277,11 @@ class _ChunkedExperts:
             grad_y = row_order.gather(grad_y, d.sort[i])
             subs = range(d.first_sub[i], d.first_sub[i] + len(d.sub_rows[i]))
             saved = [self.saved.pop(k) for k in subs]  # freed once used
-            ys, grads, start = [], [], 0
+            ys, grads, start, whole = [], [], 0, len(saved) == 1
             for (_, _, y), count in zip(saved, d.sub_rows[i]):
                 if y.requires_grad and count > 0:
                     ys.append(y)
-                    grads.append(grad_y[start : start + count])
+                    grads.append(grad_y if whole else grad_y[start : start + count])
                 start += count
             if ys:
                 torch.autograd.backward(ys, grads)

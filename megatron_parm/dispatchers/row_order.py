@@ -65,6 +65,23 @@ def is_identity(order: torch.Tensor) -> bool:
     return bool(torch.equal(order, torch.arange(order.numel(), device=HOST)))
 
 
+def split_orders(index: torch.Tensor, sizes: Sequence[int]) -> Tuple[List[Optional[torch.Tensor]],
+                                                                     List[Optional[torch.Tensor]]]:
+    """Pieces of one concatenated gather index, each a permutation of its own piece's rows
+    (0 .. size - 1): every piece's order and its inverse, None for a piece that moves
+    nothing. Whole-array operations, whatever the number of pieces (S2's chunks)."""
+    sizes_t = torch.tensor(list(sizes), dtype=torch.long, device=HOST)
+    shift = torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t, sizes_t)
+    whole = index + shift  # one permutation of all the rows
+    piece_of_row = torch.repeat_interleave(torch.arange(len(sizes), device=HOST), sizes_t)
+    moved_rows = whole != torch.arange(whole.numel(), device=HOST)
+    moved = (torch.bincount(piece_of_row[moved_rows], minlength=len(sizes)) > 0).tolist()
+    undo = inverse(whole) - shift
+    orders = [piece if m else None for piece, m in zip(index.split(list(sizes)), moved)]
+    inverses = [piece if m else None for piece, m in zip(undo.split(list(sizes)), moved)]
+    return orders, inverses
+
+
 def to_device(indices: Sequence[Optional[torch.Tensor]], device) -> List[Optional[torch.Tensor]]:
     """Host index tensors on ``device``: one copy for all, without a host wait (on the CPU
     itself each stays where it is)."""
@@ -96,13 +113,17 @@ class Message:
     p = 1 where the dtypes match; otherwise the probabilities' bytes ride as p columns of the
     rows' dtype, which only pure data movement may carry (``summed``: a reduction would add
     reinterpreted bytes); ``packs`` is False where neither works, and the two travel apart.
+    ``travels`` False (no collective moves the message: groups of one rank) packs nothing:
+    packing would only copy the rows, and unpacking copy them back for the experts.
     """
 
     def __init__(self, hidden: int, rows_dtype: torch.dtype, probs_dtype: torch.dtype,
-                 summed: bool = False):
+                 summed: bool = False, travels: bool = True):
         self.hidden, self.probs_dtype = hidden, probs_dtype
         ratio, rest = divmod(probs_dtype.itemsize, rows_dtype.itemsize)
-        if rows_dtype == probs_dtype:
+        if not travels:
+            self.prob_cols = 0
+        elif rows_dtype == probs_dtype:
             self.prob_cols = 1
         elif not summed and rest == 0:
             self.prob_cols = ratio

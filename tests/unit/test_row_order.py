@@ -50,6 +50,24 @@ def test_ranges_inverse_and_identity():
     assert row_order.to_device([order, None], "cpu")[1] is None
 
 
+def test_split_orders_matches_each_piece_on_its_own():
+    """The pieces' orders and inverses from whole-array work equal those made piece by piece;
+    a piece that moves nothing (and an empty one) gives None."""
+    pieces = [torch.tensor([2, 0, 1]), torch.arange(4), torch.zeros(0, dtype=torch.long),
+              torch.tensor([1, 0]), torch.tensor([0])]
+    orders, inverses = row_order.split_orders(torch.cat(pieces), [p.numel() for p in pieces])
+    for piece, order, undo in zip(pieces, orders, inverses):
+        if row_order.is_identity(piece):
+            assert order is None and undo is None
+        else:
+            assert torch.equal(order, piece) and torch.equal(undo, row_order.inverse(piece))
+
+
+def test_message_travels_apart_where_nothing_moves_it():
+    assert not Message(4, torch.float32, torch.float32, travels=False).packs
+    assert Message(4, torch.float32, torch.float32).packs
+
+
 @pytest.mark.parametrize("rows_dtype,probs_dtype,summed,packs", [
     (torch.float32, torch.float32, False, True), (torch.bfloat16, torch.float32, False, True),
     (torch.bfloat16, torch.float32, True, False), (torch.float32, torch.float32, True, True)])
