@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import platform as host
-import time
 import warnings
 from typing import Dict, List, Optional
 
@@ -43,21 +42,14 @@ def _is_failure(error: Exception) -> bool:
 
 
 def _stamp():
-    """Now, on the device's clock: a recorded CUDA event (read at the decision), or seconds."""
-    if device.is_cuda():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
+    """Now, on the device's clock (read at the decision)."""
+    return device.stamp()
 
 
 def _seconds(start, end) -> float:
     if start is None or end is None:
         return 0.0
-    if isinstance(start, float):
-        return end - start
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return device.seconds_between(start, end)
 
 
 class _Mark(torch.autograd.Function):
@@ -290,7 +282,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     # -- tuning ------------------------------------------------------------------------------
 
     def _cluster(self) -> Dict:
-        kind = (torch.cuda.get_device_name() if device.is_cuda()
+        kind = (device.device_name() if device.is_cuda()
                 else f"cpu {host.machine()} x{torch.get_num_threads()} threads")
         return {"device": kind, "backend": str(dist.get_backend()),
                 "world_size": dist.get_world_size()}
@@ -347,8 +339,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         self._record["failed"] = True
         warnings.warn(f"parm: candidate {tuning.label(candidate)} failed while tuning and is "
                       f"skipped ({type(error).__name__}: {' '.join(str(error).split())[:200]})")
-        if device.is_cuda():
-            torch.cuda.empty_cache()
+        device.empty_cache()
         if all(c in state.failed for c in state.plan.candidates):
             raise error
         self._run(self._fallback(state))

@@ -15,6 +15,8 @@ how to wait for it and how to time it; nothing else in the project names ``torch
     to_host(tensor)      one device -> host copy (a host synchronisation on CUDA)
     synchronize()        wait for the device (no-op on CPU)
     Timer                start() / stop() -> seconds; CUDA events on GPUs, perf_counter on CPU
+    stamp(), seconds_between(start, end)    the same clocks, for stamps taken apart
+    empty_cache()        the caching allocator's free blocks back (after an out-of-memory)
     memory_allocated(), max_memory_allocated(), reset_peak_memory_stats(), device_name()
     get_rng_state(), set_rng_state(state)   the device generator (None / no-op on CPU)
     sync_debug_mode(mode)                   torch.cuda.set_sync_debug_mode, restored on exit
@@ -92,6 +94,29 @@ class Timer:
             self._end_event.synchronize()
             return self._start_event.elapsed_time(self._end_event) / 1e3
         return time.perf_counter() - self._start
+
+
+def stamp():
+    """Now, on the device's clock, without waiting: a recorded CUDA event, or perf_counter
+    seconds on CPU. seconds_between(start, end) reads two of them (it waits for the end)."""
+    if is_cuda():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start, end) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def empty_cache() -> None:
+    """Hand the caching allocator's free blocks back (after an out-of-memory); no-op on CPU."""
+    if is_cuda():
+        torch.cuda.empty_cache()
 
 
 def memory_allocated() -> int:
