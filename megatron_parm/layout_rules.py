@@ -30,19 +30,29 @@ def shape_problem(hidden_size: int, num_attention_heads: int, seq_length: int,
 
 
 def layout_problem(world_size: int, tp: int, ep: int, etp: int,
-                   num_experts: Optional[int] = None) -> Optional[str]:
-    """Why (tp, ep, etp) cannot lay out world_size ranks (or split num_experts), or None."""
+                   num_experts: Optional[int] = None, pp: int = 1) -> Optional[str]:
+    """Why (tp, ep, etp, pp) cannot lay out world_size ranks (or split num_experts), or None.
+
+    Megatron puts the pipeline stages outermost: each stage has world_size / pp ranks, laid
+    out by (tp, ep, etp) as a whole world would be."""
     for flag, value in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep),
-                        ("--expert-tensor-parallel-size", etp)):
+                        ("--expert-tensor-parallel-size", etp),
+                        ("--pipeline-model-parallel-size", pp)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    if world_size % tp != 0:
-        return f"--tensor-model-parallel-size ({tp}) must divide the world size ({world_size})"
-    if world_size % etp != 0:
-        return f"--expert-tensor-parallel-size ({etp}) must divide the world size ({world_size})"
-    if world_size % (etp * ep) != 0:
+    if world_size % pp != 0:
+        return f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})"
+    stage = world_size // pp
+    where = (f"the world size ({world_size})" if pp == 1 else
+             f"the ranks of a pipeline stage ({world_size} / --pipeline-model-parallel-size "
+             f"{pp} = {stage})")
+    if stage % tp != 0:
+        return f"--tensor-model-parallel-size ({tp}) must divide {where}"
+    if stage % etp != 0:
+        return f"--expert-tensor-parallel-size ({etp}) must divide {where}"
+    if stage % (etp * ep) != 0:
         return (f"--expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}) "
-                f"must divide the world size ({world_size})")
+                f"must divide {where}")
     if num_experts is not None and num_experts % ep != 0:
         return (f"--num-experts ({num_experts}) must be divisible by "
                 f"--expert-model-parallel-size ({ep})")
@@ -101,4 +111,104 @@ def grouped_gemm_problem(dtype: str, hidden_size: int, ffn_per_rank: int) -> Opt
             return (f"{flag} gives rows of {width} {dtype} values ({width * DTYPE_BYTES[dtype]} "
                     f"bytes); the grouped GEMM needs a multiple of {step} values "
                     f"({GROUPED_GEMM_ALIGN_BYTES} bytes): change {flag}, or drop --moe-grouped-gemm")
+    return None
+
+
+PIPELINE_FLAG = "--pipeline-model-parallel-size"
+UNEVEN_FLAGS = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+ACCOUNT_FLAGS = "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
+
+
+def pipeline_stage_layers(num_layers: int, pp: int, vpp: Optional[int] = None,
+                          first: Optional[int] = None, last: Optional[int] = None,
+                          account_for_embedding: bool = False, account_for_loss: bool = False):
+    """Transformer layers per (stage, virtual stage), [pp][vpp or 1], as Megatron-Core 0.16.1
+    builds them; or a str saying why that split is refused (naming the flags).
+
+    first / last: --decoder-first/last-pipeline-num-layers (the middle stages share the rest);
+    account_for_*: the embedding (and the loss) count as a layer of the first (last) virtual
+    stage, which then builds one transformer layer fewer."""
+    chunks = vpp or 1
+    if pp == 1:
+        if vpp is not None:
+            return (f"interleaving (--virtual-pipeline-model-parallel-size / "
+                    f"--num-layers-per-virtual-pipeline-stage) needs {PIPELINE_FLAG} > 1")
+        if first is not None or last is not None or account_for_embedding or account_for_loss:
+            return f"{UNEVEN_FLAGS} and {ACCOUNT_FLAGS} need {PIPELINE_FLAG} > 1"
+        return [[num_layers]]
+    if (first is not None or last is not None) and (account_for_embedding or account_for_loss):
+        return (f"{UNEVEN_FLAGS} exclude {ACCOUNT_FLAGS} (Megatron-Core 0.16.1 refuses them "
+                f"together): give one or the other")
+    if first is not None or last is not None:
+        ends = {0: first, pp - 1: last}
+        middle_layers = num_layers - sum(v for v in ends.values() if v is not None)
+        middle_stages = pp - sum(v is not None for v in ends.values())
+        for flag, value in (("--decoder-first-pipeline-num-layers", first),
+                            ("--decoder-last-pipeline-num-layers", last)):
+            if value is not None and (value < 1 or value % chunks):
+                return (f"{flag} ({value}) must be >= 1 and divisible by the virtual stages "
+                        f"per pipeline rank ({chunks})")
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+                middle_stages and middle_layers % (middle_stages * chunks)):
+            return (f"--num-layers ({num_layers}) minus {UNEVEN_FLAGS} leaves {middle_layers} "
+                    f"layers for {middle_stages} middle pipeline stages x {chunks} virtual "
+                    f"stages: they must divide evenly")
+        per_middle = middle_layers // middle_stages if middle_stages else 0
+        counts = [ends.get(stage) if ends.get(stage) is not None else per_middle
+                  for stage in range(pp)]
+        return [[count // chunks] * chunks for count in counts]
+    slots = num_layers + account_for_embedding + account_for_loss
+    if slots % (pp * chunks):
+        extra = (f" + 1 for each of {ACCOUNT_FLAGS}" if account_for_embedding or account_for_loss
+                 else "")
+        what = (f"{PIPELINE_FLAG} x virtual stages per rank ({pp} x {chunks})" if vpp else
+                f"{PIPELINE_FLAG} ({pp})")
+        return f"--num-layers ({num_layers}{extra}) must be divisible by {what}"
+    per_chunk = slots // (pp * chunks)
+    layers = [[per_chunk] * chunks for _ in range(pp)]
+    layers[0][0] -= account_for_embedding
+    layers[-1][-1] -= account_for_loss
+    if min(min(stage) for stage in layers) < 1:  # Megatron allows it; the MoE logging does not
+        return (f"--num-layers ({num_layers}) leaves a pipeline stage without transformer "
+                f"layers with {ACCOUNT_FLAGS} at {PIPELINE_FLAG} {pp}: every (virtual) stage "
+                f"needs at least one")
+    return layers
+
+
+def virtual_stages(num_layers: int, pp: int, vpp: Optional[int],
+                   layers_per_virtual_stage: Optional[int]):
+    """Virtual stages per pipeline rank from --virtual-pipeline-model-parallel-size or
+    --num-layers-per-virtual-pipeline-stage (Megatron-LM's two ways to ask), None without
+    interleaving; or a str saying why not."""
+    if vpp is not None and layers_per_virtual_stage is not None:
+        return ("--virtual-pipeline-model-parallel-size and "
+                "--num-layers-per-virtual-pipeline-stage exclude each other: give one")
+    if layers_per_virtual_stage is not None:
+        if layers_per_virtual_stage < 1:
+            return (f"--num-layers-per-virtual-pipeline-stage must be >= 1, got "
+                    f"{layers_per_virtual_stage}")
+        if num_layers % (pp * layers_per_virtual_stage):
+            return (f"--num-layers ({num_layers}) must be divisible by {PIPELINE_FLAG} x "
+                    f"--num-layers-per-virtual-pipeline-stage ({pp} x {layers_per_virtual_stage})")
+        vpp = num_layers // (pp * layers_per_virtual_stage)
+    if vpp is not None and vpp < 1:
+        return f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}"
+    return None if vpp == 1 else vpp  # one virtual stage: the plain 1F1B schedule
+
+
+def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int]) -> Optional[str]:
+    """Why num_microbatches (--global-batch-size / (--micro-batch-size x data-parallel size))
+    cannot fill the pipeline, or None. Every stage needs at least pp micro-batches in flight
+    (fewer leave stages idle for the whole step); interleaving runs them in groups of pp, and
+    Megatron-Core 0.16.1 refuses a last group smaller than pp."""
+    if pp == 1:
+        return None
+    if num_microbatches < pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{num_microbatches} micro-batches, fewer than {PIPELINE_FLAG} ({pp}): raise "
+                f"--global-batch-size to at least {pp} micro-batches")
+    if vpp is not None and num_microbatches % pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{num_microbatches} micro-batches; interleaving (virtual pipeline stages) "
+                f"needs a multiple of {PIPELINE_FLAG} ({pp})")
     return None

@@ -1,9 +1,9 @@
-"""Convert checkpoints offline: another (tp, ep, etp) layout, one file and back, upcycling.
+"""Convert checkpoints offline: another (tp, ep, etp, pp) layout, one file and back, upcycling.
 
 Another layout (runs the target layout's ranks as local gloo processes, CPU only):
     python tools/convert_checkpoint.py --load runs/x/checkpoints --save runs/x/ckpt_tp1_ep4 \
         --target-tensor-parallel-size 1 --target-expert-parallel-size 4 \
-        --target-expert-tensor-parallel-size 1
+        --target-expert-tensor-parallel-size 1 [--target-pipeline-parallel-size 2]
 
 One unsharded PyTorch file (for inspection or other frameworks), and back:
     python tools/convert_checkpoint.py --load runs/x/checkpoints --to-single-file x.pt
@@ -48,7 +48,8 @@ from megatron_parm.checkpointing.paths import CheckpointError  # noqa: E402
 # The layout flags of training, as this tool names them for the target layout.
 TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
                 "--expert-model-parallel-size": "--target-expert-parallel-size",
-                "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size"}
+                "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size",
+                "--pipeline-model-parallel-size": "--target-pipeline-parallel-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-tensor-parallel-size", type=int)
     parser.add_argument("--target-expert-parallel-size", type=int)
     parser.add_argument("--target-expert-tensor-parallel-size", type=int)
+    parser.add_argument("--target-pipeline-parallel-size", type=int,
+                        help="Pipeline stages of the target layout (default: the checkpoint's; "
+                             "the layers split evenly, without interleaving).")
     parser.add_argument("--target-world-size", type=int, default=None,
                         help="Ranks of the target layout (default: the smallest that fits it).")
     parser.add_argument("--to-single-file", metavar="FILE")
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     targets = (args.target_tensor_parallel_size, args.target_expert_parallel_size,
-               args.target_expert_tensor_parallel_size)
+               args.target_expert_tensor_parallel_size, args.target_pipeline_parallel_size)
     modes = [name for name, on in (("--to-single-file", args.to_single_file),
                                    ("--from-single-file", args.from_single_file),
                                    ("--from-hf", args.from_hf),
@@ -236,6 +240,7 @@ def relayout(source, args) -> int:
     from megatron_parm.checkpointing import read_checkpoint_info
     from megatron_parm.checkpointing.full import verify_against
     from megatron_parm.checkpointing.paths import checkpoint_dir
+    from megatron_parm.layout_rules import pipeline_stage_layers
     from megatron_parm.parallel import validate_layout
     from megatron_parm.training.log import stage
     from megatron_parm.training.model import build_config
@@ -249,26 +254,30 @@ def relayout(source, args) -> int:
     tp = args.target_tensor_parallel_size or layout.get("tensor_model_parallel_size") or 1
     ep = args.target_expert_parallel_size or layout.get("expert_model_parallel_size") or 1
     etp = args.target_expert_tensor_parallel_size or tp
-    world = args.target_world_size or math.lcm(tp, ep * etp)
+    pp = args.target_pipeline_parallel_size or layout.get("pipeline_model_parallel_size") or 1
+    world = args.target_world_size or math.lcm(tp, ep * etp) * pp
     try:
-        validate_layout(world, tp, ep, etp, saved.get("num_experts"))
+        validate_layout(world, tp, ep, etp, saved.get("num_experts"), pp=pp)
+        split = pipeline_stage_layers(saved["num_layers"], pp)
+        if isinstance(split, str):
+            raise ValueError(split)
     except ValueError as err:
         message = str(err)
         for flag, target_flag in TARGET_FLAGS.items():
             message = message.replace(flag, target_flag)
         raise ValueError(f"target layout ({world} ranks, --target-world-size): {message}") from err
     try:  # Megatron-Core's own checks of the model against the layout, before any rank starts
-        build_config(target_args(saved, (tp, ep, etp), world))
+        build_config(target_args(saved, (tp, ep, etp, pp), world))
     except (ValueError, AssertionError) as err:
-        raise ValueError(f"target layout tp={tp} ep={ep} etp={etp} does not fit the model in "
+        raise ValueError(f"target layout tp={tp} ep={ep} etp={etp} pp={pp} does not fit the model in "
                          f"{source[0]}: {err}") from err
     expected = checksums(read_checkpoint(source[0]).tensors, "the source")
     port = _free_port()
     errors = mp.get_context("spawn").SimpleQueue()  # a rank's CheckpointError, as text
-    with stage(f"resharding for tp={tp} ep={ep} etp={etp} on {world} local processes"):
+    with stage(f"resharding for tp={tp} ep={ep} etp={etp} pp={pp} on {world} local processes"):
         try:
             mp.spawn(_relayout_worker, nprocs=world, join=True,
-                     args=(world, port, source[0], args.save, (tp, ep, etp), saved, errors))
+                     args=(world, port, source[0], args.save, (tp, ep, etp, pp), saved, errors))
         except mp.ProcessExitedException as err:
             if err.exit_code != cli.USER_ERROR or errors.empty():
                 raise
@@ -276,7 +285,7 @@ def relayout(source, args) -> int:
     path = checkpoint_dir(args.save, source[1])
     with stage(f"reading {path} back and comparing every checksum"):
         verify_against(path, expected, "conversion to the target layout")
-    print(f"wrote {path} for tp={tp} ep={ep} etp={etp} ({world} ranks) from {source[0]}: "
+    print(f"wrote {path} for tp={tp} ep={ep} etp={etp} pp={pp} ({world} ranks) from {source[0]}: "
           f"{_summary(expected)}")
     return 0
 
@@ -290,15 +299,21 @@ def _free_port() -> int:
 
 
 def target_args(saved: dict, layout, world: int) -> Namespace:
-    """The training flags of the target layout's ranks: the saved ones, in LAYOUT."""
-    tp, ep, etp = layout
+    """The training flags of the target layout's ranks: the saved ones, in LAYOUT (tp, ep,
+    etp, pp; the layers split evenly over the stages, not interleaved)."""
+    tp, ep, etp, pp = layout
     args = Namespace(**saved)
     args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
     args.expert_tensor_parallel_size = etp
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, None
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    args.account_for_embedding_in_pipeline_split = False
+    args.account_for_loss_in_pipeline_split = False
     args.sequence_parallel = tp > 1  # no weights depend on it; Megatron's alltoall needs it
     args.moe_token_dispatcher_type = "alltoall"
     args.use_distributed_optimizer = False
-    args.data_parallel_size = world // tp
+    args.data_parallel_size = world // (tp * pp)
     args.override_opt_param_scheduler = False
     args.use_checkpoint_opt_param_scheduler = True  # a conversion keeps the schedule as saved
     return args
@@ -330,10 +345,11 @@ def _relayout_rank(rank, world, port, source, target_root, layout, saved):
         set_seed,
     )
 
-    tp, ep, etp = layout
+    tp, ep, etp, pp = layout
     args = target_args(saved, layout, world)
     initialize_distributed()
-    initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type)
+    initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type,
+                              pp=pp)
     set_seed(args.seed)
     padded_vocab = read_checkpoint_info(source)["model_info"]["padded_vocab_size"]
     model, optimizer, scheduler = build_model_and_optimizer(args, padded_vocab, padded_vocab)

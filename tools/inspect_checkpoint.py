@@ -51,8 +51,12 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     print(f"{path}: iteration {info.get('iteration')}, consumed samples "
           f"{info.get('consumed_samples')}, {human(size)} on disk")
+    pp, vpp = layout.get("pipeline_model_parallel_size") or 1, layout.get(
+        "virtual_pipeline_model_parallel_size")
+    stages = (f" pp={pp}" + (f" vpp={vpp}" if vpp else "")) if pp > 1 else ""
     print(f"  saved on {layout.get('world_size')} ranks: tp={layout.get('tensor_model_parallel_size')} "
-          f"ep={layout.get('expert_model_parallel_size')} etp={layout.get('expert_tensor_parallel_size')}; "
+          f"ep={layout.get('expert_model_parallel_size')} etp={layout.get('expert_tensor_parallel_size')}"
+          f"{stages}; "
           f"model {args.get('model_type')} layers={args.get('num_layers')} hidden={args.get('hidden_size')} "
           f"experts={args.get('num_experts')} top-k={args.get('moe_router_topk')}; padded vocabulary "
           f"{(info.get('model_info') or {}).get('padded_vocab_size')}")

@@ -96,11 +96,25 @@ def _unwrap(model):
     return model
 
 
+def _chunks(model) -> list:
+    """The model's chunks, unwrapped: one per virtual pipeline stage (a list), or the model."""
+    return [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def _model_keys(num_chunks: int) -> list:
+    """Where each chunk's state sits: 'model', then 'model1', ... (Megatron-LM's names). The
+    tensors inside carry global names and the layer axis at global layer numbers, so a
+    chunk's key only groups them and any pipeline layout reads any other's."""
+    return ["model"] + [f"model{index}" for index in range(1, num_chunks)]
+
+
 def _sharded_state_dict(model, optimizer, is_loading: bool):
     """{'model': ..., 'optimizer_state': {key@offset: ShardedTensor}, 'optimizer_step': step},
     and for loading the map from each optimizer entry to the state tensor it fills."""
-    model_state = _unwrap(model).sharded_state_dict()
-    state = {"model": model_state, "checkpoint_version": CHECKPOINT_VERSION}
+    chunks = _chunks(model)
+    model_state = {key: chunk.sharded_state_dict()
+                   for key, chunk in zip(_model_keys(len(chunks)), chunks)}
+    state = {**model_state, "checkpoint_version": CHECKPOINT_VERSION}
     targets = {}
     if optimizer is not None:
         tensors, step, targets = _optimizer_state(optimizer, model_state, is_loading)
@@ -201,11 +215,24 @@ def _load_optimizer_state(optimizer, loaded: dict, targets: dict, step, scaler_s
             param_state["step"] = step.clone() if torch.is_tensor(step) else step
 
 
+# A layout's pipeline entries as checkpoints without them (saved before pipelining) had them.
+NO_PIPELINE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
+
+
 def _layout(args) -> dict:
     return {"world_size": torch.distributed.get_world_size(),
             "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),
             "expert_model_parallel_size": getattr(args, "expert_model_parallel_size", None),
-            "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None)}
+            "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None),
+            "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1),
+            "virtual_pipeline_model_parallel_size": getattr(
+                args, "virtual_pipeline_model_parallel_size", None)}
+
+
+def same_layout(saved: Optional[dict], layout: dict) -> bool:
+    """Whether a checkpoint's recorded layout is LAYOUT (one without pipeline entries was saved
+    without pipelining); only then do its ranks' RNG states belong to this run's ranks."""
+    return saved is not None and {**NO_PIPELINE, **saved} == {**NO_PIPELINE, **layout}
 
 
 def _plain_args(args) -> dict:
@@ -252,7 +279,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         state["opt_param_scheduler"] = scheduler.state_dict()
     layout = _layout(args)
     state["layout"] = layout
-    state["model_info"] = {"padded_vocab_size": getattr(_unwrap(model), "vocab_size", None)}
+    state["model_info"] = {"padded_vocab_size": getattr(_chunks(model)[0], "vocab_size", None)}
     if args is not None:
         state["args"] = _plain_args(args)
     # Every rank's generators, gathered so that the common part (rank 0's) holds them all.
@@ -378,7 +405,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
         raise CheckpointError(f"{path} does not fit this model: {shown}{more}")
 
     state = dist_checkpointing.load(request, path)
-    _unwrap(model).load_state_dict(state["model"])
+    chunks = _chunks(model)
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        chunk.load_state_dict(state[key])
     if optimizer is not None and not has_optimizer:
         # Mixed precision: without saved main params (a converted or upcycled checkpoint) the
         # optimizer's fp32 copies start from the loaded weights. (Saved ones were loaded in
@@ -402,7 +431,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     layout = _layout(args)
     if saved_rng is None:
         notes.append("the checkpoint holds no RNG states: generators keep this run's seed")
-    elif saved_rng.get("layout") != layout:
+    elif not same_layout(saved_rng.get("layout"), layout):
         notes.append(f"saved in another layout ({_describe(saved_rng.get('layout'))}, now "
                      f"{_describe(layout)}): RNG states are reseeded, not restored")
     else:
@@ -417,5 +446,12 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
 def _describe(layout: Optional[dict]) -> str:
     if not layout:
         return "unknown"
+    layout = {**NO_PIPELINE, **layout}
+    pipeline = ""
+    if layout["pipeline_model_parallel_size"] != 1:
+        pipeline = f" pp={layout['pipeline_model_parallel_size']}"
+        if layout["virtual_pipeline_model_parallel_size"]:
+            pipeline += f" vpp={layout['virtual_pipeline_model_parallel_size']}"
     return (f"{layout['world_size']} ranks, tp={layout['tensor_model_parallel_size']} "
-            f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}")
+            f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}"
+            + pipeline)

@@ -17,6 +17,7 @@ from megatron.core import utils
 from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
+from megatron_parm.parallel import stage_group
 from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
 from megatron_parm.platform import device
@@ -153,6 +154,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                                    getattr(config, "parm_profile", None))
         self.profile = self._load_profile(getattr(config, "parm_profile", None), self.tune)
         self._record: Optional[Dict] = None  # the stamps of the timed call under way
+        # Agreement and tuning collectives: this pipeline stage's ranks (the world without
+        # pipelining); the other stages run other layers meanwhile.
+        self.stage_group = stage_group()
 
     @staticmethod
     def _load_profile(path: Optional[str], tune: bool):
@@ -192,10 +196,15 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         return any(tokens not in self.choices for tokens in self.tunings)
 
     def _layout(self) -> Layout:
+        """The layout of this rank's pipeline stage (the whole world without pipelining): the
+        ranks its groups are made of, and how they sit on nodes."""
         world = dist.get_world_size()
         per_node = ranks_per_node(world, getattr(self.config, "parm_ranks_per_node", None))
+        stage = dist.get_world_size(self.stage_group)  # consecutive ranks (Megatron's order)
+        nodes, per_node = ((stage // per_node, per_node) if stage % per_node == 0
+                           else (1, stage))  # a stage inside one node (or not node-aligned)
         return Layout(tp=self.attn_tp_size, ep=self.ep_size, etp=self.etp_size,
-                      nodes=world // per_node, ranks_per_node=per_node)
+                      nodes=nodes, ranks_per_node=per_node)
 
     def _shape(self, num_tokens: int, dtype: torch.dtype) -> LayerShape:
         cfg = self.config
@@ -263,8 +272,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         comparison below is a host sync, paid on the first call only)."""
         code = self._code(schedule, where)
         low, high = code.clone(), code.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.stage_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.stage_group)
         if not torch.equal(low, high):
             raise RuntimeError("parm: ranks chose different schedules; the performance model's "
                                "inputs (profile, shapes, ranks per node) must be the same on all ranks")
@@ -302,8 +311,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         # Every rank must have read the same winner (a file on one node only is not trusted).
         code = self._code(cached.winner if cached else None, where)
         low, high = code.clone(), code.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.stage_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.stage_group)
         if cached is not None and torch.equal(low, high):
             self.choices[num_tokens] = tuning.ParmChoice(
                 cached.winner, "cached", model, seconds=cached.seconds, cache=path,
@@ -348,10 +357,10 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         """The one collective: every call's slowest-rank time; then the same winner everywhere."""
         seconds = torch.tensor([state.call_seconds(i) for i in range(state.plan.num_calls)],
                                dtype=torch.float64, device=where)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.stage_group)
         measured = tuning.decide(state.plan, seconds.tolist())
         path = state.cache.path if state.cache is not None and state.writable else None
-        if path and dist.get_rank() == 0:
+        if path and dist.get_rank(self.stage_group) == 0:  # each stage's first rank
             try:
                 state.cache.store(state.key, measured)
             except OSError as err:

@@ -96,6 +96,12 @@ REDIRECTS: Dict[str, str] = {
         "(other norms: max or p-th powers, as Megatron does), then grads *= "
         "max_norm / (norm + 1e-6) when that is below 1."
     ),
+    "pipeline_embedding_sync": (
+        "With pipeline parallelism LanguageModule.setup_embeddings_and_output_layer moves "
+        "the tied word embedding with weight.data.cuda() before all-reducing it between the "
+        "first and last stage (the last stage's copy starts at zero). While it runs, "
+        "Tensor.cuda() without arguments leaves a CPU tensor where it is."
+    ),
 }
 
 
@@ -446,6 +452,27 @@ def _patch_clip_grads() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _patch_pipeline_embedding_sync() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup_weights = LanguageModule.setup_embeddings_and_output_layer
+    to_cuda = torch.Tensor.cuda
+
+    def stay_on_host(tensor, *args, **kwargs):
+        if not args and not kwargs and not tensor.is_cuda:
+            return tensor
+        return to_cuda(tensor, *args, **kwargs)
+
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        torch.Tensor.cuda = stay_on_host
+        try:
+            return setup_weights(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 _PATCHES: Dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
     "streams": _patch_streams,
@@ -458,4 +485,5 @@ _PATCHES: Dict[str, Callable[[], None]] = {
     "float16_param_types": _patch_float16_param_types,
     "loss_scaler_state": _patch_loss_scaler_state,
     "clip_grads": _patch_clip_grads,
+    "pipeline_embedding_sync": _patch_pipeline_embedding_sync,
 }

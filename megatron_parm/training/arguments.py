@@ -18,7 +18,9 @@ import yaml
 from megatron_parm.data.datasets import add_data_args, parse_data_path
 from megatron_parm.data.tokenizers import add_tokenizer_args
 from megatron_parm import schedules, tuning
-from megatron_parm.layout_rules import batch_problem, model_problem, shape_problem
+from megatron_parm.layout_rules import (
+    batch_problem, microbatch_problem, model_problem, pipeline_stage_layers, shape_problem,
+    virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import TRANSFORMER_IMPLS, check_implementation
@@ -96,6 +98,29 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                        help="Default: --tensor-model-parallel-size.")
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="Pipeline stages: consecutive layers on consecutive groups of "
+                            "ranks, run by Megatron-Core's 1F1B schedule.")
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                       help="Interleaved schedule: model chunks (virtual stages) per pipeline "
+                            "rank.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Interleaved schedule, by the layers of one virtual stage "
+                            "(instead of --virtual-pipeline-model-parallel-size).")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="Transformer layers of the first pipeline stage (the others share "
+                            "the rest evenly).")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="Transformer layers of the last pipeline stage.")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="Count the embedding as a layer of the first stage when splitting.")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="Count the output layer and loss as a layer of the last stage.")
+    group.add_argument("--distributed-timeout-minutes", type=float,
+                       default=DEFAULT_TIMEOUT_MINUTES,
+                       help="Timeout of every process group's collectives, as in Megatron-LM: "
+                            "a rank that waits longer on a hung or vanished peer fails and the "
+                            "job ends (default: %(default)s).")
 
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=int, default=None)
@@ -217,8 +242,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
+    pp = args.pipeline_model_parallel_size
     validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
-                    args.moe_token_dispatcher_type, args.sequence_parallel)
+                    args.moe_token_dispatcher_type, args.sequence_parallel, pp=pp)
+    _validate_pipeline(args)
     problem = model_problem(
         tp, ep, args.expert_tensor_parallel_size, num_attention_heads=args.num_attention_heads,
         seq_length=args.seq_length, sequence_parallel=args.sequence_parallel,
@@ -230,7 +257,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
 
-    data_parallel_size = world_size // tp
+    data_parallel_size = world_size // (tp * pp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
     problem = batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel_size)
@@ -238,6 +265,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(problem)
     args.data_parallel_size = data_parallel_size
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
+    problem = microbatch_problem(args.num_microbatches, pp,
+                                 args.virtual_pipeline_model_parallel_size)
+    if problem:
+        raise ValueError(problem)
 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
@@ -289,6 +320,24 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          hidden_size=args.hidden_size,
                          ffn_per_rank=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
                          // args.expert_tensor_parallel_size)
+
+
+def _validate_pipeline(args) -> None:
+    """The pipeline flags: virtual stages per rank resolved into
+    --virtual-pipeline-model-parallel-size (None without interleaving), and a split of the
+    layers Megatron-Core 0.16.1 builds."""
+    vpp = virtual_stages(args.num_layers, args.pipeline_model_parallel_size,
+                         args.virtual_pipeline_model_parallel_size,
+                         args.num_layers_per_virtual_pipeline_stage)
+    if isinstance(vpp, str):
+        raise ValueError(vpp)
+    args.virtual_pipeline_model_parallel_size = vpp
+    layers = pipeline_stage_layers(
+        args.num_layers, args.pipeline_model_parallel_size, vpp,
+        args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+        args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+    if isinstance(layers, str):
+        raise ValueError(layers)
 
 
 def _cuda_available() -> bool:

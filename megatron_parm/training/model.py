@@ -1,6 +1,7 @@
 """GPT and BERT MoE models from Megatron-Core with ParmMoELayer, and their forward steps.
 
     build_model(args)               GPTModel or BertModel (args.model_type), on this rank
+    build_model_chunks(args)        this rank's model chunks: one per virtual pipeline stage
     FORWARD_STEPS[args.model_type]  forward_step(data_iterator, model) for Megatron's schedules
 
 Notation: b micro-batch size, s sequence length, V padded vocabulary size.
@@ -53,6 +54,7 @@ def build_config(args) -> ParmTransformerConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        **pipeline_fields(args),
         use_cpu_initialization=not device.is_cuda(),
         params_dtype=mixed_precision.params_dtype(args),
         bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
@@ -71,19 +73,57 @@ def build_config(args) -> ParmTransformerConfig:
     )
 
 
+def pipeline_fields(args) -> dict:
+    """The config's pipeline fields from the flags (all defaults without them)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return {}
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return dict(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=mixed_precision.params_dtype(args),
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        # Megatron-LM's choice: the interleaved schedule overlaps its p2p transfers (separate
+        # isend/irecv), the 1F1B one batches them. On gloo batching gains nothing and its
+        # batch_p2p_sync is a CUDA synchronize: separate transfers there too.
+        overlap_p2p_comm=vpp is not None,
+        batch_p2p_comm=vpp is None and device.is_cuda(),
+    )
+
+
 def expert_module_name(config) -> str:
     """The expert module this run's layers are built with (SequentialMLP, TorchGroupedMLP, ...)."""
     return expert_implementation(config.transformer_impl, config.moe_grouped_gemm,
                                  cuda=device.is_cuda(), bf16=config.bf16)
 
 
-def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> torch.nn.Module:
-    """The model for args.model_type on this rank (its TP/EP shards), on the GPU if any; with
-    --bf16 / --fp16 inside Megatron-Core's Float16Module.
+def build_model_chunks(args, vocab_size: int, padded_vocab: Optional[int] = None) -> list:
+    """This rank's part of the model: one chunk per virtual pipeline stage (one without
+    interleaving), each build_model's."""
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return [build_model(args, vocab_size, padded_vocab, vp_stage=None if chunks == 1 else stage)
+            for stage in range(chunks)]
+
+
+def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
+                vp_stage: Optional[int] = None) -> torch.nn.Module:
+    """The model for args.model_type on this rank (its TP/EP shards, its pipeline stage's
+    layers: with the embedding on the first stage, the output layer and loss on the last), on
+    the GPU if any; with --bf16 / --fp16 inside Megatron-Core's Float16Module.
 
     padded_vocab: the padded vocabulary of a checkpoint being resumed (it depends on the TP size
     it was saved with; keeping it lets the checkpoint load under another TP size).
+    vp_stage: the virtual pipeline stage of this chunk (interleaving only).
     """
+    from megatron.core import parallel_state
+
+    stage = dict(pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
+                 post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
+                 vp_stage=vp_stage)
     config = build_config(args)
     vocab = padded_vocab or padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
     if vocab < vocab_size or vocab % args.tensor_model_parallel_size != 0:
@@ -101,6 +141,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
             parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type="learned_absolute",
+            **stage,
         )
     else:
         model = BertModel(
@@ -112,6 +153,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None) -> to
             parallel_output=True,
             share_embeddings_and_output_weights=True,
             add_binary_head=args.bert_binary_head,
+            **stage,
         )
     if device.is_cuda():
         model.to(device.current())
@@ -128,11 +170,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def moe_layers(model: torch.nn.Module):
-    """The MoE layers of a model (unwrapped or DDP-wrapped), in depth order."""
+def moe_layers(model):
+    """The MoE layers of a model (unwrapped or DDP-wrapped; or a list of pipeline chunks), in
+    depth order."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return [module for module in model.modules() if isinstance(module, MoELayer)]
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [module for chunk in chunks for module in chunk.modules()
+            if isinstance(module, MoELayer)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ Each iteration runs --global-batch-size samples as num_microbatches micro-batche
 data-parallel rank (gradients accumulate in DDP's buffers, Megatron's schedule scales the
 loss and the MoE auxiliary loss), then one optimizer step with gradient clipping and the
 learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
+
+With --pipeline-model-parallel-size > 1 the model is this rank's stage (a list of chunks, one
+per virtual stage), Megatron-Core's 1F1B or interleaved schedule runs the micro-batches with
+its p2p transfers, finalize_model_grads also sums the tied embedding's gradient over the first
+and last stage, and the losses, computed on the last stage, are sent to every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import random
 import signal
 import time
 from datetime import timedelta
+from typing import Optional
 
 import numpy
 import torch
@@ -60,7 +66,7 @@ from megatron_parm.training.log import (
 )
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.model import (
-    FORWARD_STEPS, build_config, build_model, expert_module_name, moe_layers, unwrap)
+    FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers, unwrap)
 
 
 def initialize_distributed() -> None:
@@ -84,10 +90,14 @@ def set_seed(seed: int) -> None:
 
 
 class ExpertLoad:
-    """Counts the tokens each expert receives, per MoE layer, from the routers' outputs."""
+    """Counts the tokens each expert receives, per MoE layer, from the routers' outputs.
 
-    def __init__(self, model):
+    model: this rank's chunks; num_layers, num_experts: the whole model's (a pipeline stage
+    holds some of the layers: the counts are indexed by global layer number)."""
+
+    def __init__(self, model, num_layers: int, num_experts: Optional[int]):
         self.layers = moe_layers(model)  # none in a dense model
+        self.num_layers, self.num_experts = num_layers, num_experts
         # On the device: counting adds no host sync; shares() reads them once per log line.
         self.counts = [torch.zeros(layer.config.num_moe_experts, device=device.current())
                        for layer in self.layers]
@@ -102,14 +112,33 @@ class ExpertLoad:
         return count
 
     def shares(self):
-        """Per layer, the share of all routed tokens (every rank's) each expert got; resets."""
-        if not self.counts:
+        """[(layer number, the share of all routed tokens (every rank's) each expert got)] for
+        every MoE layer of the model, on every rank; resets. Collective."""
+        if self.num_experts is None:
             return []
-        total = torch.stack(self.counts)
-        torch.distributed.all_reduce(total)
-        for count in self.counts:
+        # A row per global layer, and a last column marking the layers this rank holds.
+        total = torch.zeros(self.num_layers, self.num_experts + 1, device=device.current())
+        for layer, count in zip(self.layers, self.counts):
+            total[layer.layer_number - 1, :-1] = count
+            total[layer.layer_number - 1, -1] = 1
             count.zero_()
-        return (total / total.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
+        torch.distributed.all_reduce(total)
+        counts = total[:, :-1]
+        shares = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
+        return [(number, shares[number - 1]) for number in range(1, self.num_layers + 1)
+                if total[number - 1, -1] > 0]
+
+
+def from_last_stage(values) -> dict:
+    """VALUES as the last pipeline stage has them (the losses: Megatron's schedules compute
+    them there), on every rank; VALUES itself without pipelining. Collective."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    box = [values if parallel_state.is_pipeline_last_stage() else None]
+    torch.distributed.broadcast_object_list(
+        box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(), device=device.current())
+    return box[0]
 
 
 def mean_over_data_parallel(values: dict) -> dict:
@@ -145,7 +174,10 @@ def load_balancing_loss(num_steps: int) -> float:
     if entry.get("reduce_group") is not None:
         torch.distributed.all_reduce(values, group=entry["reduce_group"])
     torch.distributed.all_reduce(values)
-    values = values.cpu() / (torch.distributed.get_world_size() * max(num_steps, 1))
+    # A layer's values are on the ranks of its pipeline stage only.
+    ranks_per_stage = (torch.distributed.get_world_size()
+                       // parallel_state.get_pipeline_model_parallel_world_size())
+    values = values.cpu() / (ranks_per_stage * max(num_steps, 1))
     moe = values[values != 0]
     return moe.mean().item() if moe.numel() else 0.0
 
@@ -156,20 +188,40 @@ def describe_choice(choice) -> str:
 
 
 def dispatcher_choices(model) -> list:
-    """The schedule each MoE layer's dispatcher chose (dispatchers that choose expose
+    """The schedule each MoE layer of this rank's chunks chose (dispatchers that choose expose
     `choice`); None for the others, and for one still measuring (`tuning`)."""
     return [None if getattr(layer.token_dispatcher, "tuning", False)
             else getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
 
 
+def pipeline_text(args) -> str:
+    """'pp=2, ' (with ' x 2 virtual' when interleaved) for the start-up line; '' without."""
+    if args.pipeline_model_parallel_size == 1:
+        return ""
+    vpp = args.virtual_pipeline_model_parallel_size
+    return (f"pp={args.pipeline_model_parallel_size}"
+            + (f" x {vpp} virtual" if vpp else "") + ", ")
+
+
+def print_stage_0(message: str) -> None:
+    """Print on the first rank of each pipeline stage (rank 0 without pipelining): what only
+    that stage knows, such as its layers' dispatcher choices."""
+    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if torch.distributed.get_rank(group) == 0:
+        print(message, flush=True)
+
+
 def evaluate(forward_step, data_iterator, model, args) -> dict:
-    model.eval()
+    """Mean losses over --eval-iters batches (model: this rank's chunks; data_iterator: one
+    per chunk), on every rank."""
+    for chunk in model:
+        chunk.eval()
     forward_backward = get_forward_backward_func()
     totals, num_batches = {}, 0
     with torch.no_grad():
         for _ in range(args.eval_iters):
             losses_reduced = forward_backward(
-                forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+                forward_step_func=forward_step, data_iterator=data_iterator, model=model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
             for name, value in average_microbatch_losses(losses_reduced).items():
@@ -178,24 +230,31 @@ def evaluate(forward_step, data_iterator, model, args) -> dict:
     # Evaluation also went through the routers: drop its aux losses from the training log.
     get_moe_layer_wise_logging_tracker().get("load_balancing_loss", {}).get(
         "values", torch.zeros(0)).zero_()
-    model.train()
-    return mean_over_data_parallel({k: v / max(num_batches, 1) for k, v in totals.items()})
+    for chunk in model:
+        chunk.train()
+    if parallel_state.is_pipeline_last_stage():
+        totals = mean_over_data_parallel({k: v / max(num_batches, 1) for k, v in totals.items()})
+    return from_last_stage(totals)
 
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
-    """This rank's model in Megatron's DDP, its Adam and its learning-rate schedule."""
-    model = build_model(args, vocab_size, padded_vocab_size)
-    config = model.config
+    """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
+    each in Megatron's DDP, their Adam and the learning-rate schedule."""
+    chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
+    config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
         use_distributed_optimizer=args.use_distributed_optimizer)
-    model = DistributedDataParallel(config, ddp_config, model)
+    # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
+    # wait for the end of the step anyway).
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(chunks)]
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        **mixed_precision.optimizer_fields(args)), [model])
+        **mixed_precision.optimizer_fields(args)), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
@@ -209,7 +268,8 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
         use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
                                                    False))
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = (model[0].no_sync if len(model) == 1
+                           else [chunk.no_sync for chunk in model])
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, scheduler
@@ -246,14 +306,17 @@ def pretrain(args) -> dict:
     initialize_distributed()
     initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
                               args.expert_tensor_parallel_size, args.num_experts,
-                              args.moe_token_dispatcher_type)
+                              args.moe_token_dispatcher_type,
+                              pp=args.pipeline_model_parallel_size,
+                              vpp=args.virtual_pipeline_model_parallel_size)
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()  # a previous pretrain() in this process
     rank = torch.distributed.get_rank()
     world_size = torch.distributed.get_world_size()
     print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
                  f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
-                 f"etp={args.expert_tensor_parallel_size}, dp={args.data_parallel_size}), "
+                 f"etp={args.expert_tensor_parallel_size}, {pipeline_text(args)}"
+                 f"dp={args.data_parallel_size}), "
                  f"dispatcher {args.moe_token_dispatcher_type}, experts {expert_module_name(build_config(args))}, "
                  f"{device.current().type}/{torch.distributed.get_backend()}")
     if optional_packages_note():  # Megatron-Core's own warnings about them are hidden
@@ -277,9 +340,9 @@ def pretrain(args) -> dict:
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
                                                             padded_vocab)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
-                 f"{tokenizer.vocab_size} padded to {unwrap(model).vocab_size}; "
+                 f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
                  f"{args.num_microbatches} micro-batches of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
 
@@ -300,10 +363,13 @@ def pretrain(args) -> dict:
                                                args.eval_interval, args.eval_iters)
     train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
-    train_iter = build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
-                                     dp_rank, dp_size, args.num_workers, cyclic=True)
-    valid_iter = build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
-                                     args.num_workers, cyclic=True)
+    # One iterator per model chunk: the interleaved schedule draws a micro-batch for each
+    # chunk's forward step, and every chunk must see the same samples.
+    train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
+                                      dp_rank, dp_size, args.num_workers, cyclic=True)
+                  for _ in model]
+    valid_iter = [build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
+                                      args.num_workers, cyclic=True) for _ in model]
 
     forward_step = FORWARD_STEPS[args.model_type]
     forward_backward = get_forward_backward_func()
@@ -315,7 +381,7 @@ def pretrain(args) -> dict:
             summary["eval"].append((iteration, eval_losses))
             print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
         return summary
-    expert_load = ExpertLoad(model)
+    expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
     tensorboard = TensorBoard(args.tensorboard_dir, rank == 0)
     if tensorboard.notice:
         print_rank_0(f"> {tensorboard.notice}")
@@ -326,15 +392,17 @@ def pretrain(args) -> dict:
     choices = None
     exit_signal = ExitSignal(args.exit_signal_handler)
     start_iteration, saved_at = iteration, None
-    model.train()
+    for chunk in model:
+        chunk.train()
     print_rank_0(f"> training for {args.train_iters - iteration} iterations")
 
     while iteration < args.train_iters:
         step_start = time.time()
-        model.zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         losses_reduced = forward_backward(
-            forward_step_func=forward_step, data_iterator=train_iter, model=[model],
+            forward_step_func=forward_step, data_iterator=train_iter, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         update_successful, grad_norm, _ = optimizer.step()
@@ -346,7 +414,8 @@ def pretrain(args) -> dict:
         consumed_samples += args.global_batch_size
         summary["iteration_times"].append(time.time() - step_start)
 
-        losses = mean_over_data_parallel(average_microbatch_losses(losses_reduced))
+        losses = from_last_stage(mean_over_data_parallel(average_microbatch_losses(
+            losses_reduced)) if parallel_state.is_pipeline_last_stage() else None)
         summary["losses"].append(losses["lm loss"])
         interval_nan += any(not math.isfinite(value) for value in losses.values())
         for name, value in losses.items():
@@ -358,16 +427,16 @@ def pretrain(args) -> dict:
             # Each layer's choice once (again only if it changes), as soon as it is made.
             new_choices = dispatcher_choices(model)
             previous = choices or [None] * len(new_choices)
-            changed = [(number, choice) for number, (old, choice)
-                       in enumerate(zip(previous, new_choices), start=1)
+            changed = [(layer.layer_number, choice) for layer, old, choice
+                       in zip(moe_layers(model), previous, new_choices)
                        if choice is not None and choice != old]
-            if changed:
+            if changed:  # a pipeline stage's choices are printed by its first rank
                 progress.clear()
                 if not any(previous) and any("c=" in describe_choice(c) for _, c in changed):
-                    print_rank_0(f"> schedules: {CHUNK_NOTATION}")
+                    print_stage_0(f"> schedules: {CHUNK_NOTATION}")
                 for layer_number, choice in changed:
-                    print_rank_0(f"> MoE layer {layer_number}: {args.moe_token_dispatcher_type} "
-                                 f"chose {describe_choice(choice)}")
+                    print_stage_0(f"> MoE layer {layer_number}: {args.moe_token_dispatcher_type} "
+                                  f"chose {describe_choice(choice)}")
             choices = new_choices
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
@@ -387,7 +456,7 @@ def pretrain(args) -> dict:
                                         nan_iterations=interval_nan))
             summary.setdefault("loss_scales", []).append((iteration, loss_scale))
             summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval_skipped
-            for layer_number, fractions in enumerate(shares, start=1):
+            for layer_number, fractions in shares:
                 print_rank_0(expert_load_line(layer_number, fractions))
             tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
                                  "train/learning-rate": learning_rate,
@@ -395,7 +464,7 @@ def pretrain(args) -> dict:
                                  "train/grad-norm": grad_norm or 0.0,
                                  "train/loss-scale": loss_scale,
                                  **{f"expert-load/layer-{l}-max-over-mean": max(f) * len(f)
-                                    for l, f in enumerate(shares, start=1)}},
+                                    for l, f in shares}},
                                 iteration)
             interval_losses, interval_steps, interval_start = {}, 0, time.time()
             interval_skipped = interval_nan = 0

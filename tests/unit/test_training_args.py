@@ -194,3 +194,100 @@ def test_training_and_the_planner_refuse_a_layout_alike():
                      vocab_size=1000, num_experts=args.num_experts, moe_ffn_hidden_size=6,
                      topk=args.moe_router_topk)
     assert check_layout(spec, Layout(tp=4, ep=1, etp=4, nodes=1, ranks_per_node=4)) == message
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline parallelism: the flags, and the bad input each gets one line for
+# ---------------------------------------------------------------------------------------------
+
+PIPELINE = TINY_GPT + ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size",
+                       "8", "--pipeline-model-parallel-size", "2"]
+
+
+def test_pipeline_flags_parse():
+    args = parse_args(PIPELINE, world_size=4)
+    assert (args.data_parallel_size, args.num_microbatches) == (2, 2)
+    assert args.virtual_pipeline_model_parallel_size is None
+    # Megatron-LM's two ways to ask for interleaving resolve to the same thing
+    for flags in (["--num-layers-per-virtual-pipeline-stage", "1"],
+                  ["--virtual-pipeline-model-parallel-size", "2"]):
+        assert parse_args(PIPELINE + flags, world_size=4).virtual_pipeline_model_parallel_size == 2
+    uneven = parse_args(PIPELINE + ["--num-layers", "5", "--decoder-first-pipeline-num-layers",
+                                    "2"], world_size=4)
+    assert uneven.decoder_first_pipeline_num_layers == 2
+
+
+def test_pipeline_stage_layers_as_megatron_builds_them():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_parm.layout_rules import pipeline_stage_layers
+
+    assert pipeline_stage_layers(4, 2) == [[2], [2]]
+    assert pipeline_stage_layers(8, 2, 2) == [[2, 2], [2, 2]]
+    assert pipeline_stage_layers(6, 3, None, 1, 1) == [[1], [4], [1]]
+    assert pipeline_stage_layers(5, 2, account_for_embedding=True) == [[2], [3]]
+    # Megatron-Core's own count of this stage's layers agrees with the rule
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    for kwargs, layers in ((dict(num_layers=6, num_layers_in_first_pipeline_stage=1,
+                                 num_layers_in_last_pipeline_stage=1), [1, 4, 1]),
+                           (dict(num_layers=5, account_for_embedding_in_pipeline_split=True),
+                            None)):
+        pp = 3 if layers else 2
+        config = TransformerConfig(hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                                   pipeline_model_parallel_size=pp, **kwargs)
+        expected = layers or [stage[0] for stage in pipeline_stage_layers(
+            5, 2, account_for_embedding=True)]
+        assert [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)] == expected
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    # layers not divisible by the stages, or by the virtual stages
+    (["--num-layers", "5"], ["--num-layers (5)", "--pipeline-model-parallel-size (2)"]),
+    (["--num-layers-per-virtual-pipeline-stage", "3"],
+     ["--num-layers (4)", "--num-layers-per-virtual-pipeline-stage"]),
+    (["--virtual-pipeline-model-parallel-size", "4"],
+     ["--num-layers (4)", "virtual stages per rank (2 x 4)"]),
+    (["--num-layers", "6", "--decoder-first-pipeline-num-layers", "2",
+      "--pipeline-model-parallel-size", "4"], ["--decoder-first-pipeline-num-layers", "4 layers for 3 middle"]),
+    # a global batch that does not give enough micro-batches
+    (["--global-batch-size", "2"], ["1 micro-batches", "--pipeline-model-parallel-size (2)",
+                                    "--global-batch-size"]),
+    (["--global-batch-size", "12", "--micro-batch-size", "2", "--virtual-pipeline-model-parallel-size",
+      "2"], ["3 micro-batches", "multiple of --pipeline-model-parallel-size (2)"]),
+    # options Megatron-Core 0.16.1 refuses with (or without) a pipeline
+    (["--decoder-last-pipeline-num-layers", "2", "--account-for-loss-in-pipeline-split"],
+     ["--decoder-last-pipeline-num-layers", "--account-for-loss-in-pipeline-split"]),
+    (["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "2"],
+     ["--pipeline-model-parallel-size > 1"]),
+    (["--virtual-pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+      "1"], ["exclude each other"]),
+    # the stages' ranks
+    (["--pipeline-model-parallel-size", "3"], ["--pipeline-model-parallel-size (3) must divide"]),
+    (["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], ["--tensor-model-parallel-size (2)", "pipeline stage (4 / "]),
+])
+def test_bad_pipeline_input_names_the_flags(flags, fragments):
+    message = error(PIPELINE + flags)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--num-layers", "5"], "--num-layers (5) must be divisible by --pipeline-model-parallel-size"),
+    (["--global-batch-size", "2"], "fewer than --pipeline-model-parallel-size (2)"),
+    (["--decoder-first-pipeline-num-layers", "2", "--account-for-embedding-in-pipeline-split"],
+     "Megatron-Core 0.16.1 refuses them together"),
+])
+def test_bad_pipeline_input_is_one_line_and_status_2(flags, fragment):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "pretrain_scripts/pretrain_gpt2_moe.py", *PIPELINE,
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "WORLD_SIZE": "4",
+                               "PYTHONWARNINGS": "ignore"})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines

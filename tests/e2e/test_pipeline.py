@@ -1,0 +1,204 @@
+"""Pipeline parallelism (--pipeline-model-parallel-size) in training and checkpoints, on gloo.
+
+Two torchrun launches (this file run as a script), 4 ranks then 8, each paying its world size
+once. The model is the tiny GPT-2 MoE with 4 layers (no dropout). Every run starts from the
+same weights: the first run trains one iteration without pipelining and saves (`start`); the
+others load it (a checkpoint loads in any layout) and train iterations 2-11 of the same
+11-iteration schedule.
+
+4 ranks:
+  * reference: pp=1 (tp=2, ep=2, etp=1, sequence parallel), alltoall;
+  * pp=2 (the same tp, ep, etp) with every dispatcher; alltoall's run saves at 5 and 10;
+  * pp=2 interleaved (2 virtual stages of one layer), alltoall;
+  * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
+  * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each.
+8 ranks:
+  * pp=2 with tp=2, ep=2 (etp=1), alltoall and parm;
+  * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
+    iteration each.
+The tests then check that the pipelined losses follow the reference (1e-4, as the
+dispatchers follow alltoall in test_pretrain.py), that a same-layout resume repeats them
+bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
+that the converter and the inspector read pipelined checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+MODEL = ["--config", "configs/gpt2_tiny_moe.yaml", "--num-layers", "4",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "11",
+         "--lr-warmup-iters", "2", "--log-interval", "5", "--eval-iters", "0"]
+SP = ["--sequence-parallel"]
+REFERENCE = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+             "--expert-tensor-parallel-size", "1"] + SP
+PP2 = REFERENCE + ["--pipeline-model-parallel-size", "2"]
+CURVE_TOLERANCE = 1e-4  # relative, as the dispatchers meet against alltoall
+LOAD_TOLERANCE = 1e-6  # relative: the same weights in another layout, one iteration
+
+
+def dispatchers():
+    from megatron_parm import schedules
+
+    return [name for name in schedules.names() if name != "allgather"]
+
+
+def worker(world: str, run_dir: str) -> None:
+    """Every rank runs this under torchrun; rank 0 writes RUN_DIR/results_<world>.json."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import pretrain
+
+    run = Path(run_dir)
+    start = str(run / "start")
+
+    def train(*flags, dispatcher="alltoall"):
+        args = parse_args(MODEL + list(flags) + ["--moe-token-dispatcher-type", dispatcher])
+        began = time.time()
+        summary = pretrain(args)
+        return {"losses": summary["losses"], "seconds": time.time() - began}
+
+    results = {}
+    if world == "4":
+        train(*REFERENCE, "--save", start, "--exit-interval", "1")
+        results["reference"] = train(*REFERENCE, "--load", start)
+        saved = str(run / "pp2")
+        results["pp2"] = {"alltoall": train(*PP2, "--load", start, "--save", saved,
+                                            "--save-interval", "5")}
+        for name in dispatchers():
+            if name != "alltoall":
+                results["pp2"][name] = train(*PP2, "--load", start, dispatcher=name)
+        results["interleaved"] = train(*PP2, "--num-layers-per-virtual-pipeline-stage", "1",
+                                       "--load", start)
+        iter5 = f"{saved}/iter_0000005"
+        results["resumed"] = train(*PP2, "--load", iter5)
+        results["at_pp1"] = train(*REFERENCE, "--load", iter5, "--exit-interval", "6")
+        results["at_pp4"] = train("--pipeline-model-parallel-size", "4", "--load", iter5,
+                                  "--exit-interval", "6")
+    else:
+        results["pp2_tp2_ep2"] = train(*PP2, "--load", start)
+        results["pp2_tp2_ep2_parm"] = train(*PP2, "--load", start, dispatcher="parm")
+        iter5 = str(run / "pp2" / "iter_0000005")
+        results["at_pp1_ep4_etp2"] = train(
+            "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
+            "--expert-tensor-parallel-size", "2", *SP, "--load", iter5, "--exit-interval", "6")
+        results["at_pp4_tp2"] = train(
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", *SP,
+            "--load", iter5, "--exit-interval", "6")
+    if torch.distributed.get_rank() == 0:
+        (run / f"results_{world}.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, prepared_data):
+    from launch import torchrun
+
+    run_dir = tmp_path_factory.mktemp("pipeline")
+    results, outputs, seconds = {}, {}, {}
+    for world in ("4", "8"):
+        began = time.time()
+        proc = torchrun(str(Path(__file__).relative_to(REPO)), int(world), f"worker{world}",
+                        str(run_dir))
+        seconds[world] = time.time() - began
+        results.update(json.loads((run_dir / f"results_{world}.json").read_text()))
+        outputs[world] = proc.stdout
+    print(f"pipeline launches: 4 ranks {seconds['4']:.0f} s, 8 ranks {seconds['8']:.0f} s")
+    return results, outputs, run_dir
+
+
+def _close(losses, reference, tolerance):
+    assert len(losses) == len(reference) >= 1, (losses, reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    assert worst <= tolerance, (worst, losses, reference)
+
+
+def test_pipelined_run_matches_the_unpipelined_model(runs):
+    results, outputs, _ = runs
+    reference = results["reference"]["losses"]
+    assert len(reference) == 10 and reference[-1] < reference[0], reference
+    _close(results["pp2"]["alltoall"]["losses"], reference, CURVE_TOLERANCE)
+    _close(results["interleaved"]["losses"], reference, CURVE_TOLERANCE)
+    _close(results["pp2_tp2_ep2"]["losses"], reference, CURVE_TOLERANCE)
+    assert "pp=2, dp=1" in outputs["4"] and "pp=2 x 2 virtual" in outputs["4"]
+    assert "pp=2, dp=2" in outputs["8"]
+
+
+def test_every_dispatcher_follows_alltoall_under_pipelining(runs):
+    results, _, _ = runs
+    alltoall = results["pp2"]["alltoall"]["losses"]
+    assert set(results["pp2"]) == set(dispatchers())
+    for name, run in results["pp2"].items():
+        _close(run["losses"], alltoall, CURVE_TOLERANCE)
+    _close(results["pp2_tp2_ep2_parm"]["losses"], results["pp2_tp2_ep2"]["losses"],
+           CURVE_TOLERANCE)
+
+
+def test_parm_chooses_per_layer_on_each_stage(runs):
+    _, outputs, _ = runs
+    # Each stage's first rank reports its own layers' choices: all four layers are there.
+    for layer in range(1, 5):
+        assert f"> MoE layer {layer}: parm chose" in outputs["8"], layer
+
+
+def test_resume_at_the_same_pipeline_layout_is_bitwise(runs):
+    results, outputs, _ = runs
+    uninterrupted = results["pp2"]["alltoall"]["losses"]  # iterations 2-11
+    assert results["resumed"]["losses"] == uninterrupted[4:]  # iterations 6-11
+    assert "RNG states restored" in outputs["4"]
+
+
+def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(runs):
+    results, outputs, _ = runs
+    next_loss = results["pp2"]["alltoall"]["losses"][4:5]  # iteration 6
+    for name in ("at_pp1", "at_pp4", "at_pp1_ep4_etp2", "at_pp4_tp2"):
+        _close(results[name]["losses"], next_loss, LOAD_TOLERANCE)
+    assert "saved in another layout (4 ranks, tp=2 ep=2 etp=1 pp=2" in outputs["4"]
+
+
+def test_tools_read_pipelined_checkpoints(runs, tmp_path):
+    _, _, run_dir = runs
+    from launch import convert_checkpoint
+
+    source = run_dir / "pp2"
+    shown = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(source)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "pp=2" in shown.stdout
+    # pp=2 -> pp=1 (one file and back, and a resharding), bitwise in every tensor
+    single = tmp_path / "ckpt.pt"
+    for args in (["--load", source / "iter_0000005", "--to-single-file", single],
+                 ["--from-single-file", single, "--save", tmp_path / "back"],
+                 ["--load", source / "iter_0000005", "--save", tmp_path / "pp1",
+                  "--target-pipeline-parallel-size", "1"]):
+        proc = convert_checkpoint(*args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def crcs(path):
+        proc = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(path),
+                               "--verify", "--no-tensors"], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return sorted(line for line in proc.stdout.splitlines() if line.startswith("crc32"))
+
+    original = crcs(source / "iter_0000005")
+    assert original and crcs(tmp_path / "back") == original == crcs(tmp_path / "pp1")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("worker4", "worker8"):
+        sys.exit("usage: torchrun --nproc-per-node {4,8} tests/e2e/test_pipeline.py "
+                 "worker{4,8} RUN_DIR")
+    worker(sys.argv[1][len("worker"):], sys.argv[2])
