@@ -32,9 +32,19 @@ Workflow of one call, ``experts(rows, tokens_per_expert, probs)``:
     4. out = grouped_mm(act, weight2 as [E, f2, hidden], offs)            1 operator
     The count of operators does not depend on the number of local experts: S2's chunks pay
     a fixed handful each, not a handful per expert.
+
+Deferred weight gradients (``with experts.deferring_weight_grads() as deferred``): calls inside
+build a graph for their input gradients only, keep the GEMMs' inputs and output gradients,
+and ``deferred.backward_dw()`` then computes each weight's gradient once, over the rows of
+every call, in one grouped GEMM (2D x 2D with offsets). S2 runs its chunks so: one
+autograd graph per chunk would otherwise compute and accumulate every weight gradient
+once per chunk (two GEMMs over a chunk's few rows per expert and an add of the whole
+weight each), which was most of what a chunk cost on CPU (docs/benchmark.md).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from typing import Optional
 
@@ -67,12 +77,72 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class DeferredWeightGrads:
+    """The weight gradients of a run of TorchGroupedMLP calls, computed once for all of them.
+
+    Each call records, per weight, its GEMM's input rows [n, K] and tokens per expert; a hook
+    on the GEMM's output records its gradient [n, N] when the backward reaches it. Rows of
+    one expert sit in one block per call; ``backward_dw`` puts every call's blocks of one
+    expert together (a concatenation; none for one call) and runs grouped_mm(rows^T, grad,
+    offsets) -> [E, K, N], the formula PyTorch's grouped_mm backward uses for its second
+    operand (bit-identical to it for one call). The gradients reach the weights through
+    autograd (their AccumulateGrad nodes), so gradient hooks (Megatron's DDP) run as usual,
+    once per weight.
+    """
+
+    def __init__(self, experts: "TorchGroupedMLP"):
+        self.experts = experts
+        # per weight: [(input rows, tokens per expert, [output gradient or None])]
+        self.calls = {name: [] for name in ("weight1", "weight2")}
+
+    def record(self, name: str, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
+               out: torch.Tensor) -> None:
+        grad: list = []
+        self.calls[name].append((rows.detach(), tokens_per_expert, grad))
+        out.register_hook(grad.append)
+
+    def _weight_grad(self, calls) -> Optional[torch.Tensor]:
+        done = [(rows, tokens, grad[0]) for rows, tokens, grad in calls if grad]
+        if not done:
+            return None
+        gmm, experts = self.experts._gmm, self.experts.num_local_experts
+        if len(done) == 1:
+            rows, tokens, grad = done[0]
+        else:
+            tokens = torch.stack([torch.as_tensor(t) for _, t, _ in done])  # [calls, E]
+            split_rows = [r.split(t.tolist()) for (r, _, _), t in zip(done, tokens)]
+            split_grads = [g.split(t.tolist()) for (_, _, g), t in zip(done, tokens)]
+            order = [(call, e) for e in range(experts) for call in range(len(done))]
+            rows = torch.cat([split_rows[c][e] for c, e in order])
+            grad = torch.cat([split_grads[c][e] for c, e in order])
+            tokens = tokens.sum(dim=0)
+        offsets = torch.cumsum(torch.as_tensor(tokens), 0, dtype=torch.int32)
+        if offsets.device != rows.device:
+            offsets = offsets.to(rows.device, non_blocking=True)
+        return gmm(rows.t(), grad, offs=offsets)
+
+    def backward_dw(self) -> None:
+        """Every recorded call's weight gradients, accumulated into the weights through
+        autograd; the records are dropped."""
+        weights, grads = [], []
+        for name, calls in self.calls.items():
+            grad = self._weight_grad(calls)
+            if grad is not None:
+                weight = getattr(self.experts, name)
+                weights.append(weight)
+                grads.append(grad.view(weight.shape))
+        self.calls = {name: [] for name in self.calls}
+        if weights:
+            torch.autograd.backward(weights, grads)
+
+
 class TorchGroupedMLP(GroupedMLP):
     """Megatron's GroupedMLP with its GEMMs on PyTorch's grouped_mm (no extra package).
 
     Same constructor, weights, initialisation and checkpoint keys as GroupedMLP; runs in
     fp32, bf16 or fp16 (GroupedMLP: bf16 only), on CPU and GPU. No biases (as GroupedMLP).
-    Activation recompute (``--recompute-modules moe_act``) is supported as in GroupedMLP.
+    Activation recompute (``--recompute-modules moe_act``) is supported as in GroupedMLP
+    (and its calls compute their weight gradients at once, deferred or not).
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None):
@@ -92,6 +162,18 @@ class TorchGroupedMLP(GroupedMLP):
                                        config.hidden_size, self.weight2.shape[0] // num_local_experts)
         if problem is not None:
             raise ValueError(f"--moe-grouped-gemm: {problem}")
+        self._deferred: Optional[DeferredWeightGrads] = None
+
+    @contextlib.contextmanager
+    def deferring_weight_grads(self):
+        """Calls inside leave their weight gradients to the ``DeferredWeightGrads`` yielded,
+        whose ``backward_dw()`` computes them once for all the calls (after their backward)."""
+        deferred, previous = DeferredWeightGrads(self), self._deferred
+        self._deferred = deferred
+        try:
+            yield deferred
+        finally:
+            self._deferred = previous
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor):
@@ -105,14 +187,27 @@ class TorchGroupedMLP(GroupedMLP):
             # unless it is a multiple of 16 bytes.
             rows = rows.clone(memory_format=torch.contiguous_format)
         experts = self.num_local_experts
-        w1 = self.weight1.view(experts, self.config.hidden_size, -1)
-        w2 = self.weight2.view(experts, -1, self.config.hidden_size)
+        deferred = self._deferred
+        if (deferred is None or self.activation_recompute or not rows.requires_grad
+                or not torch.is_grad_enabled()
+                or not (self.weight1.requires_grad and self.weight2.requires_grad)):
+            deferred = None  # (rows that need no gradient: only the weights hold the graph)
+        # deferred: the graph gets the weights as constants (input gradients only)
+        weight1, weight2 = ((self.weight1, self.weight2) if deferred is None
+                            else (self.weight1.detach(), self.weight2.detach()))
+        w1 = weight1.view(experts, self.config.hidden_size, -1)
+        w2 = weight2.view(experts, -1, self.config.hidden_size)
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         if offsets.device != rows.device:
             offsets = offsets.to(rows.device, non_blocking=True)
         fc1 = self._gmm(rows, w1, offs=offsets)
         probs = probs.unsqueeze(-1)
-        if self.activation_recompute:
+        if deferred is not None:
+            hidden = self.activation_func_with_probs(fc1, probs)
+            out = self._gmm(hidden, w2, offs=offsets)
+            deferred.record("weight1", rows, tokens_per_expert, fc1)
+            deferred.record("weight2", hidden, tokens_per_expert, out)
+        elif self.activation_recompute:
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
             hidden = self.activation_checkpoint.checkpoint(self.activation_func_with_probs,
                                                            fc1, probs)
