@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parm import schedules
 from megatron_parm.comm.collectives import gather_replicated, keep_shard
-from megatron_parm.dispatchers import dispatcher_class
+from megatron_parm.dispatchers import build_dispatcher
 
 
 class ParmMoELayer(MoELayer):
@@ -49,9 +49,8 @@ class ParmMoELayer(MoELayer):
             pg_collection = get_default_pg_collection()
         schedule.check_layout(pg_collection.tp.size(), pg_collection.ep.size(),
                               pg_collection.expt_tp.size(), config.sequence_parallel)
-        self.token_dispatcher = dispatcher_class(name)(
-            self.num_local_experts, self.local_expert_indices, config=config,
-            pg_collection=pg_collection)
+        self.token_dispatcher = build_dispatcher(name, self.num_local_experts,
+                                                 self.local_expert_indices, config, pg_collection)
         self.token_dispatcher.layer_number = layer_number
         if self.use_shared_expert and self.shared_expert_overlap:
             raise ValueError("--moe-shared-expert-overlap is not supported with "
@@ -65,24 +64,6 @@ class ParmMoELayer(MoELayer):
     @property
     def uses_parm_dispatcher(self) -> bool:
         return not schedules.is_native(self.config.moe_token_dispatcher_type)
-
-    # -- S2 folds dispatch, experts and combine into one pipeline ------------------------
-
-    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if getattr(self.token_dispatcher, "pipelined", False):
-            return hidden_states, probs
-        return super().dispatch(hidden_states, probs)
-
-    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if getattr(self.token_dispatcher, "pipelined", False):
-            return self.token_dispatcher.dispatch_compute_combine(hidden_states, probs,
-                                                                  self.experts), None
-        return super().routed_experts_compute(hidden_states, probs)
-
-    def combine(self, output: torch.Tensor):
-        if getattr(self.token_dispatcher, "pipelined", False):
-            return output
-        return super().combine(output)
 
     # -- forward --------------------------------------------------------------------------
 
@@ -108,9 +89,17 @@ class ParmMoELayer(MoELayer):
             shared_output = self.shared_experts_compute(hidden_states)
             probs, routing_map = self.route(hidden_states, padding_mask)
             hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
-            dispatched, probs = self.dispatch(hidden_states, probs)
-            output, mlp_bias = self.routed_experts_compute(dispatched, probs)
-            output = self.combine(output)
+            if self.token_dispatcher.pipelined:
+                # The one place the layer takes a pipelined schedule's fused call (the
+                # catalog's ``pipelined``); MoELayer's dispatch, routed_experts_compute and
+                # combine stay the six phases, for callers that run them one by one.
+                output = self.token_dispatcher.dispatch_compute_combine(hidden_states, probs,
+                                                                        self.experts)
+                mlp_bias = None
+            else:
+                dispatched, probs = self.dispatch(hidden_states, probs)
+                output, mlp_bias = self.routed_experts_compute(dispatched, probs)
+                output = self.combine(output)
             return self.postprocess(output, shared_output), mlp_bias
 
         if self.moe_layer_recompute:

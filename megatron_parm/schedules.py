@@ -73,8 +73,13 @@ class Schedule:
     summary: str  # one line, for --help, docs and reports
     # "module:Class" of its MoETokenDispatcher subclass; None for Megatron's own.
     dispatcher: Optional[str] = None
-    # Cut into pipeline chunks (--parm-num-chunks): its dispatcher runs dispatch, experts
-    # and combine as one pipeline, and the performance model pipelines its stages.
+    # Its dispatcher offers dispatch_compute_combine(rows, probs, experts): token_dispatch
+    # through token_combine, experts included, as one pipelined call, which ParmMoELayer runs
+    # in their place. Every dispatcher also runs the six phases one by one (Megatron-Core's
+    # callers, tests); a pipelined one then runs unpipelined (docs/design.md).
+    pipelined: bool = False
+    # Cut into pipeline chunks (--parm-num-chunks) inside that call, and the performance
+    # model pipelines its stages; needs ``pipelined``.
     chunked: bool = False
     default_chunks: int = 1
     chunk_candidates: Tuple[int, ...] = ()  # forward chunk counts the automatic choice tries
@@ -92,6 +97,11 @@ class Schedule:
             raise ValueError(f"schedule {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != NATIVE and not self.dispatcher:
             raise ValueError(f"schedule {self.name!r}: a {self.kind} schedule needs its dispatcher class")
+        if self.pipelined and self.kind == NATIVE:
+            raise ValueError(f"schedule {self.name!r}: Megatron's own dispatchers have no pipelined call")
+        if self.chunked and not self.pipelined:
+            raise ValueError(f"schedule {self.name!r}: chunks run inside the pipelined call; "
+                             f"a chunked schedule must be pipelined")
         if self.chunked and not (self.default_chunks >= 1 and all(
                 c >= 2 for c in self.chunk_candidates + self.bwd_chunk_candidates)):
             raise ValueError(f"schedule {self.name!r}: default_chunks must be >= 1 and "
@@ -314,7 +324,8 @@ _BUILTIN = (
     Schedule("parm_s2", PARM, "Parm S2: S1's data in --parm-num-chunks chunks (backward: "
              "--parm-bwd-num-chunks) through a pipeline that overlaps the A2A [EP] with the "
              "AG/RS [ESP] and the experts",
-             dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", chunked=True,
+             dispatcher=f"{_DISPATCHERS}.parm_s2:ParmS2TokenDispatcher", pipelined=True,
+             chunked=True,
              default_chunks=4, chunk_candidates=(2, 4, 8), bwd_chunk_candidates=(2, 4, 8),
              candidate=True,
              cost_plan=pipelined_cost),

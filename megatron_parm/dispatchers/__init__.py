@@ -24,4 +24,14 @@ def dispatcher_class(name: str) -> type:
     return cls
 
 
-__all__ = ["ParmTokenDispatcher", "dispatcher_class"]
+def build_dispatcher(name: str, num_local_experts: int, local_expert_indices, config,
+                     pg_collection=None) -> ParmTokenDispatcher:
+    """The dispatcher of a non-native schedule, knowing its catalog entry (``.schedule``: its
+    capabilities, e.g. whether ParmMoELayer may run it as one pipelined call)."""
+    dispatcher = dispatcher_class(name)(num_local_experts, local_expert_indices, config=config,
+                                        pg_collection=pg_collection)
+    dispatcher.schedule = schedules.get(name)
+    return dispatcher
+
+
+__all__ = ["ParmTokenDispatcher", "build_dispatcher", "dispatcher_class"]

@@ -22,6 +22,7 @@ Megatron's ``permute`` (shared with alltoall) adds the synchronisation of its ma
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -131,15 +132,104 @@ def unsort_by_local_expert(rows: torch.Tensor, chunk_sizes: torch.Tensor, num_lo
     return sort_chunks_by_idxs(rows, expert_major_sizes, order)[0]
 
 
+# Megatron-Core's six phases, in the order a layer call runs them (the experts run between
+# dispatch_postprocess and combine_preprocess), and the pipelined call that stands for
+# token_dispatch through token_combine.
+PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+          "combine_preprocess", "token_combine", "combine_postprocess")
+PIPELINED_CALL = "dispatch_compute_combine"
+# phase -> the phase that must have run just before it in the same layer call
+_FOLLOWS = {**dict(zip(PHASES[1:], PHASES[:-1])), PIPELINED_CALL: "dispatch_preprocess"}
+
+
+def _in_order(phase: str, method):
+    """``method`` with the phase order checked (see ParmTokenDispatcher). A phase that raises
+    leaves the order where it was: it may be run again, or a new layer call started."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._phase_running:  # a phase calling the one it overrides (super()): checked once
+            return method(self, *args, **kwargs)
+        self._check_phase(phase)
+        self._phase_running = True
+        try:
+            out = method(self, *args, **kwargs)
+        except BaseException:
+            self._phase_failed = True
+            raise
+        finally:
+            self._phase_running = False
+        self._last_phase = "token_combine" if phase == PIPELINED_CALL else phase
+        self._phase_failed = False
+        return out
+
+    run.phase_checked = True
+    return run
+
+
+def _check_phases_of(cls) -> None:
+    for phase in PHASES + (PIPELINED_CALL,):
+        method = cls.__dict__.get(phase)
+        if callable(method) and not getattr(method, "phase_checked", False):
+            setattr(cls, phase, _in_order(phase, method))
+
+
 class ParmTokenDispatcher(MoETokenDispatcher):
-    """Base of ds_baseline, parm_s1 and parm_s2: groups, permutation and the counts exchange.
+    """Base of Parm's dispatchers: groups, permutation and the counts exchange.
 
     Megatron's base class names the ESP group ``tp_group``; here it is ``etp_group`` and the
     attention TP group is ``attn_tp_group``, to keep the two apart.
+
+    Phase order. Every dispatcher runs Megatron-Core's six phases separately, in the order of
+    PHASES (the experts between dispatch_postprocess and combine_preprocess); a pipelined
+    one (the catalog's ``pipelined``) also offers dispatch_compute_combine, which takes the
+    place of token_dispatch through token_combine. The phases share this layer call's state
+    (plan, sort orders, routes), so a phase run out of that order, a combine without its
+    dispatch, or a new dispatch_preprocess while a call is still open would compute with
+    another call's state: each raises one RuntimeError naming the phase instead. Every
+    subclass's phase methods are checked (``__init_subclass__``); the check is host
+    bookkeeping only, no tensor operation. A layer call abandoned by an exception inside
+    one of its phases may be restarted with dispatch_preprocess.
     """
 
-    # True for dispatchers that run dispatch, experts and combine as one pipeline (S2).
-    pipelined = False
+    # The catalog entry this dispatcher was built for (dispatchers.build_dispatcher); None
+    # when built directly from its class.
+    schedule = None
+    # The phase order: the last phase that completed, whether a phase is running, whether
+    # the last phase run raised.
+    _last_phase: Optional[str] = None
+    _phase_running = False
+    _phase_failed = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _check_phases_of(cls)
+
+    @property
+    def pipelined(self) -> bool:
+        """This layer call runs as one pipelined dispatch_compute_combine (ParmMoELayer asks):
+        the catalog's capability of the schedule it was built for."""
+        return self.schedule is not None and self.schedule.pipelined
+
+    def _check_phase(self, phase: str) -> None:
+        last, name = self._last_phase, self.schedule.name if self.schedule else type(self).__name__
+        order = " -> ".join(PHASES)
+        if phase == "dispatch_preprocess":
+            if last in (None, PHASES[-1]) or self._phase_failed:
+                return
+            raise RuntimeError(
+                f"{name}: dispatch_preprocess called while the previous layer call is still "
+                f"open (its last phase was {last}): combine it first; the phases run in the "
+                f"order {order}")
+        expected = _FOLLOWS[phase]
+        if last == expected:
+            return
+        if last in (None, PHASES[-1]):
+            done = "with no dispatch open (dispatch_preprocess has not run for this call)"
+        else:
+            done = f"after {last}"
+        raise RuntimeError(f"{name}: {phase} called {done}; it must follow {expected} "
+                           f"(the phases run in the order {order})")
 
     def __init__(self, num_local_experts: int, local_expert_indices: Sequence[int], config,
                  pg_collection=None):
@@ -233,3 +323,6 @@ class ParmTokenDispatcher(MoETokenDispatcher):
         """S1/S2: unpermute to this rank's tokens."""
         self.plan = self.chunk_sizes = None
         return self._unpermute(hidden_states).view(self.hidden_shape)
+
+
+_check_phases_of(ParmTokenDispatcher)  # its own phases (subclasses: __init_subclass__)

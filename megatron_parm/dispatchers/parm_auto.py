@@ -125,7 +125,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        from megatron_parm.dispatchers import dispatcher_class
+        from megatron_parm.dispatchers import build_dispatcher
 
         self.attn_tp_size = utils.get_pg_size(self.attn_tp_group)
         self.etp_size = utils.get_pg_size(self.etp_group)
@@ -135,8 +135,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         self.schedules: Dict[str, ParmTokenDispatcher] = {}
         for schedule in runnable:
             try:
-                self.schedules[schedule.name] = dispatcher_class(schedule.name)(
-                    num_local_experts, local_expert_indices, config, pg_collection)
+                self.schedules[schedule.name] = build_dispatcher(
+                    schedule.name, num_local_experts, local_expert_indices, config, pg_collection)
             except ValueError as err:  # a layout this schedule refuses: not a candidate
                 warnings.warn(f"parm: candidate {schedule.name} skipped: {err}")
         if not self.schedules:
@@ -178,6 +178,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     @property
     def pipelined(self) -> bool:
+        """Whether the chosen schedule runs pipelined (ParmMoELayer then calls
+        dispatch_compute_combine); called phase by phase, parm runs the chosen schedule's
+        phases, S2's included."""
         return self.active.pipelined
 
     @property

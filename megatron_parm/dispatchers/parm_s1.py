@@ -123,6 +123,8 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     A subclass that moves the rows over EP its own way overrides token_dispatch and
     token_combine; then (3) runs the ESP stage (AG [ESP], sort) and (5) its dual (unsort,
     RS [ESP]) as one autograd function each.
+    parm_s2 derives from this class: called phase by phase, it runs these phases (S2 at one
+    chunk is this dataflow).
     When the layer input is replicated over TP (no sequence parallelism), ParmMoELayer
     hands this dispatcher the rank's shard and restores the full output with one AG [TP].
     """

@@ -37,6 +37,7 @@ Pending, see megatron_parm.comm.collectives, and by the stage's PendingTuple).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,7 +46,8 @@ import torch
 from megatron_parm import schedules
 from megatron_parm.comm.collectives import Pending, start_all_gather, start_all_to_all, start_reduce_scatter
 from megatron_parm.dispatchers import row_order
-from megatron_parm.dispatchers.base import ParmTokenDispatcher, RoutingPlan
+from megatron_parm.dispatchers.base import RoutingPlan
+from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
 from megatron_parm.dispatchers.row_order import Message
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -67,7 +69,7 @@ class PendingTuple:
 
 def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: Stage,
                  compute: Callable[[int, Tensors], Tensors], third: Stage, fourth: Stage,
-                 prefetch: int = 1) -> List[Tensors]:
+                 prefetch: int = 1, drain: Optional[Callable[[], None]] = None) -> List[Tensors]:
     """Run num_chunks chunks through first -> second -> compute -> third -> fourth.
 
     first/fourth run on one group, second/third on another. ``prefetch`` first-stage
@@ -75,6 +77,8 @@ def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: 
     chunk i is gathered and computed; more was no faster on the emulated cluster, since the
     first and fourth stages share one link). The order in which collectives are issued
     depends only on num_chunks and prefetch, so every rank issues them identically.
+    ``drain``, if given, runs after the last chunk's compute, while its third and fourth
+    stages are in flight (work that needs every chunk's compute and no collective).
     """
     ahead = max(1, prefetch)
     in_first: Dict[int, PendingTuple] = {i: first(i) for i in range(min(ahead, num_chunks))}
@@ -88,6 +92,8 @@ def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: 
             in_fourth[i - 1] = fourth(i - 1, in_third.pop(i - 1).wait())
         in_third[i] = third(i, compute(i, in_second.wait()))
     last = num_chunks - 1
+    if drain is not None:
+        drain()
     in_fourth[last] = fourth(last, in_third.pop(last).wait())
     return [in_fourth[i].wait() for i in range(num_chunks)]
 
@@ -198,6 +204,12 @@ class _ChunkedExperts:
         self.travels = self.ep_group.size() > 1 or self.etp_group.size() > 1
         # per sub-chunk: (rows, probs) the experts saw and their output, for the backward
         self.saved: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Experts that can (TorchGroupedMLP) compute their weight gradients once for every
+        # chunk, after the last chunk's backward, instead of once per chunk's autograd graph
+        # (each a GEMM over few rows and an add of the whole weight, per weight): their
+        # DeferredWeightGrads while the forward's graphs are alive. Others (SequentialMLP)
+        # accumulate per chunk.
+        self.deferred = None
 
     # stages: (chunk index, tensors) -> PendingTuple
     def _stages(self, d: Direction, outputs: Sequence[torch.Tensor]):
@@ -255,8 +267,11 @@ class _ChunkedExperts:
             y = ys[0] if len(ys) == 1 else torch.cat(ys)
             return (row_order.gather(y, d.unsort[i]),)
 
-        run_pipeline(d.num_chunks, lambda i: first(i, tuple(t[d.rows(i)] for t in origin)),
-                     second, compute, third, fourth)
+        defer = getattr(self.expert_fn, "deferring_weight_grads", None) if build_graph else None
+        with defer() if defer is not None else contextlib.nullcontext() as deferred:
+            run_pipeline(d.num_chunks, lambda i: first(i, tuple(t[d.rows(i)] for t in origin)),
+                         second, compute, third, fourth)
+        self.deferred = deferred
         return out
 
     def backward(self, grad_out: torch.Tensor, probs_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +308,11 @@ class _ChunkedExperts:
                 return (message.pack(grad_x, grad_p, order=d.unsort[i]),)
             return row_order.gather(grad_x, d.unsort[i]), row_order.gather(grad_p, d.unsort[i])
 
+        deferred, self.deferred = self.deferred, None
+        # every chunk's expert weight gradients at once, overlapping the last chunk's returns
         run_pipeline(d.num_chunks, lambda i: first(i, (grad_out[d.rows(i)],)),
-                     second, compute, third, fourth)
+                     second, compute, third, fourth,
+                     drain=deferred.backward_dw if deferred is not None else None)
         grads = message.unpack(outputs[0]) if message.packs else outputs
         return tuple(row_order.gather(g, self.chunks.restore) for g in grads)
 
@@ -313,10 +331,11 @@ class _PipelinedExpertsFunction(torch.autograd.Function):
         return grad_rows, grad_probs, None, None
 
 
-class ParmS2TokenDispatcher(ParmTokenDispatcher):
+class ParmS2TokenDispatcher(ParmS1TokenDispatcher):
     """S2: S1's data, cut into chunks that flow through a five-stage pipeline.
 
-    Workflow (communication on the group in brackets):
+    Workflow (communication on the group in brackets), as ParmMoELayer runs it (the
+    catalog's ``pipelined``):
     (1) dispatch_preprocess: permute this rank's n tokens by expert; exchange the E routing
         counts [ESP x EP]
     (2)-(6) dispatch_compute_combine: plan every chunk once (split sizes, rows, sorts; host);
@@ -325,11 +344,13 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
         overlaps chunk i's AG and experts, chunk i-1's return A2A overlaps chunk i's
         experts. The backward runs the same pipeline of the duals in its own chunk count.
     (7) combine_postprocess: unpermute to this rank's n tokens (in chunk order)
-    ParmMoELayer calls dispatch_compute_combine in place of token_dispatch,
-    dispatch_postprocess, the experts, combine_preprocess and token_combine.
+    Phase by phase (token_dispatch, dispatch_postprocess, the caller's experts,
+    combine_preprocess, token_combine: how Megatron-Core's own callers and tests drive a
+    dispatcher) the layer call runs unpipelined, as one chunk: S2 at one chunk is S1's
+    dataflow (the same collectives, rows, sorts and packing), so those phases are S1's
+    (ParmS1TokenDispatcher) and compute what the pipeline computes. --parm-num-chunks and
+    --parm-bwd-num-chunks apply to the pipelined call only.
     """
-
-    pipelined = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -351,9 +372,3 @@ class ParmS2TokenDispatcher(ParmTokenDispatcher):
         # no grad: the expert weights inside it still do.
         anchor = rows.new_empty(0).requires_grad_()
         return _PipelinedExpertsFunction.apply(rows, row_probs, anchor, pipeline)
-
-    # The six-phase entry points that S2 folds into dispatch_compute_combine.
-    def token_dispatch(self, hidden_states, probs):
-        raise RuntimeError("parm_s2 dispatches inside dispatch_compute_combine (see ParmMoELayer)")
-
-    dispatch_postprocess = combine_preprocess = token_combine = token_dispatch

@@ -16,6 +16,7 @@ import pytest
 
 from launch import REPO
 from megatron_parm import schedules
+from megatron_parm.dispatchers.base import PHASES
 from megatron_parm.perf_model import LayerShape, Layout, choose_schedule, comm_volumes, predict
 from megatron_parm.perf_model.profile import load_profile
 from toy_schedule import TOY, register_toy
@@ -87,6 +88,28 @@ def test_chunk_counts_are_checked_in_one_place():
     pairs = s2.chunk_pairs()
     assert pairs == tuple(sorted((c, b) for c in s2.chunk_candidates for b in s2.bwd_chunk_candidates))
     assert (3, 5) in s2.chunk_pairs(((3, 5),))
+
+
+def test_the_pipelined_call_is_a_declared_capability():
+    """ParmMoELayer runs a schedule's fused dispatch_compute_combine only where its catalog
+    entry declares ``pipelined`` (S2); chunks run inside that call, so a chunked schedule is
+    a pipelined one, and Megatron's own dispatchers have none."""
+    from megatron_parm.dispatchers import ParmTokenDispatcher, dispatcher_class
+
+    assert [n for n in schedules.names() if schedules.get(n).pipelined] == ["parm_s2"]
+    for name in schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO):
+        cls = dispatcher_class(name)
+        # every dispatcher runs the six phases on its own; pipelined ones also the fused call
+        assert all(getattr(cls, phase).phase_checked for phase in PHASES)
+        assert hasattr(cls, "dispatch_compute_combine") == (
+            schedules.get(name).pipelined or schedules.get(name).kind == schedules.AUTO)
+    # a dispatcher built from its class alone, without its catalog entry, runs phase by phase
+    assert ParmTokenDispatcher.schedule is None
+    with pytest.raises(ValueError, match="a chunked schedule must be pipelined"):
+        schedules.Schedule("x", schedules.PARM, "x", dispatcher="m:C", chunked=True,
+                           default_chunks=2)
+    with pytest.raises(ValueError, match="no pipelined call"):
+        schedules.Schedule("x", schedules.NATIVE, "x", pipelined=True)
 
 
 def test_cost_plans_move_what_the_dataflows_say():
