@@ -12,7 +12,10 @@ project's code raises (a `raise` statement in it, not a library's or Python's ow
 printed as one line `error: <message>` by the first rank that sees it (ranks claim the report
 in torchrun's store; without one, rank 0 prints), with exit status 2 and no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
 Ranks that fail after another one has reported stay silent (their failure is almost always the
-consequence: a peer left a collective). MEGATRON_PARM_DEBUG=1 prints every rank's traceback.
+consequence: a peer left a collective). Under megatron_parm.launch, a failed collective (a peer
+died or hung: connection reset, timeout) is not printed at all: its traceback goes to the
+launcher's errors.log, and the launcher's one line names the rank that died (megatron_parm.faults).
+MEGATRON_PARM_DEBUG=1 prints every rank's traceback.
 
 Warnings: rank 0 shows each once, in one line; other ranks show none. Megatron-Core's fallback
 warnings for missing optional packages (Transformer Engine, Apex), and warnings about its own
@@ -34,6 +37,8 @@ import sys
 import traceback
 import warnings
 from typing import Callable, Optional, Sequence
+
+from megatron_parm import faults
 
 USER_ERROR = 2   # exit status of a user's mistake (argparse's own)
 BUG = 1
@@ -176,6 +181,9 @@ def call(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     except BaseException as error:  # noqa: BLE001 - this is the top of the program
         if is_user_error(error):
             return _report(error, str(error), USER_ERROR)
+        if faults.is_communication_error(error) and faults.log_follow_on(error) \
+                and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+            return BUG  # a peer died or hung: the launcher's line says which, this is in its log
         return _report(error, None, BUG)
 
 

@@ -10,12 +10,30 @@ group but the pipeline's and the embedding's stays inside one stage's W / p rank
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
 
 from megatron_parm import schedules
 from megatron_parm.layout_rules import layout_problem
+
+# --distributed-timeout-minutes: Megatron-LM's default. A collective that waits longer (a peer
+# hung, or its node died without closing its connections) fails, and the job ends.
+DEFAULT_TIMEOUT_MINUTES = 10
+_timeout = timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+
+
+def group_timeout() -> timedelta:
+    """The timeout of every process group of the job (the default group's, Megatron's, and
+    those the dispatchers make, e.g. parm_hier's): --distributed-timeout-minutes."""
+    return _timeout
+
+
+def set_group_timeout(minutes: float) -> timedelta:
+    global _timeout
+    _timeout = timedelta(minutes=minutes)
+    return _timeout
 
 
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
@@ -36,17 +54,30 @@ def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_e
 
 def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = None,
                               num_experts: Optional[int] = None, dispatcher: Optional[str] = None,
-                              pp: int = 1, vpp: Optional[int] = None) -> None:
-    """Check the layout, then build Megatron's process groups (torch.distributed must be up)."""
+                              timeout_minutes: Optional[float] = None, pp: int = 1,
+                              vpp: Optional[int] = None) -> None:
+    """Check the layout, then build Megatron's process groups (torch.distributed must be up),
+    each with group_timeout() (timeout_minutes sets it first)."""
     from megatron.core import parallel_state
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
                     pp=pp)
+    if timeout_minutes is not None:
+        set_group_timeout(timeout_minutes)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=group_timeout().total_seconds() / 60)
+    # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it
+    # is given (torch's default, 30 min), and the tools create the default group with torch's
+    # default: set it on every group this rank is in.
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(group_timeout(), group)
+
 
 def stage_group():
     """The ranks of this rank's pipeline stage (its tensor x data x context-parallel ranks: the

@@ -31,6 +31,7 @@ from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
+from megatron_parm.parallel import group_timeout
 from megatron_parm.perf_model.layout import ep_node_blocks
 from megatron_parm.platform import device as devices
 
@@ -49,7 +50,8 @@ def _group(ranks: Sequence[int], existing: Dict[Tuple[int, ...], object]):
     if key in existing:
         return existing[key]
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True,
+                                      timeout=group_timeout())
     return _GROUPS[key]
 
 

@@ -21,7 +21,7 @@ from megatron_parm import schedules, tuning
 from megatron_parm.layout_rules import (
     batch_problem, microbatch_problem, model_problem, pipeline_stage_layers, shape_problem,
     virtual_stages)
-from megatron_parm.parallel import validate_layout
+from megatron_parm.parallel import DEFAULT_TIMEOUT_MINUTES, validate_layout
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import TRANSFORMER_IMPLS, check_implementation
 
@@ -239,6 +239,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if problem:
         raise ValueError(problem)
 
+    if not args.distributed_timeout_minutes > 0:
+        raise ValueError(f"--distributed-timeout-minutes must be > 0, got "
+                         f"{args.distributed_timeout_minutes:g}")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp

@@ -20,7 +20,6 @@ import os
 import random
 import signal
 import time
-from datetime import timedelta
 from typing import Optional
 
 import numpy
@@ -38,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-from megatron_parm import platform
+from megatron_parm import faults, platform
 from megatron_parm.tuning import CHUNK_NOTATION
 from megatron_parm.cli import optional_packages_note
 from megatron_parm.checkpointing import (
@@ -54,7 +53,7 @@ from megatron_parm.data.datasets import (
     train_valid_test_num_samples,
 )
 from megatron_parm.data.tokenizers import build_tokenizer
-from megatron_parm.parallel import initialize_model_parallel
+from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
 from megatron_parm.platform import device
 from megatron_parm.training.log import (
     Progress,
@@ -69,17 +68,41 @@ from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers, unwrap)
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(timeout_minutes: Optional[float] = None) -> None:
     """Join the job's process group (env:// from torchrun, srun + torchrun or the emulator;
-    without RANK, as with plain `python script.py`, a group of one process) and apply the CPU
-    redirects when there is no GPU. Safe to call more than once."""
+    without RANK, as with plain `python script.py`, a group of one process) with
+    --distributed-timeout-minutes (parallel.group_timeout(), set first where given), and apply
+    the CPU redirects when there is no GPU. Safe to call more than once. Processes the rank
+    forks from here on (checkpoint writers) die with it."""
+    faults.die_with_parent()
+    if timeout_minutes is not None:
+        set_group_timeout(timeout_minutes)
     if not torch.distributed.is_initialized():
-        one_process = {} if "RANK" in os.environ else dict(
-            store=torch.distributed.HashStore(), rank=0, world_size=1)
+        if "RANK" not in os.environ:
+            store = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:
+            store = _attempt_store()
         device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(device.backend(), timeout=timedelta(minutes=10),
-                                             **one_process)
+        torch.distributed.init_process_group(device.backend(), timeout=group_timeout(),
+                                             **store)
     platform.setup()
+
+
+def _attempt_store() -> dict:
+    """Under torchrun, the agent's store with a prefix for this attempt (--max-restarts):
+    torchrun keeps one store for every attempt (its static rendezvous, --master-port), so
+    without one a restarted rank reads the dead ranks' addresses and cannot connect. Empty
+    (env:// as it is) elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    agent_store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=group_timeout())
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dict(store=torch.distributed.PrefixStore(f"megatron_parm/attempt_{attempt}",
+                                                    agent_store),
+                rank=int(os.environ["RANK"]), world_size=world_size)
 
 
 def set_seed(seed: int) -> None:
@@ -303,10 +326,11 @@ class ExitSignal:
 def pretrain(args) -> dict:
     """Train args.model_type ('gpt' or 'bert') as the flags say; returns a summary:
     {'losses': [lm loss per iteration], 'eval': [...], 'checkpoint': path or None, ...}."""
-    initialize_distributed()
+    faults.record_progress(None, "starting", args.save)
+    initialize_distributed(args.distributed_timeout_minutes)
     initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
                               args.expert_tensor_parallel_size, args.num_experts,
-                              args.moe_token_dispatcher_type,
+                              args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
                               pp=args.pipeline_model_parallel_size,
                               vpp=args.virtual_pipeline_model_parallel_size)
     set_seed(args.seed)
@@ -397,6 +421,7 @@ def pretrain(args) -> dict:
     print_rank_0(f"> training for {args.train_iters - iteration} iterations")
 
     while iteration < args.train_iters:
+        faults.record_progress(iteration + 1, "training", args.save)  # for the launcher's line
         step_start = time.time()
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -471,6 +496,7 @@ def pretrain(args) -> dict:
 
         if args.eval_iters > 0 and (iteration % args.eval_interval == 0
                                     or iteration == args.train_iters):
+            faults.record_progress(iteration, "evaluating", args.save)
             eval_losses = evaluate(forward_step, valid_iter, model, args)
             summary["eval"].append((iteration, eval_losses))
             progress.clear()
@@ -480,6 +506,7 @@ def pretrain(args) -> dict:
 
         if args.save and args.save_interval and iteration % args.save_interval == 0 \
                 and iteration < args.train_iters:
+            faults.record_progress(iteration, "saving a checkpoint", args.save)
             path = save_checkpoint(args.save, iteration, model, optimizer, scheduler,
                                    consumed_samples, args)
             saved_at = iteration
@@ -499,12 +526,14 @@ def pretrain(args) -> dict:
 
     summary["iteration"] = iteration
     if args.save and iteration > start_iteration and saved_at != iteration:
+        faults.record_progress(iteration, "saving a checkpoint", args.save)
         summary["checkpoint"] = save_checkpoint(args.save, iteration, model, optimizer,
                                                 scheduler, consumed_samples, args)
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {summary['checkpoint']}")
     elif args.save and saved_at == iteration:
         summary["checkpoint"] = os.path.join(args.save, f"iter_{iteration:07d}")
     exit_signal.close()  # after the save: a second SIGTERM must not cut it short
+    faults.record_progress(iteration, "done", args.save)
     tensorboard.close()
     print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
                  if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
