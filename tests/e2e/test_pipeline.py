@@ -8,12 +8,13 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
 
 4 ranks:
   * reference: pp=1 (tp=2, ep=2, etp=1, sequence parallel), alltoall;
-  * pp=2 (the same tp, ep, etp) with every dispatcher; alltoall's run saves at 5 and 10;
+  * pp=2 (the same tp, ep, etp): alltoall for 10 iterations (saving at 5 and 10), every other
+    dispatcher for 5;
   * pp=2 interleaved (2 virtual stages of one layer), alltoall;
   * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
   * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each.
 8 ranks:
-  * pp=2 with tp=2, ep=2 (etp=1), alltoall and parm;
+  * pp=2 with tp=2, ep=2 (etp=1), alltoall;
   * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
     iteration each.
 The tests then check that the pipelined losses follow the reference (1e-4, as the
@@ -79,7 +80,8 @@ def worker(world: str, run_dir: str) -> None:
                                             "--save-interval", "5")}
         for name in dispatchers():
             if name != "alltoall":
-                results["pp2"][name] = train(*PP2, "--load", start, dispatcher=name)
+                results["pp2"][name] = train(*PP2, "--load", start, "--exit-interval", "6",
+                                             dispatcher=name)
         results["interleaved"] = train(*PP2, "--num-layers-per-virtual-pipeline-stage", "1",
                                        "--load", start)
         iter5 = f"{saved}/iter_0000005"
@@ -89,7 +91,6 @@ def worker(world: str, run_dir: str) -> None:
                                   "--exit-interval", "6")
     else:
         results["pp2_tp2_ep2"] = train(*PP2, "--load", start)
-        results["pp2_tp2_ep2_parm"] = train(*PP2, "--load", start, dispatcher="parm")
         iter5 = str(run / "pp2" / "iter_0000005")
         results["at_pp1_ep4_etp2"] = train(
             "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
@@ -141,16 +142,15 @@ def test_every_dispatcher_follows_alltoall_under_pipelining(runs):
     alltoall = results["pp2"]["alltoall"]["losses"]
     assert set(results["pp2"]) == set(dispatchers())
     for name, run in results["pp2"].items():
-        _close(run["losses"], alltoall, CURVE_TOLERANCE)
-    _close(results["pp2_tp2_ep2_parm"]["losses"], results["pp2_tp2_ep2"]["losses"],
-           CURVE_TOLERANCE)
+        _close(run["losses"], alltoall[:len(run["losses"])], CURVE_TOLERANCE)
+        assert len(run["losses"]) >= 5, name
 
 
 def test_parm_chooses_per_layer_on_each_stage(runs):
     _, outputs, _ = runs
     # Each stage's first rank reports its own layers' choices: all four layers are there.
     for layer in range(1, 5):
-        assert f"> MoE layer {layer}: parm chose" in outputs["8"], layer
+        assert f"> MoE layer {layer}: parm chose" in outputs["4"], layer
 
 
 def test_resume_at_the_same_pipeline_layout_is_bitwise(runs):
@@ -191,7 +191,8 @@ def test_tools_read_pipelined_checkpoints(runs, tmp_path):
                                "--verify", "--no-tensors"], cwd=REPO, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
-        return sorted(line for line in proc.stdout.splitlines() if line.startswith("crc32"))
+        return sorted(line.strip() for line in proc.stdout.splitlines()
+                      if line.strip().startswith("crc32 "))
 
     original = crcs(source / "iter_0000005")
     assert original and crcs(tmp_path / "back") == original == crcs(tmp_path / "pp1")
