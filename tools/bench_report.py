@@ -98,7 +98,7 @@ def main(argv=None):
         if not rows:
             p.error(f"--parm-profile {spec}: no runs labelled {label!r}")
         try:
-            profile = load_profile(path)
+            profile = load_profile(path, require_terms=True)
         except ValueError as err:
             p.error(f"--parm-profile: {err}")
         for name, entry in model_accuracy(rows, profile).items():

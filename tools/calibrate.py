@@ -17,16 +17,28 @@ squares, prints the fit and every point's residual, and writes the profile (prov
 measured). Method, link classes and what is done when a link class cannot be measured:
 megatron_parm/perf_model/calibrate.py (fits) and megatron_parm/bench/calibrate.py (timing).
 Then it times the real MoE layer with the schedules of perf_model.calibrate.layer_fit_schedules
-(parm_s1, and parm_s2 at 2 and 8 chunks; --layer-* flags) and fits the profile's in-layer terms to it (layer_scale,
-overlap_efficiency, chunk_overhead; perf_model/predict.py), printing each layer's measured
-and modelled time. A default run takes 60-75 s on the emulated cluster (2 nodes x 2 ranks,
-either preset).
+(parm_s1, and parm_s2 at 2 and 8 chunks; --layer-* flags) on every layout of --layer-layouts
+(default: those of (2,2,2), (2,2,1), (1,4,1) the world runs, the layouts the model chooses
+between) and fits the profile's in-layer terms to all of them at once (layer_scale,
+overlap_efficiency, chunk_overhead, chunk_expert_overhead; perf_model/profile.py TERMS),
+printing each layer's measured and modelled time and the fit's error; then it times the
+forward + backward of micro-batches of a GPT MoE model (--step-config, at --step-layers
+layers) and fits the framework terms (microbatch_overhead, layer_overhead).
+
+On one rank (one GPU) there is no group to time: the collective terms come from
+--base-profile and the rest (compute, the chunk cost, the framework terms) is measured:
+
+    torchrun --nproc-per-node 1 tools/calibrate.py --base-profile nvlink_ib_estimate --output h200.yaml
+
+A default run takes about 5 minutes on the emulated cluster (2 nodes x 2 ranks, either
+preset, 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +55,11 @@ DEFAULT_COMPUTE_ROWS = "64..2048"
 DEFAULT_LAYER_TOKENS = "192,768"
 DEFAULT_LAYER_EXPERTS = "4,8"
 LAYER_CHUNKS = (1, 2, 8)  # 1: parm_s1; c: parm_s2 at c chunks
+# The layouts the in-layer terms are fitted over by default (those the world runs): the
+# grid's, where S2's chunks cost differently (local experts, ETP)
+DEFAULT_LAYER_LAYOUTS = ((2, 2, 2), (2, 2, 1), (1, 4, 1))
+DEFAULT_STEP_CONFIG = "configs/gpt2_tiny_moe.yaml"
+DEFAULT_STEP_LAYERS = "1,2"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-num-experts", default=DEFAULT_LAYER_EXPERTS,
                         help=f"expert counts of those layers, a comma list of multiples of the "
                              f"expert-parallel size (default {DEFAULT_LAYER_EXPERTS})")
+    parser.add_argument("--layer-layouts", nargs="+", default=None, metavar="TP,EP,ETP",
+                        help="layouts the MoE layers are timed on (default: those of "
+                             + " ".join(",".join(map(str, x)) for x in DEFAULT_LAYER_LAYOUTS)
+                             + " the world runs, else the calibrated layout)")
+    parser.add_argument("--layer-expert-impls", default="SequentialMLP",
+                        help="expert modules of those layers, a comma list (SequentialMLP, "
+                             "TorchGroupedMLP, ...; default SequentialMLP): with both, the fit "
+                             "tells a chunk's per-local-expert cost from its constant")
+    parser.add_argument("--step-config", default=DEFAULT_STEP_CONFIG,
+                        help=f"GPT MoE config whose micro-batches are timed for the framework "
+                             f"terms (default {DEFAULT_STEP_CONFIG})")
+    parser.add_argument("--step-layers", default=DEFAULT_STEP_LAYERS,
+                        help=f"layer counts of that model, a comma list; 0 skips the framework "
+                             f"terms (default {DEFAULT_STEP_LAYERS})")
+    parser.add_argument("--base-profile", default=None,
+                        help="a profile (path or shipped name) whose collective terms are kept "
+                             "where the layout has no group to time (one rank); required then")
     parser.add_argument("--parm-ranks-per-node", "--ranks-per-node", dest="ranks_per_node",
                         type=int, default=None,
                         help="ranks per node for the intra/inter rule, as in training (default: "
@@ -143,27 +177,78 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     if args.moe_ffn_hidden_size % etp != 0:
         raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
                          f"by --expert-tensor-parallel-size ({etp})")
-    if args.layer_tokens:
-        bad = [e for e in args.layer_num_experts if e < ep or e % ep]
-        if bad:
-            raise ValueError(f"--layer-num-experts {bad}: each must be a multiple of the "
-                             f"expert-parallel size ({ep})")
-        if args.layer_ffn_hidden_size % etp or args.layer_hidden_size % tp:
-            raise ValueError(f"--layer-ffn-hidden-size ({args.layer_ffn_hidden_size}) must be "
-                             f"divisible by the expert-tensor-parallel size ({etp}) and "
-                             f"--layer-hidden-size ({args.layer_hidden_size}) by the "
-                             f"tensor-parallel size ({tp})")
     args.ranks_per_node = ranks_per_node
     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=world_size // ranks_per_node,
                     ranks_per_node=ranks_per_node)
-    if not cal.groups_to_time(layout):
+    args.layer_layouts = _layer_layouts(args.layer_layouts, world_size, layout)
+    for l_tp, l_ep, l_etp in args.layer_layouts if args.layer_tokens else ():
+        bad = [e for e in args.layer_num_experts if e < l_ep or e % l_ep]
+        if bad:
+            raise ValueError(f"--layer-num-experts {bad}: each must be a multiple of the "
+                             f"expert-parallel size ({l_ep}) of --layer-layouts "
+                             f"{l_tp},{l_ep},{l_etp}")
+        if args.layer_ffn_hidden_size % l_etp or args.layer_hidden_size % l_tp:
+            raise ValueError(f"--layer-ffn-hidden-size ({args.layer_ffn_hidden_size}) must be "
+                             f"divisible by the expert-tensor-parallel size ({l_etp}) and "
+                             f"--layer-hidden-size ({args.layer_hidden_size}) by the "
+                             f"tensor-parallel size ({l_tp}) of --layer-layouts "
+                             f"{l_tp},{l_ep},{l_etp}")
+    from megatron_parm.training.implementation import EXPERT_IMPLS
+
+    args.layer_expert_impls = [x.strip() for x in args.layer_expert_impls.split(",") if x.strip()]
+    bad = [x for x in args.layer_expert_impls if x not in EXPERT_IMPLS]
+    if bad or not args.layer_expert_impls:
+        raise ValueError(f"--layer-expert-impls: unknown {bad or 'empty'}; choose from "
+                         f"{', '.join(EXPERT_IMPLS)}")
+    args.step_layers = [n for n in _int_list(args.step_layers, "--step-layers") if n != 0]
+    if any(n < 0 for n in args.step_layers):
+        raise ValueError(f"--step-layers: layer counts must be positive, got {args.step_layers}")
+    if args.step_layers and not os.path.isfile(args.step_config):
+        raise ValueError(f"--step-config: file not found: {args.step_config}")
+    if args.base_profile is not None:
+        from megatron_parm.perf_model import load_profile
+
+        try:
+            args.base_profile = load_profile(args.base_profile)
+        except ValueError as error:
+            raise ValueError(f"--base-profile: {error}") from None
+    if not cal.groups_to_time(layout) and args.base_profile is None:
         raise ValueError(
             f"nothing to time with tp={tp} ep={ep} etp={etp} on {layout.nodes} node(s) x "
             f"{ranks_per_node} ranks: every group has one rank or mixes intra- and inter-node "
             f"peers; choose --tensor-model-parallel-size / --expert-model-parallel-size / "
             f"--expert-tensor-parallel-size so a group spans 2+ ranks of one node, or one rank "
-            f"on each of 2+ nodes")
+            f"on each of 2+ nodes; or give --base-profile for the collective terms (one GPU)")
     return layout
+
+
+def _layer_layouts(values, world_size: int, layout: Layout) -> list:
+    """(tp, ep, etp) of the timed MoE layers: the flag's, else the defaults the world runs."""
+    from megatron_parm.parallel import validate_layout
+
+    if values is None:
+        chosen = []
+        for sizes in DEFAULT_LAYER_LAYOUTS:
+            try:
+                validate_layout(world_size, *sizes)
+            except ValueError:
+                continue
+            chosen.append(sizes)
+        return chosen or [(layout.tp, layout.ep, layout.etp)]
+    chosen = []
+    for value in values:
+        try:
+            sizes = tuple(int(v) for v in value.split(","))
+            if len(sizes) != 3:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--layer-layouts: expected TP,EP,ETP, got {value!r}") from None
+        try:
+            validate_layout(world_size, *sizes)
+        except ValueError as error:
+            raise ValueError(f"--layer-layouts {value}: {error}") from None
+        chosen.append(sizes)
+    return chosen
 
 
 def skip_reason(layout: Layout, name: str) -> str:
@@ -227,30 +312,71 @@ def main(argv=None) -> int:
     say(f"  timed expert matmuls at {len(args.compute_rows)} row counts", flush=True)
     layer_times = []  # (layer spec, chunks, seconds)
     if args.layer_tokens:
-        # The real layer with parm_s1 and parm_s2: what the stage terms measured one at a time
-        # miss inside the layer becomes the profile's in-layer terms.
+        # The real layer with parm_s1 and parm_s2 on every layout the model chooses between:
+        # what the stage terms measured one at a time miss inside the layer becomes the
+        # profile's in-layer terms.
+        import dataclasses
+
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
         from megatron_parm.bench.moe_layer import MoELayerSpec, time_schedules
 
-        for tokens in args.layer_tokens:
-            for experts in args.layer_num_experts:
-                spec = MoELayerSpec(seq_length=tokens * layout.tp // 2, micro_batch_size=2,
-                                    hidden_size=args.layer_hidden_size,
-                                    ffn_hidden_size=args.layer_ffn_hidden_size,
-                                    num_experts=experts, topk=2, tp=layout.tp, ep=layout.ep,
-                                    etp=layout.etp)
-                timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
-                                         iters=max(3, args.reps // 2))
-                layer_times += [(spec, chunks, timing.median_ms / 1e3)
-                                for chunks, timing in timings.items()]
-                say(f"  timed the MoE layer at {tokens} tokens per rank, {experts} experts, "
-                    f"with parm_s1 and parm_s2 (c = {', '.join(map(str, LAYER_CHUNKS[1:]))})",
-                    flush=True)
+        for tp, ep, etp in args.layer_layouts:
+            initialize_model_parallel(tp, ep, etp)
+            model_parallel_cuda_manual_seed(1234)
+            for tokens in args.layer_tokens:
+                for experts in args.layer_num_experts:
+                    for impl in args.layer_expert_impls:
+                        spec = MoELayerSpec(hidden_size=args.layer_hidden_size,
+                                            ffn_hidden_size=args.layer_ffn_hidden_size,
+                                            num_experts=experts, topk=2, tp=tp, ep=ep, etp=etp,
+                                            micro_batch_size=2, tokens_per_rank=tokens,
+                                            expert_impl=impl).resolved()
+                        problem = spec.expert_problem()
+                        if problem:
+                            say(f"  skipped {impl} at ({tp},{ep},{etp}): {problem}", flush=True)
+                            continue
+                        timings = time_schedules(spec, list(LAYER_CHUNKS), warmup=1,
+                                                 iters=max(3, args.reps // 2))
+                        layer_times += [(dataclasses.replace(spec), chunks,
+                                         timing.median_ms / 1e3)
+                                        for chunks, timing in timings.items()]
+                say(f"  timed the MoE layer on ({tp},{ep},{etp}) at {tokens} tokens per rank, "
+                    f"experts {args.layer_num_experts}, with parm_s1 and parm_s2 (c = "
+                    f"{', '.join(map(str, LAYER_CHUNKS[1:]))})", flush=True)
+    step_times = []  # (model spec, layout, micro-batch size, micro-batches, seconds)
+    if args.step_layers:
+        # Whole micro-batches of a GPT MoE model: what no GEMM or collective accounts for
+        # becomes the framework terms.
+        from megatron_parm.perf_model.transformer import ModelSpec
+
+        vocab_size = 8000  # the step config's tokens are random: any vocabulary will do
+        initialize_model_parallel(layout.tp, layout.ep, layout.etp)
+        for num_layers in args.step_layers:
+            for count in (1, 2):
+                step_args, seconds = measure.time_model_steps(
+                    args.step_config, layout.tp, layout.ep, layout.etp, num_layers, count,
+                    warmup=1, reps=max(3, args.reps // 2), vocab_size=vocab_size,
+                    device=device)
+                spec = ModelSpec(
+                    model_type="gpt", num_layers=num_layers, hidden_size=step_args.hidden_size,
+                    num_attention_heads=step_args.num_attention_heads,
+                    seq_length=step_args.seq_length, vocab_size=vocab_size,
+                    num_experts=step_args.num_experts,
+                    moe_ffn_hidden_size=step_args.moe_ffn_hidden_size or step_args.ffn_hidden_size,
+                    topk=step_args.moe_router_topk,
+                    add_bias_linear=not step_args.disable_bias_linear)
+                step_times.append((spec, layout, step_args.micro_batch_size, count,
+                                   statistics.median(seconds)))
+            say(f"  timed {args.step_config} with {num_layers} layer(s), 1 and 2 micro-batches",
+                flush=True)
 
     status = 0
     if rank == 0:
         fits = cal.fit_points(points)
+        base = args.base_profile
         try:
-            copied = cal.fill_missing(fits)
+            copied = cal.fill_missing(fits, base)
         except ValueError as error:
             print(f"calibrate.py: error: {error}", file=sys.stderr)
             copied, status = None, 2
@@ -259,26 +385,43 @@ def main(argv=None) -> int:
             compute_shape = (f"fp32 x[rows, {args.hidden_size}] @ [{args.hidden_size}, "
                              f"{ffn_local}] -> GeLU -> @ [{ffn_local}, {args.hidden_size}], "
                              f"forward F and backward 2F flops, {device.type}")
+            extra = args.note
+            if layer_times:
+                extra = (extra.rstrip(".") + ". " if extra else "") + (
+                    "In-layer terms fitted on layouts "
+                    + " ".join(",".join(map(str, x)) for x in args.layer_layouts)
+                    + f", {'/'.join(args.layer_expert_impls)}")
+            if step_times:
+                extra = (extra.rstrip(".") + ". " if extra else "") + (
+                    f"Framework terms fitted on {args.step_config} at "
+                    f"{'/'.join(map(str, args.step_layers))} layers")
             note = cal.describe_run(["tools/calibrate.py"] + list(sys.argv[1:] if argv is None
                                                                   else argv),
-                                    layout, timed, copied, rates, args.note, compute_shape)
+                                    layout, timed, copied, rates, extra, compute_shape)
             name = args.name or os.path.splitext(os.path.basename(args.output))[0]
-            profile = cal.build_profile(fits, name, note)
+            profile = cal.build_profile(fits, name, note, base)
             if layer_times:
                 profile = cal.fit_layer_terms(profile, layout, layer_times)
                 print(f"in-layer terms: layer_scale {profile.layer_scale:.3f}, "
                       f"overlap_efficiency {profile.overlap_efficiency:.2f}, chunk_overhead "
-                      f"{1e3 * profile.chunk_overhead:.2f} ms per extra chunk")
+                      f"{1e3 * profile.chunk_overhead:.2f} ms per extra chunk + "
+                      f"chunk_expert_overhead {1e3 * profile.chunk_expert_overhead:.2f} ms per "
+                      f"local expert (SequentialMLP)")
                 print(cal.format_layer_fit(profile, layout, layer_times))
+            if step_times:
+                profile = cal.fit_framework_terms(profile, step_times)
+                print(f"framework terms: microbatch_overhead {1e3 * profile.microbatch_overhead:.2f}"
+                      f" ms, layer_overhead {1e3 * profile.layer_overhead:.2f} ms")
+                print(cal.format_framework_fit(profile, step_times))
             save_profile(profile, args.output)
-            print("\nresiduals ((fit - measured) / measured; median of "
-                  f"{args.reps} repetitions, slowest rank):")
-            print(cal.format_residual_table(fits))
-            print("\nfit (T = alpha + beta * bytes sent per rank; compute: per flop):")
-            print(cal.format_fit_table(fits))
+            if fits:
+                print("\nresiduals ((fit - measured) / measured; median of "
+                      f"{args.reps} repetitions, slowest rank):")
+                print(cal.format_residual_table(fits))
+                print("\nfit (T = alpha + beta * bytes sent per rank; compute: per flop):")
+                print(cal.format_fit_table(fits))
             if copied:
-                print("WARNING: not measured on this layout, copied from the other link "
-                      "class: " + "; ".join(copied))
+                print("WARNING: not measured on this layout, copied: " + "; ".join(copied))
             print(f"\nwrote {args.output}", flush=True)
     dist.destroy_process_group()
     return status

@@ -30,6 +30,11 @@ output of every stage goes to OUT_DIR/gpu_check.log.
      launches of one forward+backward each, grouped over SequentialMLP times; the issue's
      targets (EXPERT_TARGETS) reported as met or missed, which does not fail the stage;
      profiles of parm_s2@4 per layer and experts in OUT_DIR/f_profile.txt
+  g  calibration on this one GPU (issue 17): tools/calibrate.py at world size 1 with the
+     collective terms of the shipped estimate (--base-profile nvlink_ib_estimate); fp32
+     layers at stage c's sizes, 4 and 8 experts, SequentialMLP and TorchGroupedMLP: compute, the chunk
+     cost (chunk_overhead, chunk_expert_overhead) and the framework terms fitted by
+     themselves; the profile in OUT_DIR/g_profile.yaml, its fit error in g.json
 
 --allow-cpu runs everything on CPU (gloo), as the tests do for a dry run; there stage d counts
 nothing (nothing synchronises without CUDA) and says so. --quick shrinks shapes and iteration
@@ -61,10 +66,10 @@ sys.path.insert(0, str(REPO))
 
 from megatron_parm import schedules  # noqa: E402  (torch-free: the catalog's dispatcher names)
 
-STAGES = ("a", "b", "c", "d", "e", "f")
+STAGES = ("a", "b", "c", "d", "e", "f", "g")
 # Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
 # CPU dry runs get CPU_SLOWDOWN times as long.
-STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150}
+STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150, "g": 150}
 CPU_SLOWDOWN = 4
 TRAIN_ITERS = 30
 RESUME_ITERS = 5
@@ -249,9 +254,55 @@ class Check:
     def stage_f(self, timeout: float) -> dict:
         return self._worker_stage("experts", "f", timeout)
 
+    def stage_g(self, timeout: float) -> dict:
+        profile = self.out / "g_profile.yaml"
+        profile.unlink(missing_ok=True)
+        log = self.out / "g_calibrate.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "tools/calibrate.py", "--base-profile", CALIBRATION_BASE, "--output", str(profile),
+               "--note", "tools/gpu_check.py stage g, one GPU",
+               *(CALIBRATION_QUICK if self.args.quick else CALIBRATION_FLAGS)]
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        status = self.run(cmd, timeout)
+        with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+            handle.seek(start)
+            output = handle.read()
+        log.write_text(output)
+        if status != 0 or not profile.is_file():
+            return {"status": "failed", "reason": f"tools/calibrate.py exit status {status} "
+                                                  f"(see {log.name})"}
+        return calibration_result(profile, output)
+
 
 STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d,
-                 "e": Check.stage_e, "f": Check.stage_f}
+                 "e": Check.stage_e, "f": Check.stage_f, "g": Check.stage_g}
+
+# Stage g's calibration flags (--quick: the dry run's small shapes)
+CALIBRATION_BASE = "nvlink_ib_estimate"
+CALIBRATION_FLAGS = ["--compute-rows", "256..8192", "--layer-tokens", "2048,8192",
+                     "--layer-hidden-size", "768", "--layer-ffn-hidden-size", "3072",
+                     "--layer-num-experts", "4,8", "--layer-expert-impls",
+                     "SequentialMLP,TorchGroupedMLP", "--reps", "10"]
+CALIBRATION_QUICK = ["--compute-rows", "16,64", "--layer-tokens", "16", "--layer-hidden-size",
+                     "32", "--layer-ffn-hidden-size", "64", "--layer-num-experts", "2,4",
+                     "--layer-expert-impls", "SequentialMLP,TorchGroupedMLP", "--reps", "3",
+                     "--warmup", "1"]
+
+
+def calibration_result(profile_path: Path, output: str) -> dict:
+    """Stage g's summary: the fitted terms (loaded back with every term required) and the
+    layer fit's error line from the calibration's output."""
+    from megatron_parm.perf_model.profile import TERMS, load_profile
+
+    profile = load_profile(str(profile_path), require_terms=True)
+    fit = next((line.strip() for line in output.splitlines() if "layer fit: |error|" in line),
+               None)
+    return {"status": "passed", "reason": None, "profile": profile_path.name,
+            "provenance": profile.provenance,
+            "terms": {term: getattr(profile, term) for term in TERMS},
+            "compute": {"alpha": profile.compute_alpha, "beta": profile.compute_beta},
+            "layer_fit": fit, "log": "g_calibrate.log"}
 
 
 def device_is_cuda() -> bool:

@@ -319,7 +319,7 @@ def main(argv=None):
         if not args.gpu_memory_gb > 0:
             raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb}")
         try:
-            profile = load_profile(args.parm_profile)
+            profile = load_profile(args.parm_profile, require_terms=True)
         except ValueError as error:
             raise ValueError(f"--parm-profile: {error}") from error
         chunks = parse_chunks(args.parm_chunk_candidates)

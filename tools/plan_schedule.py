@@ -323,7 +323,7 @@ def main(argv=None):
         settings = resolve_settings(args)
         layout, shape, num_moe_layers = build_model(settings)
         try:
-            profile = load_profile(args.parm_profile)
+            profile = load_profile(args.parm_profile, require_terms=True)
         except ValueError as error:
             raise ValueError(f"--parm-profile: {error}") from error
         chunks = parse_chunks(args.parm_chunk_candidates)

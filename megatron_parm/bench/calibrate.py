@@ -131,3 +131,57 @@ def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmu
         points.append(Point("compute", "", "backward", rows, 2 * flops,
                             _slowest(backward, device)))
     return points
+
+
+def time_model_steps(config: str, tp: int, ep: int, etp: int, num_layers: int,
+                     num_microbatches: int, *, warmup: int, reps: int, vocab_size: int,
+                     device) -> tuple:
+    """Forward + backward of `num_microbatches` micro-batches of the config's GPT MoE model cut
+    to `num_layers` layers, as the trainer runs them (its model in Megatron's DDP, Megatron's
+    schedule, the gradient reduction at the end; parm_s1; random tokens), every rank at once:
+    (the parsed args, per repetition the slowest rank's seconds). The framework terms are
+    fitted to these (perf_model.calibrate.fit_framework_terms)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_parm.perf_model.calibrate import layer_fit_schedules
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.model import gpt_forward_step
+    from megatron_parm.training.trainer import build_model_and_optimizer
+
+    data_parallel = dist.get_world_size() // tp
+    argv = ["--config", config, "--num-layers", str(num_layers),
+            "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
+            "--expert-tensor-parallel-size", str(etp),
+            "--moe-token-dispatcher-type", layer_fit_schedules()[0]]
+    args = parse_args(argv + (["--sequence-parallel"] if tp > 1 else []))
+    args.global_batch_size = args.micro_batch_size * data_parallel * num_microbatches
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()  # sized by the layers of the model before
+    model, _, _ = build_model_and_optimizer(args, vocab_size)
+    chunks = model if isinstance(model, list) else [model]  # virtual pipeline chunks, if any
+    generator = torch.Generator().manual_seed(1234 + dist.get_rank())
+    shape = (args.micro_batch_size, args.seq_length)
+    batch = {"tokens": torch.randint(0, vocab_size, shape, generator=generator),
+             "labels": torch.randint(0, vocab_size, shape, generator=generator),
+             "loss_mask": torch.ones(shape),
+             "position_ids": torch.arange(args.seq_length).expand(shape).contiguous(),
+             "attention_mask": torch.triu(torch.ones(args.seq_length, args.seq_length,
+                                                     dtype=torch.bool), 1).expand(
+                 args.micro_batch_size, 1, args.seq_length, args.seq_length)}
+    forward_backward = get_forward_backward_func()
+    local = []
+    for rep in range(warmup + reps):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        _sync(device)
+        dist.barrier()
+        timer = _timer()
+        forward_backward(forward_step_func=gpt_forward_step,
+                         data_iterator=iter([batch] * num_microbatches), model=chunks,
+                         num_microbatches=num_microbatches, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, forward_only=False)
+        elapsed = timer.stop()
+        if rep >= warmup:
+            local.append(elapsed)
+    return args, _slowest(local, device)

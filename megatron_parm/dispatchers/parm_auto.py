@@ -161,7 +161,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     @staticmethod
     def _load_profile(path: Optional[str], tune: bool):
         if path:
-            return load_profile(path)  # a bad or missing file is an error naming path and field
+            # a bad or missing file, or one fitted before the current terms, is an error
+            # naming the path and what is wrong
+            return load_profile(path, require_terms=True)
         default = default_profile_path()
         if tune:
             warnings.warn(f"--parm-profile not given: parm ranks the schedules with the shipped "
@@ -216,7 +218,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
             num_experts=self.num_experts, topk=self.topk,
             capacity_factor=cfg.moe_expert_capacity_factor, pad_to_capacity=self.drop_and_pad,
-            dtype_bytes=dtype.itemsize, gated_linear_unit=bool(cfg.gated_linear_unit))
+            dtype_bytes=dtype.itemsize, gated_linear_unit=bool(cfg.gated_linear_unit),
+            grouped_experts=bool(getattr(cfg, "moe_grouped_gemm", False)))
 
     def _profile_text(self) -> str:
         provenance = getattr(self.profile, "provenance", "")

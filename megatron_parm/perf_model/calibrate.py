@@ -180,14 +180,21 @@ def fit_points(points: Sequence[Point]) -> Dict[Tuple[str, str], Fit]:
     return fits
 
 
-def fill_missing(fits: Dict[Tuple[str, str], Fit]) -> List[str]:
+def fill_missing(fits: Dict[Tuple[str, str], Fit], base: Optional[Profile] = None) -> List[str]:
     """Copy each kind's missing link class from the other one; returns what was copied.
-
-    Raises ValueError when a kind was measured on neither link class.
+    A kind measured on neither link class (one rank: no group) is copied from `base`
+    (--base-profile) where given, else a ValueError.
     """
     copied = []
     for kind in COLLECTIVE_KINDS:
         have = [link for link in LINKS if (kind, link) in fits]
+        if not have and base is not None:
+            for link in LINKS:
+                fits[(kind, link)] = Fit(kind, link, base.alpha[kind][link],
+                                         base.beta[kind][link], [],
+                                         copied_from=f"--base-profile {base.name}")
+                copied.append(f"{kind}.{link} <- {base.name}")
+            continue
         if not have:
             raise ValueError(
                 f"no {kind} measurement on any link class: every group of the layout has one "
@@ -206,11 +213,22 @@ def fill_missing(fits: Dict[Tuple[str, str], Fit]) -> List[str]:
     return copied
 
 
-def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str) -> Profile:
+def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str,
+                  base: Optional[Profile] = None) -> Profile:
+    """The fitted alpha-beta terms; the other TERMS are base's (--base-profile), else missing
+    until fit_layer_terms / fit_framework_terms fit them. Collective terms copied from an
+    estimate base leave the profile an estimate."""
+    from megatron_parm.perf_model.profile import TERMS
+
+    from_base = any(fit.copied_from and fit.copied_from.startswith("--base-profile")
+                    for fit in fits.values())
+    terms = ({term: getattr(base, term) for term in TERMS} if base is not None else {})
     return Profile(
         name=name,
-        provenance="measured",
+        provenance=base.provenance if from_base else "measured",
         note=note,
+        **terms,
+        missing_terms=base.missing_terms if base is not None else tuple(TERMS),
         alpha={kind: {link: fits[(kind, link)].alpha for link in LINKS}
                for kind in COLLECTIVE_KINDS},
         beta={kind: {link: fits[(kind, link)].beta for link in LINKS}
@@ -244,72 +262,232 @@ def layer_fit_schedules() -> Tuple[str, str]:
     return sequential, chunked
 
 
+def spec_layout(spec, layout: Layout) -> Layout:
+    """The layout a measured layer ran on: the spec's (tp, ep, etp) where it has them, on the
+    calibrated cluster's nodes (layout's nodes and ranks per node)."""
+    sizes = {name: getattr(spec, name, None) or getattr(layout, name) for name in ("tp", "ep", "etp")}
+    if all(sizes[name] == getattr(layout, name) for name in sizes):
+        return layout
+    return Layout(nodes=layout.nodes, ranks_per_node=layout.ranks_per_node, **sizes)
+
+
+def grouped_experts(spec) -> bool:
+    """Whether a measured layer ran grouped experts (its expert_impl is not SequentialMLP)."""
+    return getattr(spec, "expert_impl", "SequentialMLP") != "SequentialMLP"
+
+
+def _measured_shape(spec) -> "LayerShape":
+    import dataclasses
+
+    return dataclasses.replace(layer_shape(spec), grouped_experts=grouped_experts(spec))
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], targets: Sequence[float],
+                    weights: Optional[Sequence[float]] = None) -> Tuple[List[float], float]:
+    """x >= 0 minimising sum(w * (row . x - target)^2), and that sum; weights default to
+    1 / target^2 (relative least squares). Small problems only: every subset of free unknowns
+    is solved exactly (normal equations) and the best feasible kept; an unknown no row
+    varies stays 0."""
+    import itertools
+
+    count = len(rows[0]) if rows else 0
+    if weights is None:
+        weights = [1.0 / max(abs(t), 1e-12) ** 2 for t in targets]
+
+    def error(x):
+        return sum(w * (sum(a * b for a, b in zip(row, x)) - t) ** 2
+                   for row, t, w in zip(rows, targets, weights))
+
+    best = ([0.0] * count, error([0.0] * count))
+    for size in range(1, count + 1):
+        for free in itertools.combinations(range(count), size):
+            matrix = [[sum(w * row[i] * row[j] for row, w in zip(rows, weights)) for j in free]
+                      for i in free]
+            vector = [sum(w * row[i] * t for row, t, w in zip(rows, targets, weights)) for i in free]
+            solution = _solve(matrix, vector)
+            if solution is None or min(solution) < 0:
+                continue
+            x = [0.0] * count
+            for index, value in zip(free, solution):
+                x[index] = value
+            candidate = error(x)
+            if candidate < best[1] * (1 - 1e-12):
+                best = (x, candidate)
+    return best
+
+
+def _solve(matrix: List[List[float]], vector: List[float]) -> Optional[List[float]]:
+    """Gaussian elimination with partial pivoting; None where the system is singular."""
+    size = len(vector)
+    rows = [list(matrix[i]) + [vector[i]] for i in range(size)]
+    scale = max((abs(v) for row in matrix for v in row), default=0.0)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * max(scale, 1e-300):
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(size):
+            if r != col:
+                factor = rows[r][col] / rows[col][col]
+                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
+    return [rows[i][size] / rows[i][i] for i in range(size)]
+
+
+# The in-layer terms fit_layer_terms fits (perf_model.profile.TERMS says what each stands for)
+LAYER_FIT_TERMS = ("layer_scale", "overlap_efficiency", "chunk_overhead", "chunk_expert_overhead")
+FRAMEWORK_FIT_TERMS = ("microbatch_overhead", "layer_overhead")
+
+
 def fit_layer_terms(profile: Profile, layout: Layout,
                     measured: Sequence[Tuple[object, int, float]]) -> Profile:
     """The profile plus its in-layer terms, fitted to the real MoE layer.
 
     measured: (layer_spec, chunks, seconds) with chunks 1 for parm_s1 and c >= 2 for parm_s2
-    at c chunks. A prediction is linear in the three terms (predict.py):
+    at c chunks; each spec on its own (tp, ep, etp) (spec_layout; the calibrated cluster's
+    nodes) and expert module (grouped_experts). A prediction is linear in the terms but e
+    (predict.py):
         parm_s1:     T = s * S
-        parm_s2(c):  T = s * (e * P(c) + (1 - e) * Q(c)) + (c - 1) * o
+        parm_s2(c):  T = s * (e * P(c) + (1 - e) * Q(c)) + (c - 1) * (o + o_x * L_seq)
     with S, P(c), Q(c) the stage sums (sequential, ideally pipelined, chunked without
-    overlap). layer_scale s comes from the parm_s1 points (least squares of the relative
-    error through the origin); then overlap_efficiency e in [0, 1] and chunk_overhead o >= 0
-    from the parm_s2 points (relative least squares, e on a 1% grid, o in closed form).
+    overlap) and L_seq the local experts with SequentialMLP, 0 with grouped experts. For
+    each e on a 1% grid, layer_scale s, chunk_overhead o and chunk_expert_overhead o_x >= 0
+    minimise the squared relative errors of all points together (fit_nonnegative); the best
+    e wins. A term the points cannot tell apart keeps the profile's value: e where nothing
+    overlaps (world size 1: P = Q), o_x where every chunked point has the same L_seq, o and
+    o_x without parm_s2 points.
     """
     import dataclasses
 
     from megatron_parm.perf_model.predict import predict
 
     sequential, chunked = layer_fit_schedules()
-    base = dataclasses.replace(profile, chunk_overhead=0.0, layer_scale=1.0, overlap_efficiency=1.0)
+    base = dataclasses.replace(profile, chunk_overhead=0.0, chunk_expert_overhead=0.0,
+                               layer_scale=1.0, overlap_efficiency=1.0)
     no_overlap = dataclasses.replace(base, overlap_efficiency=0.0)
-    s1 = [(predict(sequential, layer_shape(spec), layout, base).total_s, seconds)
-          for spec, chunks, seconds in measured if chunks == 1]
-    if not s1:
+    points = []  # (P, Q, c, L_seq, T); at c = 1 P = Q = S
+    for spec, chunks, seconds in measured:
+        shape, where = _measured_shape(spec), spec_layout(spec, layout)
+        if chunks == 1:
+            total = predict(sequential, shape, where, base).total_s
+            points.append((total, total, 1, 0, seconds))
+        else:
+            local = 0 if shape.grouped_experts else shape.num_experts // where.ep
+            points.append((predict(chunked, shape, where, base, chunks).total_s,
+                           predict(chunked, shape, where, no_overlap, chunks).total_s,
+                           chunks, local, seconds))
+    if not any(c == 1 for _, _, c, _, _ in points):
         raise ValueError(f"fit_layer_terms needs at least one {sequential} measurement")
-    # minimise sum ((s * S - T) / T)^2
-    scale = sum(S / T for S, T in s1) / sum((S / T) ** 2 for S, T in s1)
-    s2 = [(predict(chunked, layer_shape(spec), layout, base, chunks).total_s,
-           predict(chunked, layer_shape(spec), layout, no_overlap, chunks).total_s,
-           chunks, seconds) for spec, chunks, seconds in measured if chunks > 1]
-    if not s2:
-        return dataclasses.replace(profile, layer_scale=scale)
-
-    def fit_overhead(efficiency):
-        # residual r = s (e P + (1-e) Q) + (c-1) o - T, relative: divide by T
-        rest = [(scale * (efficiency * P + (1 - efficiency) * Q) - T, c - 1, T) for P, Q, c, T in s2]
-        overhead = max(0.0, -sum(r * x / T ** 2 for r, x, T in rest) / sum(x * x / T ** 2 for _, x, T in rest))
-        error = sum(((r + x * overhead) / T) ** 2 for r, x, T in rest)
-        return error, overhead
+    chunked_points = [p for p in points if p[2] > 1]
+    overlaps = any(abs(P - Q) > 1e-9 * Q for P, Q, c, _, _ in chunked_points)
+    expert_counts = {local for _, _, _, local, _ in chunked_points}
+    fit_expert = len(expert_counts) > 1
+    grid = [step / 100 for step in range(101)] if overlaps else [profile.overlap_efficiency]
 
     best = None
-    for step in range(101):
-        candidate = fit_overhead(step / 100)
-        if best is None or candidate[0] < best[0]:
-            best = (candidate[0], step / 100, candidate[1])
-    _, efficiency, overhead = best
-    return dataclasses.replace(profile, layer_scale=scale, overlap_efficiency=efficiency,
-                               chunk_overhead=overhead)
+    for efficiency in grid:
+        rows = [[efficiency * P + (1 - efficiency) * Q, c - 1,
+                 (c - 1) * local if fit_expert else 0.0] for P, Q, c, local, _ in points]
+        x, error = fit_nonnegative(rows, [T for *_, T in points])
+        if best is None or error < best[0] - 1e-15:
+            best = (error, efficiency, x)
+    _, efficiency, (scale, overhead, per_expert) = best
+    terms = dict(layer_scale=scale, overlap_efficiency=efficiency)
+    if chunked_points:
+        terms["chunk_overhead"] = overhead
+        if fit_expert:
+            terms["chunk_expert_overhead"] = per_expert
+    return dataclasses.replace(profile, **terms,
+                               missing_terms=tuple(t for t in profile.missing_terms
+                                                   if t not in terms))
 
 
 def format_layer_fit(profile: Profile, layout: Layout,
                      measured: Sequence[Tuple[object, int, float]]) -> str:
-    """One line per measured layer: measured, predicted with the fitted terms, error."""
+    """One line per measured layer: layout, measured, predicted with the fitted terms, error;
+    then the largest and median absolute error."""
+    import statistics as stats
+
     from megatron_parm.perf_model.predict import predict
 
     sequential, chunked = layer_fit_schedules()
-    lines = []
+    lines, errors = [], []
     for spec, chunks, seconds in measured:
-        shape = layer_shape(spec)
+        shape, where = _measured_shape(spec), spec_layout(spec, layout)
         if chunks == 1:
-            label, predicted = sequential, predict(sequential, shape, layout, profile).total_s
+            label, predicted = sequential, predict(sequential, shape, where, profile).total_s
         else:
-            label, predicted = f"{chunked} c={chunks}", predict(chunked, shape, layout, profile,
+            label, predicted = f"{chunked} c={chunks}", predict(chunked, shape, where, profile,
                                                                 chunks).total_s
-        lines.append(f"  {shape.num_tokens:>6} tokens {shape.num_experts:>3} experts {label:<12} "
-                     f"measured {1e3 * seconds:8.1f} ms"
-                     f"  model {1e3 * predicted:8.1f} ms  {100 * (predicted - seconds) / seconds:+6.1f}%")
+        error = (predicted - seconds) / seconds
+        errors.append(abs(error))
+        experts = "grouped" if shape.grouped_experts else "seq"
+        lines.append(f"  ({where.tp},{where.ep},{where.etp}) {shape.num_tokens:>6} tokens "
+                     f"{shape.num_experts:>3} experts {experts:<7} {label:<12} "
+                     f"measured {1e3 * seconds:8.1f} ms  model {1e3 * predicted:8.1f} ms  "
+                     f"{100 * error:+6.1f}%")
+    if errors:
+        lines.append(f"  layer fit: |error| median {100 * stats.median(errors):.1f}%, max "
+                     f"{100 * max(errors):.1f}% over {len(errors)} layers")
+    return "\n".join(lines)
+
+
+def fit_framework_terms(profile: Profile, measured: Sequence[Tuple[object, Layout, int, int, float]],
+                        precision=None) -> Profile:
+    """The profile plus microbatch_overhead and layer_overhead, fitted to whole-model steps.
+
+    measured: (ModelSpec, layout, micro_batch_size, micro-batches, seconds of their forward +
+    backward). The step-time model without framework terms predicts W per micro-batch
+    (step_time.py, the profile's other terms); the rest, T - m * W, is
+    m * (microbatch_overhead + num_layers * layer_overhead), fitted >= 0 by relative least
+    squares (fit_nonnegative). With a single layer count layer_overhead keeps the profile's
+    value and microbatch_overhead takes it all.
+    """
+    import dataclasses
+
+    from megatron_parm.perf_model.memory import Precision
+    from megatron_parm.perf_model.step_time import step_time
+
+    precision = precision or Precision("fp32")
+    bare = dataclasses.replace(profile, microbatch_overhead=0.0, layer_overhead=0.0)
+    sequential, _ = layer_fit_schedules()
+    rows, targets = [], []
+    for spec, where, micro_batch, count, seconds in measured:
+        data_parallel = where.world_size // where.tp
+        step = step_time(spec, where, bare, sequential, None, micro_batch,
+                         micro_batch * data_parallel * count, precision)
+        rows.append([count, count * spec.num_layers])
+        targets.append(seconds - count * step.microbatch_s)
+    if not rows:
+        raise ValueError("fit_framework_terms needs at least one measured step")
+    vary_layers = len({spec.num_layers for spec, *_ in measured}) > 1
+    if not vary_layers:
+        rows = [row[:1] for row in rows]
+    # relative to the measured step (the rest itself may be near 0 or negative)
+    x, _ = fit_nonnegative(rows, targets, [1.0 / seconds ** 2 for *_, seconds in measured])
+    terms = {"microbatch_overhead": x[0]}
+    if vary_layers:
+        terms["layer_overhead"] = x[1]
+    return dataclasses.replace(profile, **terms,
+                               missing_terms=tuple(t for t in profile.missing_terms
+                                                   if t not in terms))
+
+
+def format_framework_fit(profile: Profile,
+                         measured: Sequence[Tuple[object, Layout, int, int, float]]) -> str:
+    """One line per timed model step: measured, the step-time model with the fitted terms."""
+    from megatron_parm.perf_model.memory import Precision
+    from megatron_parm.perf_model.step_time import step_time
+
+    sequential, _ = layer_fit_schedules()
+    lines = []
+    for spec, where, micro_batch, count, seconds in measured:
+        step = step_time(spec, where, profile, sequential, None, micro_batch,
+                         micro_batch * (where.world_size // where.tp) * count, Precision("fp32"))
+        predicted = count * step.microbatch_s
+        lines.append(f"  {spec.num_layers} layer(s) x {count} micro-batch(es): measured "
+                     f"{1e3 * seconds:8.1f} ms  model {1e3 * predicted:8.1f} ms "
+                     f"(framework {1e3 * count * step.framework_s:.1f} ms)  "
+                     f"{100 * (predicted - seconds) / seconds:+6.1f}%")
     return "\n".join(lines)
 
 
@@ -336,7 +514,7 @@ def format_fit_table(fits: Dict[Tuple[str, str], Fit]) -> str:
             lines.append(f"{kind:<15} {link:<6} {fit.alpha * 1e3:>10.3f} {fit.beta:>11.3e} "
                          f"{rate:>15.1f} {worst}  {source}")
     fit = fits[("compute", "")]
-    worst = max(abs(r) for r in fit.residuals())
+    worst = max(abs(r) for r in fit.residuals())  # compute is always measured
     gflops = 1e-9 / fit.beta if fit.beta > 0 else float("inf")
     lines.append(f"{'compute':<15} {'':<6} {fit.alpha * 1e3:>10.3f} {fit.beta:>11.3e} "
                  f"{'':>15} {worst:>10.1%}  s/flop = {gflops:.2f} GFLOP/s, "
@@ -396,3 +574,14 @@ def expert_flops(rows: int, hidden: int, ffn_local: int) -> float:
     LayerShape.expert_flops_per_row counts them (2 per multiply-add; the activation is free).
     The backward is twice this (grads of input and of both weights)."""
     return rows * (2.0 * hidden * ffn_local + 2.0 * ffn_local * hidden)
+
+
+def fit_chunk_costs(per_chunk: Sequence[Tuple[int, float]]) -> Tuple[float, float, float]:
+    """(chunk_overhead, chunk_expert_overhead, largest relative error) fitted to measured
+    costs of one extra chunk, (local experts with SequentialMLP, seconds), where nothing
+    overlaps (world size 1: e.g. tools/gpu_check.py stage e's per_extra_chunk_ms)."""
+    rows = [[1.0, float(local)] for local, _ in per_chunk]
+    targets = [seconds for _, seconds in per_chunk]
+    (overhead, per_expert), _ = fit_nonnegative(rows, targets)
+    worst = max(abs(overhead + per_expert * row[1] - t) / t for row, t in zip(rows, targets))
+    return overhead, per_expert, worst

@@ -125,7 +125,8 @@ def layer_shape(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                       ffn_hidden_size=spec.moe_ffn_hidden_size, num_experts=spec.num_experts,
                       topk=spec.topk, capacity_factor=spec.capacity_factor,
                       pad_to_capacity=spec.pad_to_capacity,
-                      dtype_bytes=precision.activation_bytes)
+                      dtype_bytes=precision.activation_bytes,
+                      grouped_experts=spec.moe_grouped_gemm)
 
 
 def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:

@@ -21,10 +21,14 @@ File format (YAML, or JSON with the same structure):
     beta:
       (same keys as alpha)
     compute: {alpha: 1.0e-4, beta: 5.0e-11}
-    # optional, measured on the real MoE layer by tools/calibrate.py (defaults in brackets):
-    layer_scale: 1.3              # in-layer time / sum of the stage terms [1]
-    overlap_efficiency: 0.5       # share of parm_s2's ideal overlap achieved [1]
-    chunk_overhead: 0.01          # seconds per extra parm_s2 chunk, fwd + bwd [0]
+    # the in-layer and framework terms (TERMS below: names, defaults, meaning), fitted by
+    # tools/calibrate.py on the real MoE layer and model:
+    layer_scale: 1.3              # in-layer time / sum of the stage terms
+    overlap_efficiency: 0.5       # share of parm_s2's ideal overlap achieved
+    chunk_overhead: 0.01          # seconds per extra chunk, fwd + bwd, any expert module
+    chunk_expert_overhead: 0.002  # seconds per extra chunk and local expert (SequentialMLP)
+    microbatch_overhead: 0.003    # framework seconds per micro-batch, fwd + bwd
+    layer_overhead: 0.001         # framework seconds per transformer layer and micro-batch
 
 The stage terms are measured one collective at a time; inside the layer the same work runs
 slower (routing, permutation and autograd between the collectives, links that do not idle
@@ -48,8 +52,28 @@ from megatron_parm.schedules import COLLECTIVE_KINDS
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 LINKS = ("intra", "inter")
 PROVENANCES = ("measured", "estimate")
-_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units", "chunk_overhead",
-               "layer_scale", "overlap_efficiency")
+
+# The terms beyond alpha-beta: name -> (value where a file lacks it, what it stands for).
+# The one place of their names and defaults; predict.py and step_time.py use them,
+# perf_model/calibrate.py fits them, docs/design.md ("The cost model") explains them.
+TERMS = {
+    "layer_scale": (1.0, "in-layer time over the sum of the stage terms"),
+    "overlap_efficiency": (1.0, "share of a chunked schedule's ideal overlap the cluster delivers"),
+    "chunk_overhead": (0.0, "seconds each extra chunk costs (forward + backward) beyond its "
+                            "stages, whatever the expert module"),
+    "chunk_expert_overhead": (0.0, "seconds each extra chunk costs per local expert (forward + "
+                                   "backward) where each expert runs its own GEMMs "
+                                   "(SequentialMLP); grouped experts do not pay it"),
+    "microbatch_overhead": (0.0, "framework seconds per micro-batch (forward + backward) that "
+                                 "no GEMM or collective accounts for"),
+    "layer_overhead": (0.0, "framework seconds per transformer layer and micro-batch (forward "
+                            "+ backward) that no GEMM or collective accounts for"),
+}
+# Added by issue 17: a profile fitted before them lacks them (missing_terms, require_terms).
+ISSUE17_TERMS = ("chunk_expert_overhead", "microbatch_overhead", "layer_overhead")
+RECALIBRATE_HINT = ("recalibrate with tools/calibrate.py (docs/design.md, 'The cost model'; "
+                    "on one GPU: tools/gpu_check.sh stage g)")
+_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units") + tuple(TERMS)
 
 
 @dataclass(frozen=True)
@@ -61,13 +85,16 @@ class Profile:
     compute_beta: float  # seconds per flop
     provenance: str = "estimate"
     note: str = ""
-    # Seconds each extra parm_s2 chunk costs (forward + backward) beyond its collectives'
-    # alphas: indexing, packing, small kernels, synchronisation. Measured on the real layer
-    # by tools/calibrate.py; optional in files (0 when absent).
-    chunk_overhead: float = 0.0
-    layer_scale: float = 1.0
-    overlap_efficiency: float = 1.0
+    # TERMS (their meaning and defaults are there)
+    chunk_overhead: float = TERMS["chunk_overhead"][0]
+    layer_scale: float = TERMS["layer_scale"][0]
+    overlap_efficiency: float = TERMS["overlap_efficiency"][0]
+    chunk_expert_overhead: float = TERMS["chunk_expert_overhead"][0]
+    microbatch_overhead: float = TERMS["microbatch_overhead"][0]
+    layer_overhead: float = TERMS["layer_overhead"][0]
     source: str = field(default="<in memory>", compare=False)
+    # TERMS the file did not have (their defaults stand in); require_terms refuses them
+    missing_terms: Tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
         for table in ("alpha", "beta"):
@@ -91,9 +118,8 @@ class Profile:
             "alpha": {kind: _copy(links) for kind, links in self.alpha.items()},
             "beta": {kind: _copy(links) for kind, links in self.beta.items()},
             "compute": {"alpha": self.compute_alpha, "beta": self.compute_beta},
-            "chunk_overhead": self.chunk_overhead,
-            "layer_scale": self.layer_scale,
-            "overlap_efficiency": self.overlap_efficiency,
+            # a term the profile lacks stays out of the file (load_profile notes it missing)
+            **{term: getattr(self, term) for term in TERMS if term not in self.missing_terms},
         }
 
     @classmethod
@@ -109,11 +135,19 @@ class Profile:
                   for kind in COLLECTIVE_KINDS},
             compute_alpha=float(data["compute"]["alpha"]),
             compute_beta=float(data["compute"]["beta"]),
-            chunk_overhead=float(data.get("chunk_overhead", 0.0)),
-            layer_scale=float(data.get("layer_scale", 1.0)),
-            overlap_efficiency=float(data.get("overlap_efficiency", 1.0)),
+            **{term: float(data.get(term, default)) for term, (default, _) in TERMS.items()},
             source=source,
+            missing_terms=tuple(term for term in TERMS if term not in data),
         )
+
+    def require_terms(self, terms: Iterable[str] = ISSUE17_TERMS) -> "Profile":
+        """This profile, or a ValueError (one line) naming the terms its file lacks and how to
+        recalibrate: for profiles a user passes (--parm-profile, the tools)."""
+        lacking = [term for term in terms if term in self.missing_terms]
+        if lacking:
+            _fail(self.source, f"lacks the cost model's terms {', '.join(lacking)} (fitted "
+                               f"since issue 17); {RECALIBRATE_HINT}")
+        return self
 
 
 def _copy(value):
@@ -166,14 +200,13 @@ def _check_profile_dict(data, source: str):
     _check_mapping(source, "compute", data["compute"], ("alpha", "beta"))
     for key in ("alpha", "beta"):
         _check_number(source, f"compute.{key}", data["compute"][key])
-    if "chunk_overhead" in data:
-        _check_number(source, "chunk_overhead", data["chunk_overhead"])
+    for term in TERMS:
+        if term in data:
+            _check_number(source, term, data[term])
     if "layer_scale" in data:
-        _check_number(source, "layer_scale", data["layer_scale"])
         if data["layer_scale"] <= 0:
             _fail(source, f"field layer_scale must be positive, got {data['layer_scale']!r}")
     if "overlap_efficiency" in data:
-        _check_number(source, "overlap_efficiency", data["overlap_efficiency"])
         if data["overlap_efficiency"] > 1:
             _fail(source, f"field overlap_efficiency must be in [0, 1], "
                           f"got {data['overlap_efficiency']!r}")
@@ -202,8 +235,11 @@ def resolve_profile(value) -> str:
                      f"(shipped: {', '.join(shipped_profiles())})")
 
 
-def load_profile(path) -> Profile:
-    """Read and validate a profile: a file (.yaml/.yml, or .json) or a shipped profile's name."""
+def load_profile(path, require_terms: bool = False) -> Profile:
+    """Read and validate a profile: a file (.yaml/.yml, or .json) or a shipped profile's name.
+
+    A file without some of TERMS loads with their defaults (Profile.missing_terms lists them);
+    require_terms=True (a profile a user passes) refuses one without the issue-17 terms."""
     path = resolve_profile(path)
     try:
         with open(path, "r", encoding="utf-8") as handle:
@@ -223,7 +259,8 @@ def load_profile(path) -> Profile:
         if type(error).__module__.startswith("yaml"):
             raise ValueError(f"profile {path}: not valid YAML: {error}") from error
         raise
-    return Profile.from_dict(data, source=path)
+    profile = Profile.from_dict(data, source=path)
+    return profile.require_terms() if require_terms else profile
 
 
 def save_profile(profile: Profile, path) -> None:

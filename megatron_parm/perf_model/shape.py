@@ -30,6 +30,10 @@ class LayerShape:
     dtype_bytes: int = 2  # b
     prob_bytes: int = 4  # bytes of the routing probability that travels with each row
     gated_linear_unit: bool = False  # SwiGLU-style fc1 with 2H outputs
+    # Experts as one grouped GEMM per linear (--moe-grouped-gemm: TorchGroupedMLP, GroupedMLP,
+    # TEGroupedMLP) rather than SequentialMLP's GEMMs per local expert: a chunk then does not
+    # pay the profile's chunk_expert_overhead per local expert (predict.chunk_cost)
+    grouped_experts: bool = False
 
     def __post_init__(self):
         for name in ("num_tokens", "hidden_size", "ffn_hidden_size", "num_experts", "topk",

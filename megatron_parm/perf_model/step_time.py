@@ -16,14 +16,17 @@ One micro-batch, forward + backward (pipeline parallel size 1, sequence parallel
                   its weight gradient (Megatron keeps only the shard). Embedding: RS forward, AG
                   backward; output layer: AG forward, AG + RS backward; the vocab-parallel
                   cross entropy: three AR of s b fp32 values
+    framework     the profile's microbatch_overhead + L * layer_overhead: the time of a
+                  micro-batch that no GEMM or collective above accounts for (Python, autograd,
+                  element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
+                  the real model
 Per step:
     m * (one micro-batch)
     + gradient reduction: AR of the dense gradients over "dp" (W / t ranks) and of the expert
       gradients over "expt_dp" (W / (e x) ranks); with --use-distributed-optimizer an RS of the
       gradients and an AG of the updated weights instead; with t > 1 an AR over TP of the
       LayerNorm and router gradients (replicated under sequence parallelism)
-Not modelled: the optimizer step itself, LayerNorm/softmax/activation kernels beyond their
-calls' alphas, overlap of the gradient reduction with the backward pass (the trainer reduces
+Not modelled: the optimizer step itself, overlap of the gradient reduction with the backward pass (the trainer reduces
 after the last micro-batch), data loading.
 """
 
@@ -48,6 +51,7 @@ class StepTime:
     moe_s: float
     dense_compute_s: float
     tp_comm_s: float
+    framework_s: float  # the profile's framework terms, one micro-batch
     num_microbatches: int
     grad_reduce_s: float
     tokens_per_step: int
@@ -55,7 +59,7 @@ class StepTime:
 
     @property
     def microbatch_s(self) -> float:
-        return self.moe_s + self.dense_compute_s + self.tp_comm_s
+        return self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
 
     @property
     def step_s(self) -> float:
@@ -67,7 +71,8 @@ class StepTime:
 
     def as_dict(self) -> Dict[str, float]:
         return {"moe_s": self.moe_s, "dense_compute_s": self.dense_compute_s,
-                "tp_comm_s": self.tp_comm_s, "microbatch_s": self.microbatch_s,
+                "tp_comm_s": self.tp_comm_s, "framework_s": self.framework_s,
+                "microbatch_s": self.microbatch_s,
                 "num_microbatches": self.num_microbatches, "grad_reduce_s": self.grad_reduce_s,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s}
 
@@ -141,6 +146,11 @@ def grad_reduce_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
     return seconds
 
 
+def framework_seconds(spec: ModelSpec, profile: Profile) -> float:
+    """The profile's framework time of one micro-batch (forward + backward)."""
+    return profile.microbatch_overhead + spec.num_layers * profile.layer_overhead
+
+
 def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str,
               num_chunks: Optional[int], micro_batch_size: int, global_batch_size: int,
               precision: Precision, distributed_optimizer: bool = False) -> StepTime:
@@ -157,6 +167,7 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         moe_s=spec.num_layers * moe_layer.total_s,
         dense_compute_s=dense_compute_seconds(spec, layout, micro_batch_size, profile),
         tp_comm_s=tp_comm_seconds(spec, layout, micro_batch_size, profile, precision),
+        framework_s=framework_seconds(spec, profile),
         num_microbatches=global_batch_size // per_step,
         grad_reduce_s=grad_reduce_seconds(spec, layout, profile, precision,
                                           distributed_optimizer),

@@ -55,6 +55,7 @@ class ModelSpec:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bert_binary_head: bool = True
+    moe_grouped_gemm: bool = False  # grouped experts (LayerShape.grouped_experts)
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

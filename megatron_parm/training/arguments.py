@@ -305,7 +305,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         from megatron_parm.perf_model import load_profile
 
         try:  # a missing or bad file stops the run here, before any process-group work
-            load_profile(args.parm_profile)
+            load_profile(args.parm_profile, require_terms=True)
         except ValueError as err:
             raise ValueError(f"--parm-profile: {err}") from err
     tuning.check_args(args.parm_tune_steps, args.parm_tune_margin, args.parm_tune_candidates,

@@ -50,9 +50,30 @@ def test_writes_a_measured_profile(run):
 def test_fits_the_in_layer_terms_on_the_real_layer(run):
     _, stdout = run
     assert "in-layer terms: layer_scale" in stdout and "per extra chunk" in stdout
-    # one line per timed layer: 2 token counts x (parm_s1, parm_s2 at 2 and 8 chunks)
-    lines = [line for line in stdout.splitlines() if " experts parm_s" in line]
-    assert len(lines) == 6 and sum("parm_s2 c=8" in line for line in lines) == 2
+    # one line per timed layer: 3 layouts x 2 token counts x (parm_s1, parm_s2 at 2 and 8
+    # chunks), the layouts the model chooses between
+    lines = [line for line in stdout.splitlines() if " experts seq" in line]
+    assert len(lines) == 18 and sum("parm_s2 c=8" in line for line in lines) == 6
+    for layout in ("(2,2,2)", "(2,2,1)", "(1,4,1)"):
+        assert sum(line.lstrip().startswith(layout) for line in lines) == 6, layout
+    assert "layer fit: |error| median" in stdout
+
+
+def test_fits_the_framework_terms_and_writes_every_term(run):
+    path, stdout = run
+    assert "framework terms: microbatch_overhead" in stdout
+    assert len([line for line in stdout.splitlines() if " micro-batch(es): measured" in line]) == 4
+    profile = load_profile(path, require_terms=True)  # no term missing
+    assert profile.microbatch_overhead >= 0 and profile.layer_overhead >= 0
+    assert profile.chunk_expert_overhead >= 0
+
+
+def test_one_rank_needs_a_base_profile(tmp_path):
+    proc = subprocess.run([sys.executable, "tools/calibrate.py", *TINY, "--ranks-per-node", "1",
+                           "--output", str(tmp_path / "one.yaml")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--base-profile" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "one.yaml").exists()
 
 
 def test_prints_fit_and_residuals(run):

@@ -200,3 +200,23 @@ def test_dry_run_expert_stage(dry_run):
     assert "target per_extra_chunk_pct_max (large, TorchGroupedMLP)" in log
     profile = (out / stage["profile"]).read_text()
     assert "== large, TorchGroupedMLP, parm_s2@4:" in profile
+
+
+def test_dry_run_calibration_stage(tmp_path):
+    """Stage g on CPU (--quick): tools/calibrate.py at world size 1 with the estimate's
+    collective terms writes a profile with every term, the chunk cost fitted by itself."""
+    proc = run([sys.executable, TOOL, "--out", str(tmp_path), "--allow-cpu", "--quick",
+                "--stages", "g", "--budget", "900"], timeout=1000)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stage = summary["stages"]["g"]
+    assert proc.returncode == 0 and stage["status"] == "passed", (
+        stage, (tmp_path / "gpu_check.log").read_text()[-4000:])
+    assert (tmp_path / "g_profile.yaml").is_file() and stage["provenance"] == "estimate"
+    assert set(stage["terms"]) >= {"chunk_overhead", "chunk_expert_overhead",
+                                   "microbatch_overhead", "layer_overhead"}
+    assert all(value >= 0 for value in stage["terms"].values())
+    assert stage["layer_fit"].startswith("layer fit: |error| median")
+    log = (tmp_path / "g_calibrate.log").read_text()
+    layers = [line for line in log.splitlines() if " experts " in line and "measured" in line]
+    assert any(" grouped " in line for line in layers) and any(" seq " in line for line in layers)
+    assert "framework terms: microbatch_overhead" in log

@@ -20,6 +20,8 @@ from megatron_parm.perf_model import (COLLECTIVE_KINDS, LayerShape, Layout, Prof
                                       build_plan, choose_schedule, comm_volumes,
                                       fit_alpha_beta, load_profile, predict, save_profile)
 
+from megatron_parm.perf_model.profile import shipped_profiles  # noqa: E402
+
 PROFILE_DIR = os.path.join(REPO_ROOT, "megatron_parm", "perf_model", "profiles")
 SHIPPED_PROFILES = ("emulated_pcie.yaml", "emulated_nvlink.yaml", "nvlink_ib_estimate.yaml")
 PLAN_SCHEDULE = os.path.join(REPO_ROOT, "tools", "plan_schedule.py")
@@ -349,8 +351,10 @@ def test_choice_picks_forward_and_backward_chunks_separately():
     # in-layer terms fixed here (a recalibration moves the shipped ones): chunks cost 13.6 ms
     profile = dataclasses.replace(
         load_profile(os.path.join(PROFILE_DIR, "emulated_pcie_measured.yaml")),
-        chunk_overhead=0.0136, overlap_efficiency=0.67, layer_scale=1.17)
-    shape = small_shape(num_tokens=2048, hidden_size=512, ffn_hidden_size=512)
+        chunk_overhead=0.0136, chunk_expert_overhead=0.0, overlap_efficiency=0.67,
+        layer_scale=1.17)
+    # (4096 tokens: the 2026-12-01 recalibration's stage terms cut 2048 tokens' backward alike)
+    shape = small_shape(num_tokens=4096, hidden_size=512, ffn_hidden_size=512)
     choice = choose_schedule(shape, SMALL_LAYOUT, profile)
     assert choice.schedule == min(choice.times, key=choice.times.get)
     # the backward pass has twice the compute per chunk: here it pays to cut it finer
@@ -504,6 +508,174 @@ def test_fit_layer_terms_recovers_known_terms():
     assert fitted.overlap_efficiency == pytest.approx(0.35)
     assert fitted.chunk_overhead == pytest.approx(0.004, rel=1e-6)
     assert fitted.alpha == profile.alpha  # the stage terms stay as measured
+
+
+def _layer_spec(tokens, experts, layout, expert_impl="SequentialMLP"):
+    from types import SimpleNamespace
+
+    tp, ep, etp = layout
+    return SimpleNamespace(seq_length=tokens * tp // 2, micro_batch_size=2, tp=tp, ep=ep, etp=etp,
+                           sequence_parallel=True, hidden_size=384, ffn_hidden_size=512,
+                           num_experts=experts, topk=2, capacity_factor=None,
+                           pad_to_capacity=False, expert_impl=expert_impl)
+
+
+def _synthetic_layers(truth, cluster, layouts, experts=(4, 8), impls=("SequentialMLP",)):
+    """(spec, chunks, seconds) as calibrate.py measures them, generated from known terms."""
+    from megatron_parm.perf_model.calibrate import _measured_shape, spec_layout
+
+    measured = []
+    for layout in layouts:
+        for tokens in (192, 768):
+            for count in experts:
+                for impl in impls:
+                    spec = _layer_spec(tokens, count, layout, impl)
+                    where = spec_layout(spec, cluster)
+                    for chunks in (1, 2, 8):
+                        name = "parm_s1" if chunks == 1 else "parm_s2"
+                        seconds = predict(name, _measured_shape(spec), where, truth,
+                                          None if chunks == 1 else chunks).total_s
+                        measured.append((spec, chunks, seconds))
+    return measured
+
+
+def test_chunk_cost_per_local_expert_only_without_grouped_experts():
+    import dataclasses
+
+    profile = dataclasses.replace(uniform_profile(), chunk_overhead=0.002,
+                                  chunk_expert_overhead=0.001)
+    sequential, grouped = small_shape(num_tokens=64), small_shape(num_tokens=64,
+                                                                  grouped_experts=True)
+    one = predict("parm_s2", sequential, SMALL_LAYOUT, profile, 1).total_s
+    # 4 experts over ep 2: 2 local experts; 3 extra chunks
+    assert predict("parm_s2", sequential, SMALL_LAYOUT, profile, 4).total_s == pytest.approx(
+        predict("parm_s2", sequential, SMALL_LAYOUT, dataclasses.replace(
+            profile, chunk_overhead=0, chunk_expert_overhead=0), 4).total_s + 3 * (0.002 + 2 * 0.001))
+    assert predict("parm_s2", grouped, SMALL_LAYOUT, profile, 4).total_s == pytest.approx(
+        predict("parm_s2", sequential, SMALL_LAYOUT, profile, 4).total_s - 3 * 2 * 0.001)
+    assert predict("parm_s2", grouped, SMALL_LAYOUT, profile, 1).total_s == pytest.approx(one)
+    # so the choice can differ with the expert module: S2 wins only where chunks are cheap
+    costly = dataclasses.replace(profile, chunk_overhead=0.0, chunk_expert_overhead=1.0)
+    assert not isinstance(choose_schedule(sequential, SMALL_LAYOUT, costly).schedule, tuple)
+    cheap_for_grouped = choose_schedule(grouped, SMALL_LAYOUT, costly)
+    assert cheap_for_grouped.times[("parm_s2", 4, 4)] < choose_schedule(
+        sequential, SMALL_LAYOUT, costly).times[("parm_s2", 4, 4)]
+
+
+def test_fit_layer_terms_over_layouts_recovers_the_chunk_terms():
+    """Synthetic points from known terms on (2,2,2), (2,2,1) and (1,4,1): every term back."""
+    import dataclasses
+
+    from megatron_parm.perf_model.calibrate import fit_layer_terms, format_layer_fit
+
+    profile = uniform_profile(alpha_intra=2e-4, alpha_inter=5e-4, beta_intra=2e-9,
+                              beta_inter=8e-9, compute_beta=2e-11)
+    truth = dataclasses.replace(profile, layer_scale=1.3, overlap_efficiency=0.6,
+                                chunk_overhead=0.003, chunk_expert_overhead=0.0015)
+    measured = _synthetic_layers(truth, SMALL_LAYOUT, [(2, 2, 2), (2, 2, 1), (1, 4, 1)])
+    fitted = fit_layer_terms(profile, SMALL_LAYOUT, measured)
+    assert fitted.layer_scale == pytest.approx(1.3, rel=1e-6)
+    assert fitted.overlap_efficiency == pytest.approx(0.6)
+    assert fitted.chunk_overhead == pytest.approx(0.003, rel=1e-5)
+    assert fitted.chunk_expert_overhead == pytest.approx(0.0015, rel=1e-5)
+    report = format_layer_fit(fitted, SMALL_LAYOUT, measured)
+    assert "(1,4,1)" in report and "(2,2,1)" in report and "max 0.0%" in report
+    # grouped experts' points pay no per-expert part: fitted together, the same terms
+    mixed = _synthetic_layers(truth, SMALL_LAYOUT, [(2, 2, 2), (1, 4, 1)],
+                              impls=("SequentialMLP", "TorchGroupedMLP"))
+    both = fit_layer_terms(profile, SMALL_LAYOUT, mixed)
+    assert both.chunk_expert_overhead == pytest.approx(0.0015, rel=1e-5)
+    assert both.chunk_overhead == pytest.approx(0.003, rel=1e-5)
+    # noise of +-3% still lands near the truth
+    noisy = [(spec, c, t * (1.03 if i % 2 else 0.97)) for i, (spec, c, t) in enumerate(measured)]
+    rough = fit_layer_terms(profile, SMALL_LAYOUT, noisy)
+    assert rough.chunk_expert_overhead == pytest.approx(0.0015, rel=0.3)
+    assert rough.layer_scale == pytest.approx(1.3, rel=0.05)
+
+
+def test_fit_layer_terms_at_world_size_one_fits_the_chunk_cost_alone():
+    """One GPU: no collective, nothing overlaps; the chunk terms come from the expert counts
+    and overlap_efficiency keeps the profile's value."""
+    import dataclasses
+
+    from megatron_parm.perf_model.calibrate import fit_layer_terms
+
+    one = Layout(tp=1, ep=1, etp=1, nodes=1, ranks_per_node=1)
+    profile = dataclasses.replace(uniform_profile(compute_alpha=2e-5, compute_beta=3e-15),
+                                  overlap_efficiency=0.8)
+    truth = dataclasses.replace(profile, layer_scale=1.6, chunk_overhead=1.5e-3,
+                                chunk_expert_overhead=6e-4)
+    measured = _synthetic_layers(truth, one, [(1, 1, 1)], experts=(2, 4, 8))
+    fitted = fit_layer_terms(profile, one, measured)
+    assert fitted.overlap_efficiency == 0.8
+    assert fitted.layer_scale == pytest.approx(1.6, rel=1e-6)
+    assert fitted.chunk_overhead == pytest.approx(1.5e-3, rel=1e-5)
+    assert fitted.chunk_expert_overhead == pytest.approx(6e-4, rel=1e-5)
+    assert fitted.missing_terms == ()
+
+
+def test_fit_framework_terms_recovers_per_microbatch_and_per_layer_time():
+    import dataclasses
+
+    from megatron_parm.perf_model.calibrate import fit_framework_terms
+    from megatron_parm.perf_model.memory import Precision
+    from megatron_parm.perf_model.step_time import step_time
+    from megatron_parm.perf_model.transformer import ModelSpec
+
+    profile = uniform_profile(alpha_intra=2e-4, alpha_inter=5e-4, beta_intra=2e-9,
+                              beta_inter=8e-9, compute_alpha=1e-4, compute_beta=2e-11)
+    truth = dataclasses.replace(profile, microbatch_overhead=0.012, layer_overhead=0.004)
+    measured = []
+    for layers in (1, 2):
+        spec = ModelSpec(model_type="gpt", num_layers=layers, hidden_size=64,
+                         num_attention_heads=4, seq_length=64, vocab_size=8000, num_experts=4,
+                         moe_ffn_hidden_size=256)
+        for count in (1, 2):
+            step = step_time(spec, SMALL_LAYOUT, truth, "parm_s1", None, 4, 4 * 2 * count,
+                             Precision("fp32"))
+            measured.append((spec, SMALL_LAYOUT, 4, count, count * step.microbatch_s))
+            assert step.framework_s == pytest.approx(0.012 + layers * 0.004)
+    fitted = fit_framework_terms(profile, measured)
+    assert fitted.microbatch_overhead == pytest.approx(0.012, rel=1e-6)
+    assert fitted.layer_overhead == pytest.approx(0.004, rel=1e-6)
+    # one layer count: the per-micro-batch term takes it all, layer_overhead is not fitted
+    single = fit_framework_terms(profile, [m for m in measured if m[0].num_layers == 2])
+    assert single.microbatch_overhead == pytest.approx(0.012 + 2 * 0.004, rel=1e-6)
+    assert single.layer_overhead == profile.layer_overhead
+
+
+def test_profile_without_the_new_terms_loads_but_is_refused_where_passed(tmp_path):
+    from megatron_parm.perf_model.profile import ISSUE17_TERMS
+
+    data = profile_dict()
+    for term in ISSUE17_TERMS:
+        data.pop(term)
+    path = _write(tmp_path, data)
+    profile = load_profile(path)  # loadable: the defaults stand in
+    assert profile.missing_terms == ISSUE17_TERMS and profile.chunk_expert_overhead == 0.0
+    with pytest.raises(ValueError) as error:
+        load_profile(path, require_terms=True)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"profile {path}: lacks")
+    assert all(term in message for term in ISSUE17_TERMS) and "tools/calibrate.py" in message
+    # every shipped profile has them
+    for name in shipped_profiles():
+        assert not set(load_profile(name, require_terms=True).missing_terms) & set(
+            ISSUE17_TERMS), name
+
+
+def test_tools_refuse_a_profile_without_the_new_terms(tmp_path):
+    data = profile_dict()
+    data.pop("layer_overhead")
+    path = _write(tmp_path, data)
+    for tool, flags in (("tools/plan_schedule.py", _PLAN_FLAGS),
+                        ("tools/plan_layout.py", ["--config", "configs/gpt2_tiny_moe.yaml",
+                                                  "--nnodes", "2", "--nproc-per-node", "2"])):
+        proc = subprocess.run([sys.executable, tool, *flags, "--parm-profile", path],
+                              cwd=REPO_ROOT, capture_output=True, text=True)
+        assert proc.returncode == 2, (tool, proc.stderr)
+        assert proc.stderr.count("\n") <= 3 and "lacks the cost model's terms layer_overhead" \
+            in proc.stderr and "tools/calibrate.py" in proc.stderr, (tool, proc.stderr)
 
 
 def test_package_imports_without_torch_or_megatron():

@@ -120,8 +120,10 @@ def test_step_time_adds_up():
     moe = predict("parm_s2", layer_shape(spec, lay, 4, fp32), lay, PROFILE, 2)
     assert step.moe_s == pytest.approx(2 * moe.total_s)
     assert step.num_microbatches == 2  # 16 / (4 * dp 2)
-    assert step.step_s == pytest.approx(2 * (step.moe_s + step.dense_compute_s + step.tp_comm_s)
-                                        + step.grad_reduce_s)
+    assert step.framework_s == pytest.approx(PROFILE.microbatch_overhead
+                                             + spec.num_layers * PROFILE.layer_overhead)
+    assert step.step_s == pytest.approx(2 * (step.moe_s + step.dense_compute_s + step.tp_comm_s
+                                             + step.framework_s) + step.grad_reduce_s)
     assert step.tokens_per_s == pytest.approx(16 * 64 / step.step_s)
     assert step.tp_comm_s > 0 and step.grad_reduce_s > 0
     alone = step_time(spec, layout(1, 1, 1, nodes=1, ranks_per_node=1), PROFILE, "parm_s1",
