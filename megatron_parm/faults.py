@@ -134,7 +134,9 @@ def die_with_parent() -> None:
     """Every process this one forks from now on gets SIGKILL when this one dies (Linux
     PR_SET_PDEATHSIG). Megatron-Core's checkpoint writer forks writer processes during a save;
     a rank killed meanwhile would leave them running, orphaned, holding its files (and on a
-    GPU node, memory). Idempotent; a no-op elsewhere than Linux."""
+    GPU node, memory). Linux sends the signal when the forking *thread* ends: the writers and
+    data-loader workers are forked by the main thread, which lives as long as the rank.
+    Idempotent; a no-op elsewhere than Linux."""
     global _fork_hook_registered
     if _fork_hook_registered or not sys.platform.startswith("linux"):
         return
