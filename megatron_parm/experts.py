@@ -45,8 +45,9 @@ weight each), which was most of what a chunk cost on CPU (docs/benchmark.md).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -77,6 +78,23 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _WeightGradSink(torch.autograd.Function):
+    """A node whose backward hands the weights their deferred gradients: grads made inside a
+    backward reach AccumulateGrad as the engine's only reference, which takes them as the
+    weights' .grad without a copy (a call of torch.autograd.backward on the weights would
+    hold them and make AccumulateGrad clone them)."""
+
+    @staticmethod
+    def forward(ctx, deferred, *weights):
+        ctx.deferred = deferred
+        return weights[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        deferred, ctx.deferred = ctx.deferred, None
+        return (None, *deferred.weight_grads())
+
+
 class DeferredWeightGrads:
     """The weight gradients of a run of TorchGroupedMLP calls, computed once for all of them.
 
@@ -90,50 +108,59 @@ class DeferredWeightGrads:
     once per weight.
     """
 
+    NAMES = ("weight1", "weight2")
+
     def __init__(self, experts: "TorchGroupedMLP"):
         self.experts = experts
-        # per weight: [(input rows, tokens per expert, [output gradient or None])]
-        self.calls = {name: [] for name in ("weight1", "weight2")}
+        # per weight: [(input rows, tokens per expert, offsets, [output gradient once it arrives])]
+        self.calls = {name: [] for name in self.NAMES}
+        self.sink: Optional[torch.Tensor] = None  # _WeightGradSink's output, with the first call
 
     def record(self, name: str, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
-               out: torch.Tensor) -> None:
+               offsets: torch.Tensor, out: torch.Tensor) -> None:
+        """One call's GEMM of weight ``name``: rows [n, K] in, ``out`` [n, N] its output;
+        ``offsets``: the cumulative tokens per expert it ran with (on the rows' device)."""
+        if self.sink is None:
+            self.sink = _WeightGradSink.apply(self, *(getattr(self.experts, n) for n in self.NAMES))
         grad: list = []
-        self.calls[name].append((rows.detach(), tokens_per_expert, grad))
+        self.calls[name].append((rows.detach(), tokens_per_expert, offsets, grad))
         out.register_hook(grad.append)
 
     def _weight_grad(self, calls) -> Optional[torch.Tensor]:
-        done = [(rows, tokens, grad[0]) for rows, tokens, grad in calls if grad]
+        done = [(rows, tokens, grad[0]) for rows, tokens, _, grad in calls if grad]
         if not done:
             return None
-        gmm, experts = self.experts._gmm, self.experts.num_local_experts
-        if len(done) == 1:
-            rows, tokens, grad = done[0]
+        if len(done) == 1:  # the call's own offsets
+            (rows, _, grad), offsets = done[0], next(o for _, _, o, g in calls if g)
         else:
-            tokens = torch.stack([torch.as_tensor(t) for _, t, _ in done])  # [calls, E]
-            split_rows = [r.split(t.tolist()) for (r, _, _), t in zip(done, tokens)]
-            split_grads = [g.split(t.tolist()) for (_, _, g), t in zip(done, tokens)]
-            order = [(call, e) for e in range(experts) for call in range(len(done))]
+            # host arithmetic on the split sizes (S2's tokens per expert live on the host)
+            sizes = [tokens.tolist() for _, tokens, _ in done]  # [call][expert]
+            split_rows = [r.split(n) for (r, _, _), n in zip(done, sizes)]
+            split_grads = [g.split(n) for (_, _, g), n in zip(done, sizes)]
+            order = [(call, e) for e in range(self.experts.num_local_experts)
+                     for call in range(len(done))]
             rows = torch.cat([split_rows[c][e] for c, e in order])
             grad = torch.cat([split_grads[c][e] for c, e in order])
-            tokens = tokens.sum(dim=0)
-        offsets = torch.cumsum(torch.as_tensor(tokens), 0, dtype=torch.int32)
-        if offsets.device != rows.device:
-            offsets = offsets.to(rows.device, non_blocking=True)
-        return gmm(rows.t(), grad, offs=offsets)
+            offsets = torch.tensor(list(itertools.accumulate(map(sum, zip(*sizes)))),
+                                   dtype=torch.int32)
+            if offsets.device != rows.device:
+                offsets = offsets.to(rows.device, non_blocking=True)
+        return self.experts._gmm(rows.t(), grad, offs=offsets)
+
+    def weight_grads(self) -> List[Optional[torch.Tensor]]:
+        """Every weight's gradient over the recorded calls (None: no call's backward ran);
+        the records are dropped."""
+        grads = []
+        for name in self.NAMES:
+            grad = self._weight_grad(self.calls.pop(name))
+            grads.append(None if grad is None else grad.view(getattr(self.experts, name).shape))
+        return grads
 
     def backward_dw(self) -> None:
-        """Every recorded call's weight gradients, accumulated into the weights through
-        autograd; the records are dropped."""
-        weights, grads = [], []
-        for name, calls in self.calls.items():
-            grad = self._weight_grad(calls)
-            if grad is not None:
-                weight = getattr(self.experts, name)
-                weights.append(weight)
-                grads.append(grad.view(weight.shape))
-        self.calls = {name: [] for name in self.calls}
-        if weights:
-            torch.autograd.backward(weights, grads)
+        """Every recorded call's weight gradients, accumulated into the weights."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            torch.autograd.backward(sink, sink.new_empty(0))
 
 
 class TorchGroupedMLP(GroupedMLP):
@@ -205,8 +232,8 @@ class TorchGroupedMLP(GroupedMLP):
         if deferred is not None:
             hidden = self.activation_func_with_probs(fc1, probs)
             out = self._gmm(hidden, w2, offs=offsets)
-            deferred.record("weight1", rows, tokens_per_expert, fc1)
-            deferred.record("weight2", hidden, tokens_per_expert, out)
+            deferred.record("weight1", rows, tokens_per_expert, offsets, fc1)
+            deferred.record("weight2", hidden, tokens_per_expert, offsets, out)
         elif self.activation_recompute:
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
             hidden = self.activation_checkpoint.checkpoint(self.activation_func_with_probs,
