@@ -212,24 +212,27 @@ class ParmTokenDispatcher(MoETokenDispatcher):
         return self.schedule is not None and self.schedule.pipelined
 
     def _check_phase(self, phase: str) -> None:
+        last = self._last_phase
+        if phase == "dispatch_preprocess":
+            if last is None or last == PHASES[-1] or self._phase_failed:
+                return
+        elif last == _FOLLOWS[phase]:
+            return
+        raise RuntimeError(self._phase_error(phase))
+
+    def _phase_error(self, phase: str) -> str:
         last, name = self._last_phase, self.schedule.name if self.schedule else type(self).__name__
         order = " -> ".join(PHASES)
         if phase == "dispatch_preprocess":
-            if last in (None, PHASES[-1]) or self._phase_failed:
-                return
-            raise RuntimeError(
-                f"{name}: dispatch_preprocess called while the previous layer call is still "
-                f"open (its last phase was {last}): combine it first; the phases run in the "
-                f"order {order}")
-        expected = _FOLLOWS[phase]
-        if last == expected:
-            return
+            return (f"{name}: dispatch_preprocess called while the previous layer call is still "
+                    f"open (its last phase was {last}): combine it first; the phases run in the "
+                    f"order {order}")
         if last in (None, PHASES[-1]):
             done = "with no dispatch open (dispatch_preprocess has not run for this call)"
         else:
             done = f"after {last}"
-        raise RuntimeError(f"{name}: {phase} called {done}; it must follow {expected} "
-                           f"(the phases run in the order {order})")
+        return (f"{name}: {phase} called {done}; it must follow {_FOLLOWS[phase]} (the phases "
+                f"run in the order {order})")
 
     def __init__(self, num_local_experts: int, local_expert_indices: Sequence[int], config,
                  pg_collection=None):

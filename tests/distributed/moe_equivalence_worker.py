@@ -14,6 +14,12 @@ A layout may end in @P: the ranks count as P to a node (--parm-ranks-per-node, f
 dispatchers, the performance model and the byte accounting), so that one launch on one
 machine has the several nodes parm_hier splits its dispatch by; without it, one node.
 
+Every dispatcher also runs phase by phase (drive_phases: router, then the six phases with
+the experts between them, as Megatron-Core's callers do) in PHASE_CASES, forward + backward,
+against itself in the layer and alltoall; after each layer run, phase by phase with identity
+experts (identity_and_capacity); and, on a launch's first layout, with its phases out of
+order (phase_order_errors).
+
 Every schedule also runs once more under tests/device_sim.py's simulated device (placement
 errors, host syncs). On GROUPED_LAYOUTS every dispatcher runs with grouped experts too:
 Megatron's GroupedMLP (bf16, on a stand-in of grouped_gemm) and megatron_parm.experts'
@@ -30,6 +36,7 @@ hidden, E experts, k top-k.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -106,8 +113,12 @@ PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free",
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
               per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False,
-              bwd_chunks=None, torch_grouped=False):
+              bwd_chunks=None, torch_grouped=False, phases=False, inspect=None):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part.
+
+    phases: drive the dispatcher through its six phases one by one (drive_phases), as a
+    Megatron-Core caller does, instead of calling ParmMoELayer. inspect: a function
+    (layer, x) run after the backward; what it returns is in the result's "inspect".
 
     simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
     grouped: Megatron's GroupedMLP experts (--moe-grouped-gemm) on tests/fake_grouped_gemm.py,
@@ -177,7 +188,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         stats = None
     else:
         with track_comm(per_node) as stats, account_native_dispatchers():
-            out, _ = layer(x)
+            out = drive_phases(layer, x) if phases else layer(x)[0]
             out.backward(dy)
     # Collected and summed in float32 (also in a bf16 run).
     full = {k: torch.zeros_like(data[k], dtype=torch.float32) for k in ("x", "router", "fc1", "fc2")}
@@ -199,7 +210,64 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     totals = stats.totals() if track else None
     choice = getattr(layer.token_dispatcher, "choice", None)
     full["choice"] = str(choice.schedule) if choice is not None else None
+    if inspect is not None:
+        full["inspect"] = inspect(layer, x.detach())
     return full, totals, x.detach()
+
+
+def drive_phases(layer, x, experts=None, seen=None):
+    """The layer's router, then its dispatcher's six phases one by one with the experts
+    between them, as Megatron-Core's callers (its 1F1B A2A overlap, its dispatcher tests)
+    drive any dispatcher. experts: in place of the layer's; seen: a dict that receives the
+    tokens per local expert the dispatcher handed over."""
+    dispatcher = layer.token_dispatcher
+    probs, routing_map = layer.router(x)
+    rows, probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    rows, probs = dispatcher.token_dispatch(rows, probs)
+    rows, tokens_per_expert, probs = dispatcher.dispatch_postprocess(rows, probs)
+    if seen is not None:
+        seen["tokens_per_expert"] = [int(v) for v in torch.as_tensor(tokens_per_expert).tolist()]
+    out, bias = (experts or layer.experts)(rows, tokens_per_expert, probs)
+    assert bias is None
+    out = dispatcher.combine_preprocess(out)
+    out = dispatcher.token_combine(out)
+    return dispatcher.combine_postprocess(out)
+
+
+def identity_and_capacity(case, tp, ep, etp):
+    """An inspect function for run_layer: the same layer with identity experts, phase by phase
+    and without gradients. Each rank's output must be its input times the summed
+    probabilities of the (token, expert) pairs its routing kept (the experts' partial sums
+    over ESP each contribute 1/s). The tokens per local expert must be, padded to capacity,
+    exactly C per source routing that feeds the expert, and at most that with capacity alone,
+    C = ceil(k * n / E * f) for the n tokens one routing sees."""
+    topk, capacity, pad, _ = case
+
+    def inspect(layer, x):
+        name = layer.config.moe_token_dispatcher_type
+
+        def identity(rows, tokens_per_expert, probs):
+            return rows * probs.unsqueeze(-1).to(rows.dtype) / etp, None
+
+        seen = {}
+        with torch.no_grad():
+            probs, routing_map = layer.router(x)
+            kept = (probs * routing_map).sum(dim=-1).view(*x.shape[:-1], 1)
+            out = drive_phases(layer, x, experts=identity, seen=seen)
+        result = {"identity_err": rel_err(out, x * kept)}
+        if capacity is not None:
+            n = x.numel() // x.shape[-1]
+            # ds_baseline routes the t*n tokens of its TP group (t routings of n, each capped
+            # to C) and has no ESP gather; the others route n tokens per rank, gathered over ESP.
+            sources = ep * (tp if name == "ds_baseline" else etp)
+            limit = sources * math.ceil(topk * n / E * capacity)
+            counts = seen["tokens_per_expert"]
+            result["capacity_ok"] = all(c == limit for c in counts) if pad else \
+                all(c <= limit for c in counts)
+            result["tokens_per_expert"], result["capacity_limit"] = counts, limit
+        return result
+
+    return inspect
 
 
 def expert_weights(layer, num_local, grads=False):
@@ -407,14 +475,20 @@ def check_layout(tp, ep, etp, per_node, records):
             results[name], totals, x_local = run_layer(name, case, tp, ep, etp, tp > 1, data,
                                                        track=(case_name == "dropless"), profile=profile,
                                                        per_node=per_node,
-                                                       bwd_chunks=BWD_CHUNKS[case_name])
+                                                       bwd_chunks=BWD_CHUNKS[case_name],
+                                                       inspect=identity_and_capacity(case, tp, ep, etp))
             if name == "parm":
                 records.append(dict(layout=layout, case=case_name, dispatcher="parm", against="choice",
                                     quantity="schedule", choice=results[name].pop("choice")))
             else:
                 results[name].pop("choice")
+            records.append(dict(layout=layout, case=case_name, dispatcher=name, against="identity",
+                                **results[name].pop("inspect")))
             if totals is not None and name in BYTE_FORMULAS:
                 check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, records)
+        if case_name in PHASE_CASES:
+            phases_match(case_name, case, names[1:], tp, ep, etp, per_node, data, results, layout,
+                         records)
         ref = reference(case, data, tp)
         for name in names[1:]:
             for key in ("y", "x", "router", "fc1", "fc2"):
@@ -445,6 +519,95 @@ def check_layout(tp, ep, etp, per_node, records):
         torch_grouped_experts(tp, ep, etp, per_node, layout, records)
     if rank == 0:
         print(f"layout {layout}: done", flush=True)
+
+
+# Routing cases whose layer calls also run phase by phase: dropless, capacity, padded.
+PHASE_CASES = ("dropless", "drop", "pad")
+
+
+def phases_match(case_name, case, names, tp, ep, etp, per_node, data, results, layout, records):
+    """Each non-native dispatcher driven through its six phases one by one (drive_phases),
+    forward and backward, against the same dispatcher through ParmMoELayer (for S2: the
+    pipelined call, at NUM_CHUNKS forward chunks) and against alltoall. parm decides as in
+    the layer run (PARM_PROFILE: S2 where the profile is latency-free), so that it takes S2
+    phase by phase too."""
+    for name in names:
+        profile = PROFILE_PATHS.get(PARM_PROFILE[case_name]) if name == "parm" else None
+        full, _, _ = run_layer(name, case, tp, ep, etp, tp > 1, data, profile=profile,
+                               per_node=per_node, bwd_chunks=BWD_CHUNKS[case_name], phases=True)
+        choice = full.pop("choice")
+        if name == "parm":
+            records.append(dict(layout=layout, case=f"{case_name}-phases", dispatcher="parm",
+                                against="phases-choice", quantity="schedule", choice=choice))
+        for against in ("layer", "alltoall"):
+            reference = results[name if against == "layer" else "alltoall"]
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                records.append(dict(layout=layout, case=f"{case_name}-phases", dispatcher=name,
+                                    against=against, quantity=key,
+                                    err=rel_err(full[key], reference[key])))
+
+
+def phase_order_errors(tp, ep, etp, per_node, layout, records):
+    """Phases run out of order on each non-native dispatcher: every misuse must raise one
+    RuntimeError naming the phase (before any collective, so every rank raises alike), and
+    the dispatcher must still compute right afterwards. Records each misuse's message."""
+    case = CASES["dropless"]
+    data = global_tensors(5, dist.get_world_size() // tp)
+
+    def misuse(layer, x):
+        dispatcher = layer.token_dispatcher
+        probs, routing_map = layer.router(x)
+        tokens = x.view(-1, M)
+        seen = {}
+
+        def attempt(label, call):
+            try:
+                call()
+            except RuntimeError as err:
+                seen[label] = str(err)
+            else:
+                seen[label] = None
+
+        with torch.no_grad():
+            # nothing dispatched yet: no dispatch or combine phase may run
+            attempt("token_dispatch", lambda: dispatcher.token_dispatch(tokens, probs))
+            attempt("combine_preprocess", lambda: dispatcher.combine_preprocess(tokens))
+            attempt("token_combine", lambda: dispatcher.token_combine(tokens))
+            attempt("combine_postprocess", lambda: dispatcher.combine_postprocess(tokens))
+            rows, row_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+            attempt("dispatch_postprocess", lambda: dispatcher.dispatch_postprocess(rows, row_probs))
+            attempt("combine_preprocess:open", lambda: dispatcher.combine_preprocess(rows))
+            attempt("dispatch_preprocess", lambda: dispatcher.dispatch_preprocess(x, routing_map, probs))
+            # the open call goes on as if nothing had happened
+            rows, row_probs = dispatcher.token_dispatch(rows, row_probs)
+            if hasattr(dispatcher, "dispatch_compute_combine"):
+                attempt("dispatch_compute_combine",
+                        lambda: dispatcher.dispatch_compute_combine(rows, row_probs, layer.experts))
+            rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
+            out, _ = layer.experts(rows, tokens_per_expert, row_probs)
+            out = dispatcher.token_combine(dispatcher.combine_preprocess(out))
+            attempt("token_combine:twice", lambda: dispatcher.token_combine(out))
+            out = dispatcher.combine_postprocess(out)
+            attempt("combine_postprocess:twice", lambda: dispatcher.combine_postprocess(out))
+        return {"messages": seen, "after": out}
+
+    for name in dispatchers(tp, ep, etp)[1:]:
+        full, _, _ = run_layer(name, case, tp, ep, etp, tp > 1, data, per_node=per_node,
+                               inspect=misuse)
+        found = full.pop("inspect")
+        # after the misuse the call completes with what the layer's own call computed
+        records.append(dict(layout=layout, case="phase-order", dispatcher=name,
+                            against="errors", messages=found["messages"],
+                            err=rel_err(found["after"].float(), layer_output_shard(full, tp))))
+
+
+def layer_output_shard(full, tp):
+    """This rank's part of the all-reduced layer output "y" (sequence shard of its replica)."""
+    from megatron.core import parallel_state as ps
+
+    rows = S // tp
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    return full["y"][dp_rank, tp_rank * rows:(tp_rank + 1) * rows]
 
 
 # World size -> layouts where the grouped experts (GroupedMLP, TorchGroupedMLP) run (bf16 on
@@ -586,17 +749,20 @@ def main():
     PROFILE_PATHS["latency-free"] = latency_free_profile(out_path + f".rank{dist.get_rank()}.profile.yaml")
     torch.manual_seed(0)
     records = []
-    for spec in layouts:
+    for index, spec in enumerate(layouts):
         sizes, _, per_node = spec.partition("@")
         tp, ep, etp = (int(v) for v in sizes.split(","))
         check_layout(tp, ep, etp, int(per_node) if per_node else None, records)
+        if index == 0:  # one layout per launch: the misuse runs no collective of its own
+            phase_order_errors(tp, ep, etp, int(per_node) if per_node else dist.get_world_size(),
+                               sizes, records)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     if dist.get_rank() == 0:
         # Numeric records are identical on all ranks (all-reduced); byte and simulated-device
         # records are per rank.
         def per_rank(record):
-            return record["case"] in ("bytes", "grouped-gemm-calls") or \
+            return record["case"] in ("bytes", "grouped-gemm-calls", "phase-order") or \
                 record["case"].startswith("device-sim")
 
         merged = [r for r in records if not per_rank(r)]

@@ -6,6 +6,10 @@ schedule (tests/toy_schedule.py), which must then run like every built-in one. A
 is launched when a test first asks for it, so `-k w4` runs the 4-rank launch only
 (tools/gpu_check.sh, stage a, does that on one GPU). Tolerance: 1e-5 relative (max abs error / max abs value),
 float32, for the layer output, input grad, router grad and every expert weight grad.
+Every dispatcher runs through ParmMoELayer and, as Megatron-Core's callers drive one, through
+its six phases one by one (dropless, capacity, padded): against itself in the layer and
+against alltoall, with identity experts (and the capacity's row counts), and with its phases
+out of order (one error naming the phase).
 
 A launch is one machine; each layout runs with a ranks-per-node setting (RANKS_PER_NODE,
 --parm-ranks-per-node) that gives parm_hier several nodes to split its EP groups by. Its
@@ -24,7 +28,8 @@ import pytest
 
 from launch import torchrun
 from megatron_parm import schedules
-from moe_equivalence_worker import GROUPED_LAYOUTS, TORCH_GROUPED_BF16
+from moe_equivalence_worker import CASES as CASE_SPECS
+from moe_equivalence_worker import GROUPED_LAYOUTS, PHASE_CASES, TORCH_GROUPED_BF16
 from toy_schedule import TOY
 
 TOL = 1e-5
@@ -95,6 +100,76 @@ def test_matches_single_process_reference(records, world, layout, case, dispatch
     rows = _select(records, world, layout, case=case, dispatcher=dispatcher, against="reference")
     bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
     assert not bad, f"{dispatcher} differs from the single-process MoE: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("case", PHASE_CASES)
+@pytest.mark.parametrize("dispatcher", PARM)
+def test_phase_by_phase_matches_the_layer_and_alltoall(records, world, layout, case, dispatcher):
+    """Driven through its six phases one by one with the experts between them (router ->
+    dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> experts ->
+    combine_preprocess -> token_combine -> combine_postprocess, as Megatron-Core's callers
+    do), every dispatcher computes what it computes inside ParmMoELayer (S2: its pipelined
+    call at 3 forward chunks) and what alltoall computes: output and every gradient."""
+    _skip_unless_supported(dispatcher, layout)
+    rows = [r for r in _select(records, world, layout, case=f"{case}-phases", dispatcher=dispatcher)
+            if r["against"] != "phases-choice"]
+    assert {(r["against"], r["quantity"]) for r in rows} == \
+        {(a, q) for a in ("layer", "alltoall") for q in ("y", "x", "router", "fc1", "fc2")}
+    bad = {(r["against"], r["quantity"]): r["err"] for r in rows if not r["err"] <= TOL}
+    assert not bad, f"{dispatcher} phase by phase differs: {bad}"
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")
+def test_parm_takes_s2_phase_by_phase(records, world):
+    """parm called phase by phase runs the schedule it chose, S2 included (unpipelined)."""
+    chosen = {(r["layout"], r["case"]): r["choice"] for r in records[world]
+              if r["against"] == "choice"}
+    phased = {(r["layout"], r["case"][:-len("-phases")]): r["choice"] for r in records[world]
+              if r["against"] == "phases-choice"}
+    assert phased
+    for key, choice in phased.items():
+        assert choice == chosen[key], key
+    assert any(choice.startswith("('parm_s2'") for choice in phased.values()), phased
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dispatcher", ["alltoall"] + PARM)
+def test_identity_experts_and_capacity(records, world, layout, case, dispatcher):
+    """With identity experts, phase by phase, every token comes back as itself times the
+    summed probabilities of its kept experts; with a capacity, each local expert receives
+    at most C rows per routing that feeds it, and exactly that many when padded."""
+    _skip_unless_supported(dispatcher, layout)
+    (row,) = _select(records, world, layout, case=case, dispatcher=dispatcher, against="identity")
+    assert row["identity_err"] <= TOL, row
+    if CASE_SPECS[case][1] is not None:
+        assert row["capacity_ok"], row
+        if CASE_SPECS[case][2]:  # padded: every expert full
+            assert set(row["tokens_per_expert"]) == {row["capacity_limit"]}, row
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")
+def test_phases_out_of_order_raise_naming_the_phase(records, world):
+    """A phase out of order, a combine without its dispatch, a second dispatch of an open
+    call, the pipelined call after token_dispatch, a combine twice: one RuntimeError each,
+    naming the phase; the open call then completes with the layer's own output."""
+    rows = [r for r in records[world] if r["case"] == "phase-order"]
+    layout = rows[0]["layout"]
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    names = {r["dispatcher"] for r in rows}  # the 4-rank launch adds the toy schedule
+    assert {name for name in PARM if schedules.get(name).unsupported(tp, ep, etp) is None} <= names
+    assert len(rows) == world * len(names)
+    for r in rows:
+        messages = r["messages"]
+        assert len(messages) >= 9, messages
+        for label, message in messages.items():
+            phase = label.partition(":")[0]
+            assert message is not None, f"{r['dispatcher']}: {label} did not raise"
+            assert message.startswith(f"{r['dispatcher']}: {phase} called "), message
+        assert "still open" in messages["dispatch_preprocess"]
+        assert "no dispatch open" in messages["combine_preprocess"]
+        assert r["err"] <= TOL, r
 
 
 @pytest.mark.parametrize("world,layout", [p for p in _params() if p.values[1][0] != "1"])
