@@ -190,6 +190,9 @@ class TorchGroupedMLP(GroupedMLP):
         if problem is not None:
             raise ValueError(f"--moe-grouped-gemm: {problem}")
         self._deferred: Optional[DeferredWeightGrads] = None
+        # False: calls inside deferring_weight_grads() compute their weight gradients at once
+        # (per call, accumulated), as before deferring existed; for comparisons
+        self.defer_weight_grads = True
 
     @contextlib.contextmanager
     def deferring_weight_grads(self):
@@ -215,7 +218,8 @@ class TorchGroupedMLP(GroupedMLP):
             rows = rows.clone(memory_format=torch.contiguous_format)
         experts = self.num_local_experts
         deferred = self._deferred
-        if (deferred is None or self.activation_recompute or not rows.requires_grad
+        if (deferred is None or not self.defer_weight_grads or self.activation_recompute
+                or not rows.requires_grad
                 or not torch.is_grad_enabled()
                 or not (self.weight1.requires_grad and self.weight2.requires_grad)):
             deferred = None  # (rows that need no gradient: only the weights hold the graph)

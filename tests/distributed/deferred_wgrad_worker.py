@@ -4,7 +4,7 @@
 
 For each S2 chunking (forward/backward chunk counts), the same layer twice: the experts'
 weight gradients deferred (computed once after the last chunk, as S2 runs them) and per
-chunk (``deferring_weight_grads`` hidden, so every chunk's graph accumulates them, as
+chunk (``experts.defer_weight_grads = False``: every chunk's graph accumulates them, as
 SequentialMLP's do). Each against alltoall from the same seed and weights: output, input
 gradient and every parameter gradient; how often each expert weight's gradient is
 accumulated per backward (a post-accumulate-grad hook); and a second forward+backward
@@ -77,7 +77,7 @@ def main(out_path: str) -> None:
             for mode in ("deferred", "per_chunk"):
                 layer = build_layer(spec, variant, "TorchGroupedMLP")
                 if mode == "per_chunk":
-                    layer.experts.deferring_weight_grads = None
+                    layer.experts.defer_weight_grads = False
                 found[mode], hits = run(layer, x, grad)
                 twice, _ = run(layer, x, grad, steps=2)
                 records.append(dict(
