@@ -208,11 +208,14 @@ def profile_identity(profile) -> str:
     return f"{profile.name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def cache_key(shape, layout, sequence_parallel: bool, cluster: Dict, profile: str) -> Dict:
-    """What a cached result must match: the layer's shape, its layout, the cluster, the profile."""
+def cache_key(shape, layout, sequence_parallel: bool, cluster: Dict, profile: str,
+              layer: Optional[int] = None) -> Dict:
+    """What a cached result must match: the layer (its number: layers of one shape may measure
+    different winners, and a resumed run must run each layer's own), its shape, its layout,
+    the cluster, the profile."""
     from dataclasses import asdict
 
-    return {"shape": asdict(shape),
+    return {"layer": layer, "shape": asdict(shape),
             "layout": {**asdict(layout), "sequence_parallel": bool(sequence_parallel)},
             "cluster": dict(cluster), "profile": profile}
 
@@ -265,30 +268,50 @@ class TuningCache:
         self.entries = entries
         if not entries:
             return Lookup()
-        differs = sorted({f"{part}.{name}" for entry in entries for part in key
+        differs = sorted({part if name is None else f"{part}.{name}" for entry in entries
+                          for part in key
                           for name in _differences(entry["key"].get(part), key[part])})
         return Lookup(warning=f"parm: --parm-tune-cache {self.path} holds results for another "
                               f"shape, layout, cluster or profile (differs in "
                               f"{', '.join(differs) or 'its keys'}): tuning again")
 
     def store(self, key: Dict, measured: Measured) -> None:
-        """Add (or replace) this key's result; written atomically (rank 0 only)."""
+        """Add (or replace) this key's result; written atomically (rank 0 of a stage only).
+        Other layers (and other stages' ranks) store into the same file: under a lock, the
+        entries on disk are read again and this key's is replaced, so none is lost."""
+        import fcntl
+
         entry = {"key": key, "winner": _encode(measured.winner),
                  "seconds": [[_encode(s), t] for s, t in measured.seconds.items()]}
-        entries = [e for e in self.entries if e.get("key") != key] + [entry]
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        temporary = f"{self.path}.tmp{os.getpid()}"
-        with open(temporary, "w") as f:
-            json.dump({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries}, f,
-                      indent=1)
-        os.replace(temporary, self.path)
+        with open(f"{self.path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = [e for e in self._entries_on_disk(self.entries) if e.get("key") != key]
+            entries.append(entry)
+            temporary = f"{self.path}.tmp{os.getpid()}"
+            with open(temporary, "w") as f:
+                json.dump({"format": CACHE_FORMAT, "version": CACHE_VERSION,
+                           "entries": entries}, f, indent=1)
+            os.replace(temporary, self.path)
         self.entries = entries
 
+    def _entries_on_disk(self, fallback: List[Dict]) -> List[Dict]:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            if isinstance(data, dict) and data.get("format") == CACHE_FORMAT \
+                    and data.get("version") == CACHE_VERSION and isinstance(data.get("entries"), list):
+                return [e for e in data["entries"] if isinstance(e, dict)]
+        except (OSError, ValueError):
+            pass
+        return list(fallback)
 
-def _differences(theirs, ours) -> List[str]:
+
+def _differences(theirs, ours) -> List[Optional[str]]:
+    """The fields in which two key parts differ (None: the part itself, not a dict)."""
     if not isinstance(theirs, dict) or not isinstance(ours, dict):
-        return [] if theirs == ours else ["value"]
+        return [] if theirs == ours else [None]
     return [name for name in sorted(set(theirs) | set(ours)) if theirs.get(name) != ours.get(name)]
 
 

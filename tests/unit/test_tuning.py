@@ -82,6 +82,20 @@ def _key(num_tokens=128, device="cpu"):
                             {"device": device, "backend": "gloo", "world_size": 4}, "p:abc")
 
 
+def test_cache_keeps_each_layer_of_one_shape(tmp_path):
+    """Two layers of one shape may measure different winners: each keeps its own, also when
+    both caches were read before either stored (the layers of one run)."""
+    path = str(tmp_path / "tune.json")
+    first, second = tuning.TuningCache(path), tuning.TuningCache(path)
+    key1, key2 = {**_key(), "layer": 1}, {**_key(), "layer": 2}
+    assert first.lookup(key1) == tuning.Lookup() and second.lookup(key2) == tuning.Lookup()
+    first.store(key1, tuning.Measured("parm_s1", {"parm_s1": 0.1, (S2, 2, 2): 0.2}, 0.0, 4))
+    second.store(key2, tuning.Measured((S2, 2, 2), {"parm_s1": 0.2, (S2, 2, 2): 0.1}, 0.0, 4))
+    assert tuning.TuningCache(path).lookup(key1).measured.winner == "parm_s1"
+    assert tuning.TuningCache(path).lookup(key2).measured.winner == (S2, 2, 2)
+    assert "differs in layer" in tuning.TuningCache(path).lookup({**_key(), "layer": 3}).warning
+
+
 def test_cache_round_trip_and_misses(tmp_path):
     path = tmp_path / "sub" / "tune.json"
     cache = tuning.TuningCache(str(path))
