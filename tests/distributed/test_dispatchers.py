@@ -264,8 +264,8 @@ def test_parm_runs_the_models_choice(records, world, tmp_path):
 @pytest.mark.parametrize("case", CASES)
 def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
     """A schedule registered at run time (one dispatcher file, one catalog entry) is built by
-    ParmMoELayer, matches alltoall and the reference, and is skipped where its layout rule
-    says no."""
+    ParmMoELayer, matches alltoall and the reference, passes the identity-expert check phase
+    by phase, and is skipped where its layout rule says no."""
     tp, ep, etp = (int(v) for v in layout.split(","))
     rows = [r for r in records[TOY_WORLD] if r["layout"] == layout and r["case"] == case
             and r["dispatcher"] == TOY.name]
@@ -273,8 +273,9 @@ def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
         assert not rows, f"{TOY.name} ran on {layout}, which its layout rule refuses"
         return
     against = {r["against"] for r in rows}
-    assert against == {"alltoall", "reference"}, against
-    bad = {(r["against"], r["quantity"]): r["err"] for r in rows if not r["err"] <= TOL}
+    assert against == {"alltoall", "reference", "identity"}, against
+    bad = {(r["against"], r.get("quantity")): r.get("err", r.get("identity_err")) for r in rows
+           if not r.get("err", r.get("identity_err")) <= TOL}
     assert not bad, f"{TOY.name} differs: {bad}"
 
 
