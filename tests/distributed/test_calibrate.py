@@ -18,7 +18,7 @@ TINY = ["--sizes", "64KiB..4MiB:3", "--warmup", "1", "--reps", "3", "--compute-r
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, prepared_data):  # the framework terms time the tiny config's steps
     # 2 "nodes" x 2 ranks by the rank rule alone: TP = ETP = {0,1},{2,3} (intra), EP =
     # {0,2},{1,3} (inter), so both link classes are timed on one machine.
     path = tmp_path_factory.mktemp("calibrate") / "tiny_measured.yaml"
