@@ -37,6 +37,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_parm.perf_model.predict import ScheduleFields
+
 DEFAULT_STEPS = 3  # timed calls per candidate (after one warm-up call)
 DEFAULT_MARGIN = 0.5  # candidates predicted within (1 + margin) x the model's first
 DEFAULT_MAX_CANDIDATES = 4
@@ -318,7 +320,7 @@ def _differences(theirs, ours) -> List[Optional[str]]:
 # -- the choice a layer runs --------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ParmChoice:
+class ParmChoice(ScheduleFields):
     """What `parm` runs for a layer and how it was chosen: "model" (predicted only),
     "measured" (tuned in this run) or "cached" (tuned by an earlier run)."""
 
@@ -330,22 +332,6 @@ class ParmChoice:
     steps: Optional[int] = None
     cache: Optional[str] = None
     profile: str = ""  # the profile the model used, as the log names it
-
-    @property
-    def dispatcher(self) -> str:
-        return _name(self.schedule)
-
-    @property
-    def num_chunks(self) -> int:
-        return 1 if isinstance(self.schedule, str) else self.schedule[1]
-
-    @property
-    def bwd_num_chunks(self) -> int:
-        return 1 if isinstance(self.schedule, str) else self.schedule[2]
-
-    @property
-    def label(self) -> str:
-        return label(self.schedule)
 
     @property
     def times(self) -> Dict:

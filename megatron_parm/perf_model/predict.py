@@ -95,12 +95,11 @@ class Prediction:
                 for stage in self.stages}
 
 
-@dataclass(frozen=True)
-class Choice:
-    schedule: Schedule  # a schedule name, or (name, forward c, backward c) for a chunked one
-    times: Dict[Schedule, float]  # predicted total seconds of every candidate considered
-    predictions: Dict[Schedule, Prediction]
-    reason: str = ""  # why nothing was predicted (times empty), e.g. nothing to overlap
+class ScheduleFields:
+    """What a chosen ``schedule`` (a name, or (name, forward c, backward c)) says: its
+    dispatcher, chunk counts and label. Shared by Choice and tuning.ParmChoice."""
+
+    schedule: Schedule
 
     @property
     def dispatcher(self) -> str:
@@ -118,6 +117,14 @@ class Choice:
     @property
     def label(self) -> str:
         return schedule_label(self.schedule)
+
+
+@dataclass(frozen=True)
+class Choice(ScheduleFields):
+    schedule: Schedule  # a schedule name, or (name, forward c, backward c) for a chunked one
+    times: Dict[Schedule, float]  # predicted total seconds of every candidate considered
+    predictions: Dict[Schedule, Prediction]
+    reason: str = ""  # why nothing was predicted (times empty), e.g. nothing to overlap
 
     def describe(self) -> str:
         if not self.times:
