@@ -75,11 +75,11 @@ def test_training_flags(tmp_path):
         parse_args(base + ["--parm-tune-margin", "0"], world_size=1)
 
 
-def _key(num_tokens=128, device="cpu"):
+def _key(num_tokens=128, device="cpu", layer=None):
     shape = LayerShape(num_tokens=num_tokens, hidden_size=64, ffn_hidden_size=256, num_experts=4,
                        topk=2, dtype_bytes=4)
     return tuning.cache_key(shape, Layout(2, 2, 2, 1, 4), True,
-                            {"device": device, "backend": "gloo", "world_size": 4}, "p:abc")
+                            {"device": device, "backend": "gloo", "world_size": 4}, "p:abc", layer)
 
 
 def test_cache_keeps_each_layer_of_one_shape(tmp_path):
@@ -87,13 +87,13 @@ def test_cache_keeps_each_layer_of_one_shape(tmp_path):
     both caches were read before either stored (the layers of one run)."""
     path = str(tmp_path / "tune.json")
     first, second = tuning.TuningCache(path), tuning.TuningCache(path)
-    key1, key2 = {**_key(), "layer": 1}, {**_key(), "layer": 2}
+    key1, key2 = _key(layer=1), _key(layer=2)
     assert first.lookup(key1) == tuning.Lookup() and second.lookup(key2) == tuning.Lookup()
     first.store(key1, tuning.Measured("parm_s1", {"parm_s1": 0.1, (S2, 2, 2): 0.2}, 0.0, 4))
     second.store(key2, tuning.Measured((S2, 2, 2), {"parm_s1": 0.2, (S2, 2, 2): 0.1}, 0.0, 4))
     assert tuning.TuningCache(path).lookup(key1).measured.winner == "parm_s1"
     assert tuning.TuningCache(path).lookup(key2).measured.winner == (S2, 2, 2)
-    assert "differs in layer" in tuning.TuningCache(path).lookup({**_key(), "layer": 3}).warning
+    assert "differs in layer" in tuning.TuningCache(path).lookup(_key(layer=3)).warning
 
 
 def test_cache_round_trip_and_misses(tmp_path):
