@@ -37,6 +37,16 @@ def pids_with_marker(marker: str):
     return pids
 
 
+def process_environ(pid: int) -> dict:
+    """A process's environment variables ({} if it is gone or not readable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    except OSError:
+        return {}
+    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
+
+
 def convert_checkpoint(*args, timeout: int = 600) -> subprocess.CompletedProcess:
     """tools/convert_checkpoint.py ARGS from the repo root; the caller checks the result."""
     return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)],

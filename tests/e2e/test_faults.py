@@ -35,7 +35,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from launch import free_port, pids_with_marker  # noqa: E402
+from launch import free_port, pids_with_marker, process_environ  # noqa: E402
 
 # The job ends this long after a rank dies, at most (docs/faults.md): torchrun notices within
 # 0.1 s, the survivors' collectives fail at once (or SIGKILL after the launcher's 10 s grace),
@@ -140,15 +140,6 @@ def worker(run_dir: str, mode: str, argv) -> None:
 # the launches
 # ---------------------------------------------------------------------------------------------
 
-def _environ_of(pid: int) -> dict:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
-    except OSError:
-        return {}
-    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
-
-
 def launch(run: Path, name: str, *extra: str, mode: str = None, train_flags=(),
            timeout: int = 900) -> dict:
     """Run the launcher (EXTRA: its flags) on this file in MODE (default NAME), saving to
@@ -162,7 +153,7 @@ def launch(run: Path, name: str, *extra: str, mode: str = None, train_flags=(),
         while not done.is_set():
             now = time.time()
             for pid in pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
-                attempt = _environ_of(pid).get("TORCHELASTIC_RESTART_COUNT")
+                attempt = process_environ(pid).get("TORCHELASTIC_RESTART_COUNT")
                 if attempt is not None:
                     last_seen[int(attempt)] = now
             time.sleep(0.1)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import process_environ
+
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "tools/slurm/local_slurm.sh"
 NUM_ITERS = 20
@@ -123,22 +125,13 @@ def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
     assert re.search(r"^ iteration +60/ +60 \|", log, re.M), log[-3000:]
 
 
-def _environ(pid: int) -> dict:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
-    except OSError:
-        return {}
-    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
-
-
 def rank_progress(job_id: str, rank: int):
     """What RANK of the job's running step last noted (megatron_parm.faults.record_progress:
     its pid, iteration, phase), found through the launcher's folder in a rank's environment."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        env = _environ(int(entry))
+        env = process_environ(int(entry))
         if env.get("SLURM_JOB_ID") == job_id and env.get("RANK") == str(rank) \
                 and LAUNCH_DIR_ENV in env:
             try:
