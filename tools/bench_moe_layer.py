@@ -52,20 +52,10 @@ ALL = "all"  # every schedule of the catalog that runs the layout (--dispatchers
 
 
 def parse_args(argv=None):
+    from megatron_parm.bench.moe_layer import add_layer_args
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="default: the tensor-parallel size, as in Megatron")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=512)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
-    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    add_layer_args(p, seq_length=256, hidden_size=256, moe_ffn_hidden_size=512)
     p.add_argument("--parm-num-chunks", type=int, default=None,
                    help="forward chunks of the chunked schedules (default: each one's own)")
     p.add_argument("--parm-bwd-num-chunks", type=int, default=None,

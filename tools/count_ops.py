@@ -37,22 +37,11 @@ from megatron_parm.platform import device  # noqa: E402
 
 
 def parse_args(argv=None):
+    from megatron_parm.bench.moe_layer import add_layer_args
     from megatron_parm.bench.op_count import DEFAULT_DISPATCHERS, EXPERT_MODULES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="default: the tensor-parallel size, as in Megatron")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=128)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
-    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    add_layer_args(p, seq_length=128, hidden_size=64, moe_ffn_hidden_size=128)
     p.add_argument("--dispatchers", default=",".join(DEFAULT_DISPATCHERS),
                    help="comma-separated dispatchers; a chunked one as NAME@C or NAME@C/B "
                         "(C chunks forward, B backward)")

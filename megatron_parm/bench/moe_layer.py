@@ -111,6 +111,24 @@ class MoELayerSpec:
         return (rows, self.micro_batch_size, self.hidden_size)
 
 
+def add_layer_args(p, *, seq_length: int, hidden_size: int, moe_ffn_hidden_size: int) -> None:
+    """One MoE layer's layout and shape, with Megatron-LM's flag names (the layer tools:
+    bench_moe_layer, count_ops); the sizes' defaults are each tool's own."""
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="default: the tensor-parallel size, as in Megatron")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--seq-length", type=int, default=seq_length)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=hidden_size)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=moe_ffn_hidden_size)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'fp32', 'bf16' or 'fp16', as the precision flags and layout_rules name them."""
     from megatron_parm.experts import _DTYPE_NAMES  # the grouped GEMM's names of its dtypes
