@@ -198,7 +198,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, output_prefix: st
     """Train a SentencePiece model on an iterable of text lines; return the .model path.
 
     Text round-trips exactly: no normalization, whitespace kept, "\\n" is its own piece and
-    characters outside the vocabulary fall back to bytes.
+    characters outside the vocabulary fall back to bytes. ValueError naming --vocab-size when it
+    is under 300 or more than the lines can fill.
     """
     import sentencepiece
 
@@ -206,26 +207,35 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, output_prefix: st
         # 256 byte-fallback pieces + 8 reserved pieces + something to learn
         raise ValueError(f"--vocab-size must be at least 300, got {vocab_size}")
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_prefix=output_prefix,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=character_coverage,
-        pad_id=0, pad_piece=SPM_PAD,
-        unk_id=1, unk_piece=SPM_UNK,
-        bos_id=2, bos_piece=SPM_BOS,
-        eos_id=3, eos_piece=SPM_EOS,
-        control_symbols=[SPM_CLS, SPM_SEP, SPM_MASK],
-        user_defined_symbols=["\n"],
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        num_threads=num_threads,
-        minloglevel=2,
-    )
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_prefix=output_prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            pad_id=0, pad_piece=SPM_PAD,
+            unk_id=1, unk_piece=SPM_UNK,
+            bos_id=2, bos_piece=SPM_BOS,
+            eos_id=3, eos_piece=SPM_EOS,
+            control_symbols=[SPM_CLS, SPM_SEP, SPM_MASK],
+            user_defined_symbols=["\n"],
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as error:
+        # SentencePiece's "Vocabulary size too high (V). Please set it to a value <= M."
+        too_high = re.search(r"Vocabulary size too high \(\d+\)\D*(\d+)", str(error))
+        if too_high is None:
+            raise
+        raise ValueError(
+            f"--vocab-size {vocab_size} is more pieces than the input holds: give "
+            f"--vocab-size {too_high.group(1)} or less, or more text with --input") from None
     return output_prefix + ".model"
 
 

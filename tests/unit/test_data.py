@@ -170,6 +170,12 @@ def test_train_tokenizer_tool(tmp_path, documents):
         _load_tool("train_tokenizer").main([
             "--input", str(tmp_path / "missing.jsonl"), "--vocab-size", "600",
             "--output-prefix", str(tmp_path / "sp2")])
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "a tiny corpus"}) + "\n")
+    with pytest.raises(ValueError, match=r"^--vocab-size 600 is more pieces than the input "
+                                         r"holds: give --vocab-size \d+ or less"):
+        _load_tool("train_tokenizer").main([
+            "--input", str(tmp_path / "one.jsonl"), "--vocab-size", "600",
+            "--output-prefix", str(tmp_path / "sp3"), "--num-threads", "1"])
 
 
 # ---------------------------------------------------------------------------------------------
