@@ -110,7 +110,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def _has_cuda() -> bool:
     if "torch" not in sys.modules:  # this module never imports torch itself
         return False
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     return device.is_cuda()
 

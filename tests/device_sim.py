@@ -11,7 +11,7 @@ from, with the rules a CUDA device would apply:
   the result of any op that reads a device tensor;
 - a factory (torch.zeros, arange, tensor, full, ...) makes a device tensor when it is given a
   device (``device=rows.device``, ``torch.cuda.current_device()``), and a host tensor when it
-  is given none or the seam's ``HOST`` (megatron_parm.platform.device.HOST, compared by
+  is given none or the seam's ``HOST`` (megatron_parm.device.HOST, compared by
   identity: the way the code says "host on purpose"); ``new_*`` / ``*_like`` follow their
   tensor unless given a device;
 - ``.cpu()``, ``.to(HOST)`` or ``.to("cpu")`` makes a host tensor (from a device tensor: a
@@ -37,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_parm.platform.device import HOST
+from megatron_parm.device import HOST
 
 _ATTR = "_simulated_place"
 DEVICE, HOSTED = "device", "host"

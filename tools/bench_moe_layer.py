@@ -41,11 +41,11 @@ cli.setup_warnings()  # before Megatron-Core is imported
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_parm import platform  # noqa: E402
+from megatron_parm import mcore_compat  # noqa: E402
 from megatron_parm import schedules  # noqa: E402
 from megatron_parm import tuning  # noqa: E402
 from megatron_parm.training.implementation import EXPERT_IMPLS  # noqa: E402
-from megatron_parm.platform import device  # noqa: E402
+from megatron_parm import device  # noqa: E402
 
 ALL = "all"  # every schedule of the catalog that runs the layout (--dispatchers), every
 # expert implementation this machine can build (--expert-impls)
@@ -315,7 +315,7 @@ def main(argv=None):
     args = parse_args(argv)
     device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(device.backend())
-    platform.setup()
+    mcore_compat.setup()
     if args.memory:
         from megatron_parm.bench.memory import exact_cpu_accounting
 

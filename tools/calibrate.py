@@ -270,15 +270,15 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron_parm import platform
+    from megatron_parm import mcore_compat
     from megatron_parm.bench import calibrate as measure
     from megatron_parm.parallel import initialize_model_parallel
 
-    from megatron_parm.platform import device as seam
+    from megatron_parm import device as seam
 
     seam.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(seam.backend())
-    platform.setup()
+    mcore_compat.setup()
     device = seam.current()
     initialize_model_parallel(layout.tp, layout.ep, layout.etp)
     from megatron.core import parallel_state

@@ -32,8 +32,8 @@ cli.setup_warnings()  # before Megatron-Core is imported
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_parm import platform  # noqa: E402
-from megatron_parm.platform import device  # noqa: E402
+from megatron_parm import mcore_compat  # noqa: E402
+from megatron_parm import device  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -166,7 +166,7 @@ def main(argv=None):
             store=dist.HashStore(), rank=0, world_size=1)
         device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(device.backend(), **one_process)
-    platform.setup()
+    mcore_compat.setup()
     if args.threads:
         import torch
 

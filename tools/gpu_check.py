@@ -50,7 +50,7 @@ import datetime
 import json
 import math
 import os
-import platform as host_platform
+import platform
 import shlex
 import signal
 import socket
@@ -114,7 +114,7 @@ def parse_args(argv=None):
 def environment() -> dict:
     import torch
 
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     try:
         from megatron.core import package_info
@@ -123,7 +123,7 @@ def environment() -> dict:
     except ImportError as err:
         megatron_version = f"not importable ({err})"
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "host": socket.gethostname(), "python": host_platform.python_version(),
+            "host": socket.gethostname(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": device.device_name(), "device_count": device.device_count(),
             "megatron_core": megatron_version, "cpus": os.cpu_count()}
@@ -306,7 +306,7 @@ def calibration_result(profile_path: Path, output: str) -> dict:
 
 
 def device_is_cuda() -> bool:
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     return device.is_cuda()
 
@@ -342,13 +342,12 @@ def prepare_data() -> None:
 def _init_single_rank():
     import torch.distributed as dist
 
-    from megatron_parm import platform
-    from megatron_parm.platform import device
+    from megatron_parm import device, mcore_compat
 
     device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(device.backend())
-    platform.setup()
+    mcore_compat.setup()
 
 
 def worker_train(out: Path, quick: bool) -> dict:
@@ -432,7 +431,7 @@ def worker_layer(out: Path, quick: bool) -> dict:
     import dataclasses
 
     from megatron_parm.bench.moe_layer import max_output_diff, time_dispatchers
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     spec = _layer_setup(quick)
     device.reset_peak_memory_stats()
@@ -460,7 +459,7 @@ def worker_syncs(out: Path, quick: bool) -> dict:
     import warnings
 
     from megatron_parm.bench.moe_layer import _inputs, build_layer
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     spec = _layer_setup(quick)
     per_dispatcher = {}
@@ -501,7 +500,7 @@ def profile_step(layer, spec, row_limit: int = 25, warmup: int = 2):
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_parm.bench.moe_layer import _inputs, step
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda() else [])
     sort_by = "self_cuda_time_total" if device.is_cuda() else "self_cpu_time_total"
@@ -523,7 +522,7 @@ def worker_chunks(out: Path, quick: bool) -> dict:
     import dataclasses
 
     from megatron_parm.bench.moe_layer import build_layer
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     spec = _layer_setup(quick)
     variants = (["alltoall", "parm_s1"] + [f"parm_s2@{c}" for c in CHUNK_COUNTS]
@@ -603,7 +602,7 @@ def worker_experts(out: Path, quick: bool) -> dict:
     import dataclasses
 
     from megatron_parm.bench.moe_layer import build_expert_layers, by_expert_impl, time_layers
-    from megatron_parm.platform import device
+    from megatron_parm import device
     from megatron_parm.training.implementation import EXPERT_IMPLS
 
     _layer_setup(quick)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_parm.comm import collectives
 from megatron_parm.comm.accounting import track_comm
 from megatron_parm.perf_model.calibrate import Point, expert_flops
-from megatron_parm.platform import device as seam
+from megatron_parm import device as seam
 
 
 def shaped_rates(interfaces: Sequence[str]) -> Dict[str, str]:

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from megatron_parm.platform import device
+from megatron_parm import device
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"

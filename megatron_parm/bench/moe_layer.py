@@ -3,7 +3,7 @@
 Notation: S sequence length, B micro-batch, M hidden, F expert FFN hidden, E experts,
 k top-k; (t, e, s) the layout (TP, EP, ETP).
 
-Layers, inputs and gradients live on megatron_parm.platform.device.current() (the GPU where
+Layers, inputs and gradients live on megatron_parm.device.current() (the GPU where
 there is one) and steps are timed with the seam's Timer (CUDA events on GPUs, perf_counter on
 CPU), so that a step's time is the device's time on both.
 
@@ -33,7 +33,7 @@ from megatron_parm.comm.accounting import track_comm
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
 from megatron_parm.perf_model.calibrate import layer_fit_schedules
-from megatron_parm.platform import device
+from megatron_parm import device
 from megatron_parm.specs import layer_spec
 from megatron_parm.training.implementation import (EXPERT_IMPLS, expert_impl_flags,
                                                    expert_impl_problem)

@@ -45,7 +45,7 @@ from megatron_parm.bench import moe_layer
 from megatron_parm.bench.moe_layer import MoELayerSpec, parse_variant
 from megatron_parm.dispatchers import base, parm_s2, row_order
 from megatron_parm.layer import ParmMoELayer
-from megatron_parm.platform import device
+from megatron_parm import device
 
 # The expert modules counted side by side (megatron_parm.training.implementation's names).
 EXPERT_MODULES = ("SequentialMLP", "TorchGroupedMLP")

@@ -5,7 +5,7 @@
     restore(states)    this rank's entry back into every generator
 
 The tracker is Megatron's tensor_parallel.random CUDA RNG tracker (on CPU, the tracker that
-megatron_parm.platform puts in its place): the per-parallel-group states used for
+megatron_parm.mcore_compat puts in its place): the per-parallel-group states used for
 model-parallel initialisation and dropout inside tensor-parallel regions.
 """
 
@@ -17,7 +17,7 @@ from typing import List
 import numpy
 import torch
 
-from megatron_parm.platform import device
+from megatron_parm import device
 
 
 def capture() -> dict:

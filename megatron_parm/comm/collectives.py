@@ -57,7 +57,7 @@ def _row_bytes(tensor: torch.Tensor) -> int:
 
 
 def record_bytes(kind: str, name: Optional[str], group, bytes_per_peer: Sequence[int]) -> None:
-    if name is None:  # unaccounted traffic (the platform's redirect of Megatron's own calls)
+    if name is None:  # unaccounted traffic (mcore_compat's redirect of Megatron's own calls)
         return
     ranks = _group_ranks(group)
     me = ranks[group.rank()]

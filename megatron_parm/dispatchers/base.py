@@ -34,8 +34,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers import row_order
-from megatron_parm.platform import device as devices
-from megatron_parm.platform.device import HOST
+from megatron_parm import device as devices
+from megatron_parm.device import HOST
 
 
 @dataclass

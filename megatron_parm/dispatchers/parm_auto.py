@@ -5,7 +5,7 @@ measured of the best few."""
 from __future__ import annotations
 
 import logging
-import platform as host
+import platform
 import warnings
 from typing import Dict, List, Optional
 
@@ -20,7 +20,7 @@ from megatron_parm.dispatchers.base import ParmTokenDispatcher
 from megatron_parm.parallel import stage_group
 from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
-from megatron_parm.platform import device
+from megatron_parm import device
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     def _cluster(self) -> Dict:
         kind = (device.device_name() if device.is_cuda()
-                else f"cpu {host.machine()} x{torch.get_num_threads()} threads")
+                else f"cpu {platform.machine()} x{torch.get_num_threads()} threads")
         return {"device": kind, "backend": str(dist.get_backend()),
                 "world_size": dist.get_world_size()}
 

@@ -33,7 +33,7 @@ from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
 from megatron_parm.parallel import group_timeout
 from megatron_parm.perf_model.layout import ep_node_blocks
-from megatron_parm.platform import device as devices
+from megatron_parm import device as devices
 
 # Process groups made by parm_hier, by their ranks (made once per set of ranks).
 _GROUPS: Dict[Tuple[int, ...], object] = {}

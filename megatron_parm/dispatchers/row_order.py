@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_parm.platform.device import HOST
+from megatron_parm.device import HOST
 
 
 def cut_bounds(counts: torch.Tensor, num_chunks: int) -> torch.Tensor:

@@ -344,6 +344,6 @@ def _validate_pipeline(args) -> None:
 
 
 def _cuda_available() -> bool:
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     return device.is_cuda()

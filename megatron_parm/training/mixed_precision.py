@@ -13,7 +13,7 @@ an fp32 copy of every parameter ("main params"), steps on it and copies back. Wi
 loss is scaled: by --loss-scale (static), or dynamically from --initial-loss-scale, halved on
 every overflow (after --hysteresis overflows) down to --min-loss-scale, doubled after
 --loss-scale-window clean iterations. An iteration whose gradients overflow is skipped.
-Both work on CPU (gloo) too: the CPU redirects of megatron_parm.platform cover Megatron's
+Both work on CPU (gloo) too: the CPU redirects of megatron_parm.mcore_compat cover Megatron's
 CUDA-only spots ("float16_param_types", "cuda_device_literals").
 """
 

@@ -22,7 +22,7 @@ from megatron.core.transformer.utils import openai_gelu
 from megatron_parm import tuning
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
-from megatron_parm.platform import device
+from megatron_parm import device
 from megatron_parm.specs import layer_spec
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import expert_implementation

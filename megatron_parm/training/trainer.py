@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-from megatron_parm import faults, platform
+from megatron_parm import device, faults, mcore_compat
 from megatron_parm.tuning import CHUNK_NOTATION
 from megatron_parm.cli import optional_packages_note
 from megatron_parm.checkpointing import (
@@ -54,7 +54,6 @@ from megatron_parm.data.datasets import (
 )
 from megatron_parm.data.tokenizers import build_tokenizer
 from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
-from megatron_parm.platform import device
 from megatron_parm.training.log import (
     Progress,
     TensorBoard,
@@ -85,7 +84,7 @@ def initialize_distributed(timeout_minutes: Optional[float] = None) -> None:
         device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(device.backend(), timeout=group_timeout(),
                                              **store)
-    platform.setup()
+    mcore_compat.setup()
 
 
 def _attempt_store() -> dict:

@@ -54,13 +54,13 @@ def rel_err(a, b) -> float:
 def main(out_path: str) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_parm import platform
+    from megatron_parm import mcore_compat
     from megatron_parm.bench.moe_layer import MoELayerSpec
     from megatron_parm.bench.op_count import build_layer, layer_input
     from megatron_parm.parallel import initialize_model_parallel
 
     dist.init_process_group("gloo")
-    platform.setup()
+    mcore_compat.setup()
     records = []
     for dtype in (torch.float32, torch.bfloat16):
         spec = MoELayerSpec(seq_length=64, micro_batch_size=2, hidden_size=64, ffn_hidden_size=128,

@@ -25,7 +25,7 @@ errors, host syncs). On GROUPED_LAYOUTS every dispatcher runs with grouped exper
 Megatron's GroupedMLP (bf16, on a stand-in of grouped_gemm) and megatron_parm.experts'
 TorchGroupedMLP (float32, and bf16 for some), against SequentialMLP.
 
-Everything runs on megatron_parm.platform.device.current(): the CPU here; on a machine with
+Everything runs on megatron_parm.device.current(): the CPU here; on a machine with
 one GPU (tools/gpu_check.sh, stage a) every rank puts its tensors on that GPU and gloo moves
 them, so the same comparisons check the CUDA path with the same tolerances.
 
@@ -46,8 +46,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_parm import platform  # noqa: E402
-from megatron_parm.platform import device  # noqa: E402
+from megatron_parm import mcore_compat  # noqa: E402
+from megatron_parm import device  # noqa: E402
 
 S, B, M, F, E = 8, 2, 16, 32, 8
 NUM_CHUNKS = 3  # --parm-num-chunks of every layer (S2; parm also weighs S2 at 3 chunks)
@@ -745,7 +745,7 @@ def main():
     if device.is_cuda():  # every rank on the one GPU (or spread over several)
         device.set_device(int(os.environ.get("LOCAL_RANK", "0")) % device.device_count())
     dist.init_process_group("gloo")
-    platform.setup()
+    mcore_compat.setup()
     PROFILE_PATHS["latency-free"] = latency_free_profile(out_path + f".rank{dist.get_rank()}.profile.yaml")
     torch.manual_seed(0)
     records = []

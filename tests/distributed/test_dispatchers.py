@@ -282,7 +282,7 @@ def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
 # Host syncs a Parm layer call may make (call sites, as device_sim records them): the one
 # device -> host copy of the gathered routing counts, and Megatron's permute, whose two
 # masked_selects Megatron's alltoall pays as well; parm's agreement check on its first call.
-OWN_SYNC = ("to", "megatron_parm.platform.device.to_host")
+OWN_SYNC = ("to", "megatron_parm.device.to_host")
 PERMUTE_SYNC = ("masked_select", "megatron.core.transformer.moe.moe_utils.permute")
 FIRST_CALL_SYNC = ("equal", "megatron_parm.dispatchers.parm_auto._check_agreement")
 

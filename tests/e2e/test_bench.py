@@ -109,7 +109,7 @@ def test_moe_grouped_gemm_flag_picks_the_grouped_experts():
     proc = subprocess.run([sys.executable, "-c", (
         "import sys; sys.path.insert(0, 'tools'); import bench_moe_layer as b;"
         "from megatron_parm.training.implementation import expert_implementation as e;"
-        "from megatron_parm.platform import device;"
+        "from megatron_parm import device;"
         "spec = b.spec_from_args(b.parse_args(['--moe-grouped-gemm', '--bf16']));"
         "assert spec.expert_impl == e('local', True, cuda=device.is_cuda(), bf16=True), spec;"
         "assert b.spec_from_args(b.parse_args([])).expert_impl == 'SequentialMLP';"

@@ -107,7 +107,7 @@ def test_wrapper_without_megatron_core_says_how_to_get_it(tmp_path):
 
 
 def test_tool_refusals(tmp_path):
-    from megatron_parm.platform import device
+    from megatron_parm import device
 
     proc = run([sys.executable, TOOL, "--out", str(tmp_path), "--stages", "a,x"])
     assert proc.returncode == 2 and "--stages: unknown stage 'x'" in proc.stderr

@@ -7,7 +7,7 @@ import torch
 
 from device_sim import SimulatedDevice, mark_device
 from megatron_parm.dispatchers.base import RoutingPlan
-from megatron_parm.platform.device import HOST
+from megatron_parm.device import HOST
 
 
 def test_host_index_with_device_rows_is_an_error():

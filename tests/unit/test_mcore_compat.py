@@ -1,4 +1,4 @@
-"""megatron_parm.platform: nothing patched on import, everything documented, idempotent."""
+"""megatron_parm.mcore_compat: nothing patched on import, everything documented, idempotent."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import sys
 
 import torch
 
-from megatron_parm import platform
+from megatron_parm import mcore_compat
 
 
 def test_import_patches_nothing():
     code = (
-        "import torch, megatron_parm.platform, megatron_parm.layer, megatron_parm.specs\n"
+        "import torch, megatron_parm.mcore_compat, megatron_parm.layer, megatron_parm.specs\n"
         "from megatron.core.tensor_parallel import mappings\n"
-        "assert megatron_parm.platform.applied() == []\n"
+        "assert megatron_parm.mcore_compat.applied() == []\n"
         "assert mappings._gather_along_first_dim.__module__ == 'megatron.core.tensor_parallel.mappings'\n"
         "try:\n"
         "    torch.cuda.current_device()\n"
@@ -26,15 +26,15 @@ def test_import_patches_nothing():
 
 
 def test_every_redirect_is_documented():
-    assert set(platform._PATCHES) == set(platform.REDIRECTS)
-    assert all(len(why) > 40 for why in platform.REDIRECTS.values())
+    assert set(mcore_compat._PATCHES) == set(mcore_compat.REDIRECTS)
+    assert all(len(why) > 40 for why in mcore_compat.REDIRECTS.values())
 
 
 def test_setup_applies_each_redirect_once():
-    platform.setup()
-    first = platform.applied()
-    platform.setup()
-    assert platform.applied() == first
+    mcore_compat.setup()
+    first = mcore_compat.applied()
+    mcore_compat.setup()
+    assert mcore_compat.applied() == first
     if not torch.cuda.is_available():
-        assert set(first) == set(platform._PATCHES)
+        assert set(first) == set(mcore_compat._PATCHES)
         assert torch.cuda.current_device() == torch.device("cpu")

@@ -3,7 +3,7 @@
 Training, the dispatchers, the benchmarks and calibration ask here which device they run on,
 how to wait for it and how to time it; nothing else in the project names ``torch.cuda``
 (tests/unit/test_device_seam.py fails otherwise). The CPU redirects of
-``megatron_parm.platform`` stay separate: they change Megatron-Core, only where CUDA is absent.
+``megatron_parm.mcore_compat`` stay separate: they change Megatron-Core, only where CUDA is absent.
 
     is_cuda()            a CUDA device is usable (then collectives run on NCCL)
     current()            the device this rank computes on: cuda:<current> or the CPU

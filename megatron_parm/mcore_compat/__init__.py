@@ -15,7 +15,7 @@ Rules:
   the call site allows (a Megatron module attribute rather than torch where possible).
 
 This module imports nothing from the rest of megatron_parm at import time but its device seam
-(``megatron_parm.platform.device``, the one place that asks torch.cuda); the uneven
+(``megatron_parm.device``, the one place that asks torch.cuda); the uneven
 collectives redirect borrows the padding collectives of ``megatron_parm.comm``.
 """
 
@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_parm.platform import device
+from megatron_parm import device
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def setup() -> None:
     for name, patch in _PATCHES.items():
         patch()
         _APPLIED.append(name)
-    logger.info("megatron_parm.platform: CPU redirects applied: %s", ", ".join(_APPLIED))
+    logger.info("megatron_parm.mcore_compat: CPU redirects applied: %s", ", ".join(_APPLIED))
 
 
 # ----------------------------------------------------------------------------------------
