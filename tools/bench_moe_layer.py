@@ -323,7 +323,8 @@ def main(argv=None):
         args.warmup, args.iters = 0, 0
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_parm.bench.moe_layer import dtype_name, max_output_diff_by_experts, time_experts
+    from megatron_parm.bench.moe_layer import (dtype_name, max_output_diff_by_experts, parse_variant,
+                                            time_experts)
     from megatron_parm.comm.accounting import launcher_ranks_per_node
     from megatron_parm.parallel import initialize_model_parallel
 
@@ -334,7 +335,7 @@ def main(argv=None):
         if (spec.tp, spec.ep, spec.etp) != layout:
             for name in dispatchers_for(spec, args.dispatchers, []):
                 initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts,
-                                          dispatcher=name.partition("@")[0])
+                                          dispatcher=parse_variant(name)[0])
             model_parallel_cuda_manual_seed(1234)
             layout = (spec.tp, spec.ep, spec.etp)
         names = dispatchers_for(spec, args.dispatchers, args.chunk_variants)

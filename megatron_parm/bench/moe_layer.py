@@ -136,10 +136,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
+# parm's two ways of choosing, timed side by side as variants of `parm` (``parm:model``,
+# ``parm:measured``): the value of --parm-tune each forces (plain ``parm``: as the flags say)
+TUNE_MODES = {"model": False, "measured": True}
+
+
+def tune_mode(entry: str) -> Optional[bool]:
+    """--parm-tune forced by a variant: ``parm:measured`` -> True, ``parm:model`` -> False,
+    anything else -> None. ValueError naming the entry for an unknown mode or a schedule that
+    does not choose (only the catalog's automatic kind has modes)."""
+    name, colon, mode = entry.partition(":")
+    if not colon:
+        return None
+    if mode not in TUNE_MODES:
+        raise ValueError(f"{entry}: unknown mode {mode!r} (one of {', '.join(TUNE_MODES)})")
+    if schedules.get(name).kind != schedules.AUTO:
+        raise ValueError(f"{entry}: {name} does not choose a schedule (only "
+                         f"{', '.join(schedules.names(schedules.AUTO))} has :model / :measured)")
+    return TUNE_MODES[mode]
+
+
 def parse_variant(entry: str) -> Tuple[str, Optional[int], Optional[int]]:
-    """'parm_s2@8/4' -> ('parm_s2', 8, 4); 'parm_s2@4' -> (.., 4, 4); 'alltoall' -> (.., None, None).
-    ValueError naming the entry for anything else."""
-    name, _, chunks = entry.partition("@")
+    """'parm_s2@8/4' -> ('parm_s2', 8, 4); 'parm_s2@4' -> (.., 4, 4); 'alltoall' -> (.., None, None);
+    'parm:measured' -> ('parm', None, None) (its mode: tune_mode). ValueError naming the entry for
+    anything else."""
+    tune_mode(entry)
+    name, _, chunks = entry.partition(":")[0].partition("@")
     schedules.get(name)  # an unknown name names the flag and the valid ones
     if not chunks:
         return name, None, None
@@ -167,6 +189,8 @@ def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
     name, forward, backward = parse_variant(dispatcher)
     if forward is not None:
         spec = dataclasses.replace(spec, num_chunks=forward, bwd_num_chunks=backward)
+    if tune_mode(dispatcher) is not None:
+        spec = dataclasses.replace(spec, extra={**spec.extra, "parm_tune": tune_mode(dispatcher)})
     problem = spec.expert_problem()
     if problem is not None:
         raise ValueError(f"expert_impl {spec.expert_impl}: {problem}")

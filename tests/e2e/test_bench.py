@@ -12,15 +12,16 @@ import pytest
 from launch import REPO, torchrun
 from megatron_parm import schedules
 
-# Every schedule of the catalog that runs tp=ep=etp=2 (the default, 'all'), parm_s2 at two
-# chunk counts instead of its default.
+# Every schedule of the catalog that runs tp=ep=etp=2 ('all'), parm_s2 at two chunk counts
+# instead of its default, and parm's two modes beside plain parm.
 VARIANTS = ["parm_s2@2", "parm_s2@4"]
+MODES = ["parm:model", "parm:measured"]
 
 
 def expected_dispatchers(tp, ep, etp):
     names = [name for name in schedules.names()
              if schedules.get(name).unsupported(tp, ep, etp) is None]
-    return sorted(d for name in names for d in (VARIANTS if name == "parm_s2" else [name]))
+    return sorted(MODES + [d for name in names for d in (VARIANTS if name == "parm_s2" else [name])])
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def bench_output(tmp_path_factory):
     out = tmp / "bench.jsonl"
     proc = torchrun("tools/bench_moe_layer.py", 4, "--grid", str(grid), "--output", str(out),
                     "--label", "loopback", "--run-id", "a", "--iters", "2", "--warmup", "0",
-                    "--chunk-variants", "2,4", timeout=600)
+                    "--chunk-variants", "2,4", "--dispatchers", "all," + ",".join(MODES),
+                    timeout=600)
     return tmp, out, proc.stdout
 
 
@@ -66,6 +68,8 @@ def test_bench_writes_a_line_per_config_and_dispatcher(bench_output):
         assert sum(b["intra"] for b in r["rank_bytes"]) == sum(v["intra"] for v in r["bytes"].values())
         assert (r["tp"], r["ep"], r["etp"], r["seq_length"]) == (2, 2, 2, 8 * (r["config"] + 1))
     assert "[2/2] MoE layer" in stdout and "parm_s2@4" in stdout
+    choices = {r["dispatcher"]: r["choice"] for r in records if r["config"] == 1}
+    assert all(choices[d] for d in ["parm"] + MODES)  # each mode logs the schedule it chose
 
 
 def test_world_size_1_runs_parm_as_s1_without_communication(world1_output):

@@ -146,3 +146,38 @@ def test_expert_implementations_are_rows_of_their_own_and_compared():
     alone = report.group_results(records[:3])
     assert "experts" not in report.markdown_table(alone, report.ordered_dispatchers(alone))
     assert "time_vs_sequential_experts" not in report.summarize(alone)["ws1"]
+
+
+def test_parm_modes_get_their_own_share_target_and_choice():
+    """parm:model and parm:measured, timed beside the fixed schedules: each its own share of
+    configurations within 5% of the best Parm schedule, checked against issue 17's limits."""
+    records = []
+    for config, (s1, s2, model, measured) in enumerate([(90, 60, 80, 61), (95, 70, 71, 72)]):
+        for name, t in (("alltoall", 100), ("parm_s1", s1), ("parm_s2@4", s2),
+                        ("parm:model", model), ("parm:measured", measured)):
+            rec = record("pcie", name, [t], config=config, inter=MB, intra=MB)
+            rec["choice"] = {"parm:model": "parm_s1", "parm:measured": "parm_s2(c=4)"}.get(name)
+            records.append(rec)
+    rows = report.group_results(records)
+    summary = report.summarize(rows)["pcie"]
+    assert summary["parm_within_5pct_of_best_model"] == 0.5  # config 0: 80 vs 60
+    assert summary["parm_within_5pct_of_best_measured"] == 1.0
+    assert "parm_within_5pct_of_best" not in summary  # no plain `parm` timed
+    targets = {t["target"]: t for t in summary["targets"]}
+    assert targets["parm_model_within_5pct_of_best_share"]["met"] is False
+    assert targets["parm_measured_within_5pct_of_best_share"]["met"] is True
+    assert report.base_name("parm:measured") == "parm" and report.is_auto("parm:model")
+    assert not report.is_parm("parm:measured")  # never the "best Parm" it is judged against
+    assert rows[0].parm_choices == {"parm:model": "parm_s1", "parm:measured": "parm_s2(c=4)"}
+
+
+def test_parm_mode_variants_are_checked():
+    from megatron_parm.bench import moe_layer
+
+    assert moe_layer.parse_variant("parm:measured") == ("parm", None, None)
+    assert (moe_layer.tune_mode("parm:measured"), moe_layer.tune_mode("parm:model"),
+            moe_layer.tune_mode("parm")) == (True, False, None)
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        moe_layer.parse_variant("parm:fast")
+    with pytest.raises(ValueError, match="parm_s1 does not choose"):
+        moe_layer.parse_variant("parm_s1:measured")
