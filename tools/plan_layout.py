@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Which TP / EP / ETP / DP, dispatcher and chunk count to run a model with on a cluster.
+"""Which TP / EP / ETP / PP / DP, dispatcher and chunk count to run a model with on a cluster.
 
 Pure Python (no torch, no cluster): for every layout Megatron can run (sequence parallel where
 TP > 1), every dispatcher that runs there and Parm S2's chunk counts, the performance model
@@ -19,8 +19,8 @@ snake_case; the keys the planner does not use, like data or learning-rate settin
 layout and dispatcher, which it chooses, are listed in a note on stderr) and/or the usual
 flags, which override it. The vocabulary size is --vocab-size or is read from the tokenizer
 files of the config (--tokenizer-model, --vocab-file). --tensor-model-parallel-size,
---expert-model-parallel-size, --expert-tensor-parallel-size and --moe-token-dispatcher-type on
-the command line restrict the search. Bad input prints one line `error: ...` and exits 2.
+--expert-model-parallel-size, --expert-tensor-parallel-size, --pipeline-model-parallel-size and
+--moe-token-dispatcher-type on the command line restrict the search. Bad input prints one line `error: ...` and exits 2.
 """
 
 import argparse
@@ -70,7 +70,7 @@ _DEFAULTS = {"moe_router_topk": 2, "hidden_dropout": 0.1, "attention_dropout": 0
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
              "micro_batch_size", "global_batch_size")
 _LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-                 "etp": "--expert-tensor-parallel-size"}
+                 "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -271,25 +271,29 @@ def render(result, spec, cluster, profile, precision, args):
     ]
     shown = result.candidates if args.top == 0 else result.candidates[:args.top]
     width = max(len("dispatcher"), *(len(c.schedule_label()) for c in shown)) + 2
-    header = (f"{'#':>3} {'tp':>3} {'ep':>3} {'etp':>3} {'dp':>3}  {'dispatcher':<{width}}"
+    header = (f"{'#':>3} {'tp':>3} {'ep':>3} {'etp':>3} {'pp':>3} {'dp':>3}  {'dispatcher':<{width}}"
               f"{'mb':>3} {'step ms':>10} {'tokens/s':>10} {'MoE ms':>9} {'dense ms':>9}"
-              f" {'TP ms':>8} {'grad ms':>8} {'memory/rank':>12}  fits")
+              f" {'TP ms':>8} {'bubble':>7} {'grad ms':>8} {'memory/rank':>12}  fits")
     lines += [header, "-" * len(header)]
     for index, candidate in enumerate(shown, start=1):
         step, layout = candidate.step, candidate.layout
         m = step.num_microbatches
         fits = "yes" if candidate.fits else f"no, over by {_size(-candidate.spare_bytes)}"
         lines.append(
-            f"{index:>3} {layout.tp:>3} {layout.ep:>3} {layout.etp:>3} {candidate.dp:>3}  "
+            f"{index:>3} {layout.tp:>3} {layout.ep:>3} {layout.etp:>3} {layout.pp:>3} "
+            f"{candidate.dp:>3}  "
             f"{candidate.schedule_label():<{width}}{m:>3} {step.step_s * 1e3:>10.1f} "
             f"{step.tokens_per_s:>10.0f} {m * step.moe_s * 1e3:>9.1f} "
             f"{m * step.dense_compute_s * 1e3:>9.1f} {m * step.tp_comm_s * 1e3:>8.1f} "
+            f"{step.bubble_share:>7.0%} "
             f"{step.grad_reduce_s * 1e3:>8.1f} {_size(candidate.memory.total):>12}  {fits}")
     if len(shown) < len(result.candidates):
         lines.append(f"... {len(result.candidates) - len(shown)} more (--top 0 shows all)")
     lines.append("")
     lines.append("mb: micro-batches per step; MoE / dense / TP ms: their share of the step "
-                 "(all micro-batches); grad ms: the data-parallel gradient reduction")
+                 "(all micro-batches; with pp, the slowest stage's); bubble: the pipeline "
+                 "bubble's share of the micro-batches' time; grad ms: the data-parallel "
+                 "gradient reduction")
     script = f"pretrain_scripts/pretrain_{'gpt2' if spec.model_type == 'gpt' else 'bert'}_moe.py"
     for index, candidate in enumerate(result.fitting[:args.show_flags], start=1):
         memory = candidate.memory
@@ -354,8 +358,8 @@ def emit(args, result, spec, cluster, profile, precision, settings):
             "micro_batch_size": settings["micro_batch_size"],
             "global_batch_size": settings["global_batch_size"],
             "candidates": [candidate.as_dict() for candidate in result.candidates],
-            "skipped": [{"tp": tp, "ep": ep, "etp": etp, "reason": reason}
-                        for (tp, ep, etp), reason in sorted(result.skipped.items())],
+            "skipped": [{"tp": tp, "ep": ep, "etp": etp, "pp": pp, "reason": reason}
+                        for (tp, ep, etp, pp), reason in sorted(result.skipped.items())],
         }, indent=1))
     else:
         print(render(result, spec, cluster, profile, precision, args))

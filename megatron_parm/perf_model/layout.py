@@ -5,13 +5,20 @@ Notation (as in docs/design.md):
     e = ep   expert-parallel size
     s = etp  expert-tensor-parallel size (Megatron ETP, the paper's ESP)
 
-Rank order follows Megatron-Core (pipeline parallel size 1):
-    dense layout:  global rank = dp_idx * t + tp_idx            (TP groups are consecutive ranks)
-    expert layout: global rank = edp_idx * e * s + ep_idx * s + etp_idx
+    p = pp   pipeline-parallel size (stages);  S = W / p  ranks of one stage
+
+Rank order follows Megatron-Core's default ("tp-cp-ep-dp-pp": pipeline outermost):
+    stage:         global rank = pp_idx * S + stage rank          (a stage is S consecutive ranks)
+    dense layout:  stage rank = dp_idx * t + tp_idx               (TP groups are consecutive ranks)
+    expert layout: stage rank = edp_idx * e * s + ep_idx * s + etp_idx
 so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s. The
-data-parallel groups that reduce gradients stride too: "dp" (dense parameters, W / t ranks)
-by t, "expt_dp" (expert parameters, W / (e * s) ranks) by e * s.
-A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node).
+data-parallel groups that reduce gradients stride too, inside their stage: "dp" (dense
+parameters, S / t ranks) by t, "expt_dp" (expert parameters, S / (e * s) ranks) by e * s. The
+pipeline group "pp" (the p2p sends between neighbouring stages) strides by S: rank r's next
+stage is r + S.
+A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node). E.g. 2 nodes x 2
+ranks at p = 2: stage 0 is ranks 0, 1 (node 0), stage 1 ranks 2, 3 (node 1); every TP, EP and
+data-parallel group stays in a node and every p2p send (0 -> 2, 1 -> 3) crosses nodes.
 
 parm_hier splits each EP group by node (``ep_node_blocks``): "ep_inter" is the group of the
 EP ranks at one position of every node (its inter-node stage), "ep_intra" the EP ranks of
@@ -25,7 +32,8 @@ from typing import List, Sequence, Tuple
 HIERARCHY_GROUPS = ("ep_inter", "ep_intra")  # parm_hier's EP groups split by node
 GROUP_NAMES = ("tp", "ep", "expt_tp") + HIERARCHY_GROUPS  # the groups a dispatcher communicates over
 DATA_PARALLEL_GROUP_NAMES = ("dp", "expt_dp")  # the groups gradients are reduced over
-_ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES
+PIPELINE_GROUP_NAME = "pp"  # one rank per stage: the p2p sends of the pipeline schedules
+_ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES + (PIPELINE_GROUP_NAME,)
 
 
 def _by_node(ranks: Sequence[int], ranks_per_node: int) -> List[List[int]]:
@@ -70,26 +78,40 @@ class Layout:
     etp: int
     nodes: int
     ranks_per_node: int
+    pp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "ep", "etp", "nodes", "ranks_per_node"):
+        for name in ("tp", "ep", "etp", "nodes", "ranks_per_node", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
-        if self.world_size % self.tp != 0:
+        if self.world_size % self.pp != 0:
             raise ValueError(
                 f"Layout: world size {self.world_size} (nodes * ranks_per_node) is not "
-                f"divisible by tp={self.tp}"
+                f"divisible by pp={self.pp}"
             )
-        if self.world_size % (self.ep * self.etp) != 0:
+        if self.stage_size % self.tp != 0:
             raise ValueError(
-                f"Layout: world size {self.world_size} (nodes * ranks_per_node) is not "
-                f"divisible by ep * etp = {self.ep} * {self.etp}"
+                f"Layout: stage size {self.stage_size} (world / pp) is not divisible by "
+                f"tp={self.tp}"
+            )
+        if self.stage_size % (self.ep * self.etp) != 0:
+            raise ValueError(
+                f"Layout: stage size {self.stage_size} (world / pp) is not divisible by "
+                f"ep * etp = {self.ep} * {self.etp}"
             )
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def stage_size(self) -> int:
+        """S: ranks of one pipeline stage (the world without pipelining)."""
+        return self.world_size // self.pp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.stage_size
 
     def group_size(self, group_name: str) -> int:
         """Ranks in a group of this kind (for ep_inter / ep_intra, the largest such group)."""
@@ -100,9 +122,11 @@ class Layout:
         if group_name == "expt_tp":
             return self.etp
         if group_name == "dp":
-            return self.world_size // self.tp
+            return self.stage_size // self.tp
         if group_name == "expt_dp":
-            return self.world_size // (self.ep * self.etp)
+            return self.stage_size // (self.ep * self.etp)
+        if group_name == PIPELINE_GROUP_NAME:
+            return self.pp
         if group_name in HIERARCHY_GROUPS:
             return _largest_group(self, group_name)
         raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
@@ -124,7 +148,10 @@ class Layout:
             return [edp_base + ep_idx * self.etp + etp_idx for ep_idx in range(self.ep)]
         if group_name in DATA_PARALLEL_GROUP_NAMES:
             stride = self.tp if group_name == "dp" else self.ep * self.etp
-            return list(range(rank % stride, self.world_size, stride))
+            base = rank - rank % self.stage_size
+            return list(range(base + rank % stride, base + self.stage_size, stride))
+        if group_name == PIPELINE_GROUP_NAME:
+            return list(range(rank % self.stage_size, self.world_size, self.stage_size))
         if group_name in HIERARCHY_GROUPS:
             block = self.ep * self.etp
             blocks = _ep_blocks(self, rank - rank % block)[rank % self.etp]

@@ -20,9 +20,8 @@ where the gradients themselves are 2-byte) are sharded over the data-parallel gr
 reduces them: W / t for dense parameters, W / (e * x) for expert parameters. That is Megatron's
 table (fp32: 16 -> 8 + 8/d bytes; bf16 with fp32 gradients: 18 -> 6 + 12/d).
 
-Activations: the bytes autograd keeps for the backward pass of one micro-batch (pipeline
-parallel size 1: micro-batches run forward then backward one at a time), counted tensor by
-tensor for Megatron-Core's local layer spec without activation recomputation:
+Activations: the bytes autograd keeps for the backward pass of one micro-batch, counted tensor
+by tensor for Megatron-Core's local layer spec without activation recomputation:
 
     per layer   LayerNorms: inputs 2 n h p + fp32 mean/rstd 16 n
                 attention:  QKV input n h p, Q/K/V 3 n h p, softmax output b (a/t) s^2 q,
@@ -42,18 +41,33 @@ tensor for Megatron-Core's local layer spec without activation recomputation:
                 loss: the fp32 softmax of the logits s b V / t * 4 (the vocab-parallel cross
                 entropy keeps it in fp32 in every precision) + 9 s b
 
+Pipeline parallelism (p = pp stages, Megatron's order: layout.py). Stage i holds its L_i
+transformer layers (layout_rules.pipeline_stage_layers: L / p each); the first stage the
+embeddings, the last the final LayerNorm, the head and, with tied embeddings, its own copy of
+the word embeddings (Megatron keeps the two copies equal by an all-reduce of their gradients).
+Its activations are those of the micro-batches its schedule holds at once (m micro-batches
+per step): Megatron-Core's 1F1B runs p - 1 - i forward passes before its first backward, so
+stage i holds min(p - i, m) micro-batches of its layers (the first stage p: the whole model's
+layer activations once, L / p layers x p). With interleaving (v virtual stages of L / (p v)
+layers per rank), rank i's warm-up runs 2 (p - 1 - i) + (v - 1) p model chunks, so it holds
+min(2 (p - 1 - i) + (v - 1) p + 1, m v) chunks: on the first stage L (1 + (p - 1) / (p v))
+layers' worth, the interleaving's extra. The model-level terms (ids and embedding on the
+first stage, head and loss on the last) count once per micro-batch in flight, min(p - i, m).
+The memory of a layout is that of its fullest stage.
+
 tests/distributed/test_planner_memory.py measures the same quantity on CPU (the storages of
 the tensors saved for backward, through torch.autograd.graph.saved_tensors_hooks) for the
 tiny configs and several layouts and dispatchers.
 """
 
-from dataclasses import dataclass
-from typing import Dict
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.shape import LayerShape
-from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts
+from megatron_parm.perf_model.transformer import ModelSpec, ParameterCounts, parameter_counts
 from megatron_parm.perf_model.volumes import build_plan
 from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
 
@@ -103,6 +117,8 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     parameters: Dict[str, int]  # ParameterCounts.as_dict()
+    stage: int = 0  # the pipeline stage these bytes are of (the fullest one)
+    microbatches_in_flight: int = 1  # micro-batches whose activations that stage holds
 
     @property
     def total(self) -> float:
@@ -111,7 +127,8 @@ class MemoryEstimate:
     def as_dict(self) -> Dict[str, float]:
         return {"weights": self.weights, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "total": self.total, "parameters": dict(self.parameters)}
+                "total": self.total, "parameters": dict(self.parameters),
+                "stage": self.stage, "microbatches_in_flight": self.microbatches_in_flight}
 
 
 def layer_shape(spec: ModelSpec, layout: Layout, micro_batch_size: int,
@@ -137,13 +154,11 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
     return flops / shape.expert_flops_per_row(layout.etp)
 
 
-def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
-                     precision: Precision, dispatcher: str = "alltoall",
-                     dropout_mask_bytes: int = 1) -> float:
-    """Bytes saved for backward by one micro-batch on one rank (see the module docstring).
-
-    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
-    """
+def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                      precision: Precision, dispatcher: str, dropout_mask_bytes: int
+                      ) -> Tuple[float, float, float]:
+    """(one transformer layer, the first stage's model-level terms, the last stage's): bytes
+    saved for backward by one micro-batch on one rank (the module docstring's table)."""
     t, b, s = layout.tp, micro_batch_size, spec.seq_length
     h, p, m = spec.hidden_size, precision.activation_bytes, dropout_mask_bytes
     shape = layer_shape(spec, layout, micro_batch_size, precision)
@@ -164,33 +179,116 @@ def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     per_layer = layernorms + attention + dropout + moe
 
     ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
-    model = ids + b * s * s + (n * h * m if spec.hidden_dropout > 0 else 0)
-    model += n * h * p + 8 * n  # final LayerNorm
+    first = ids + b * s * s + (n * h * m if spec.hidden_dropout > 0 else 0)
+    last = n * h * p + 8 * n  # final LayerNorm
     if spec.model_type == "bert":
-        model += 4 * n * h * p + 8 * n
+        last += 4 * n * h * p + 8 * n
     else:
-        model += n * h * p
+        last += n * h * p
     vocab = padded_vocab_size(spec.vocab_size, t)
-    model += s * b * vocab // t * 4 + 9 * s * b
-    return spec.num_layers * per_layer + model
+    last += s * b * vocab // t * 4 + 9 * s * b
+    return per_layer, first, last
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                     precision: Precision, dispatcher: str = "alltoall",
+                     dropout_mask_bytes: int = 1) -> float:
+    """Bytes saved for backward by one micro-batch of the whole model on one rank (see the
+    module docstring; without pipelining, what a rank holds at its peak).
+
+    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
+    """
+    per_layer, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
+                                               dispatcher, dropout_mask_bytes)
+    return spec.num_layers * per_layer + first + last
+
+
+def stage_layers(spec: ModelSpec, pp: int, vpp: Optional[int] = None) -> List[List[int]]:
+    """Transformer layers of each (stage, virtual stage), [pp][vpp or 1]; ValueError naming
+    the flags where the layers do not split so."""
+    layers = pipeline_stage_layers(spec.num_layers, pp, vpp)
+    if isinstance(layers, str):
+        raise ValueError(layers)
+    return layers
+
+
+def microbatches_in_flight(pp: int, stage: int, num_microbatches: int,
+                           vpp: Optional[int] = None) -> int:
+    """(micro-batch, model chunk) pairs whose activations stage `stage` holds at once under
+    Megatron-Core's 1F1B schedule (interleaved with vpp virtual stages): its warm-up forward
+    passes and the steady state's one (module docstring)."""
+    if vpp is None:
+        return min(pp - stage, num_microbatches)
+    return min(2 * (pp - 1 - stage) + (vpp - 1) * pp + 1, num_microbatches * vpp)
+
+
+def stage_parameter_counts(spec: ModelSpec, layout: Layout, stage: int,
+                           num_layers: int) -> ParameterCounts:
+    """Parameters of one rank of pipeline stage `stage`, which holds num_layers layers: the
+    embeddings on the first stage, the final LayerNorm and the head on the last (with its copy
+    of tied word embeddings)."""
+    whole = parameter_counts(spec, layout.tp, layout.ep, layout.etp)
+    if layout.pp == 1:
+        return whole
+    one = parameter_counts(replace(spec, num_layers=1), layout.tp, layout.ep, layout.etp)
+    two = parameter_counts(replace(spec, num_layers=2), layout.tp, layout.ep, layout.etp)
+    layer_dense, layer_expert = two.dense - one.dense, two.expert - one.expert
+    word = padded_vocab_size(spec.vocab_size, layout.tp) // layout.tp * spec.hidden_size
+    embedding = 0
+    if stage == 0:  # word, position (and token-type) embeddings
+        embedding += whole.embedding - (0 if spec.tied_output else word)
+    if stage == layout.pp - 1:  # the output layer's weights (tied: the copy)
+        embedding += word
+    dense = num_layers * layer_dense
+    if stage == layout.pp - 1:
+        dense += one.dense - layer_dense  # final LayerNorm, BERT's head
+    return ParameterCounts(embedding=embedding, dense=dense, expert=num_layers * layer_expert)
+
+
+def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                           precision: Precision, stage: int, num_microbatches: int,
+                           vpp: Optional[int] = None, dispatcher: str = "alltoall",
+                           dropout_mask_bytes: int = 1) -> Tuple[float, int]:
+    """(bytes, micro-batches in flight): the activations one rank of pipeline stage `stage`
+    holds at its peak (module docstring); without pipelining, one micro-batch's."""
+    per_layer, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
+                                               dispatcher, dropout_mask_bytes)
+    chunks = stage_layers(spec, layout.pp, vpp)[stage]
+    in_flight = microbatches_in_flight(layout.pp, stage, num_microbatches)
+    chunk_pairs = microbatches_in_flight(layout.pp, stage, num_microbatches, vpp)
+    layers = chunk_pairs * sum(chunks) / len(chunks)
+    ends = (first if stage == 0 else 0.0) + (last if stage == layout.pp - 1 else 0.0)
+    return layers * per_layer + in_flight * ends, in_flight
 
 
 def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                     precision: Precision, distributed_optimizer: bool = False,
-                    dispatcher: str = "alltoall") -> MemoryEstimate:
-    """Weights, gradients, optimizer state and activations of one rank."""
-    counts = parameter_counts(spec, layout.tp, layout.ep, layout.etp)
+                    dispatcher: str = "alltoall", num_microbatches: int = 1,
+                    vpp: Optional[int] = None) -> MemoryEstimate:
+    """Weights, gradients, optimizer state and activations of one rank; with pipelining, of
+    the stage that needs the most (num_microbatches per step, vpp virtual stages)."""
+    estimates = [_stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
+                               dispatcher, num_microbatches, vpp, stage, sum(chunks))
+                 for stage, chunks in enumerate(stage_layers(spec, layout.pp, vpp))]
+    return max(estimates, key=lambda estimate: estimate.total)
+
+
+def _stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
+                  dispatcher, num_microbatches, vpp, stage, num_layers) -> MemoryEstimate:
+    counts = stage_parameter_counts(spec, layout, stage, num_layers)
     dense = counts.embedding + counts.dense
     optimizer = precision.main_state_bytes * (dense + counts.expert)
     if distributed_optimizer:
-        data_parallel = layout.world_size // layout.tp
-        expert_data_parallel = layout.world_size // (layout.ep * layout.etp)
-        optimizer = precision.main_state_bytes * (dense / data_parallel
-                                                  + counts.expert / expert_data_parallel)
+        optimizer = precision.main_state_bytes * (dense / layout.group_size("dp")
+                                                  + counts.expert / layout.group_size("expt_dp"))
+    activations, in_flight = stage_activation_bytes(spec, layout, micro_batch_size, precision,
+                                                    stage, num_microbatches, vpp, dispatcher)
     return MemoryEstimate(
         weights=precision.weight_bytes * counts.total,
         gradients=precision.grad_bytes * counts.total,
         optimizer=optimizer,
-        activations=activation_bytes(spec, layout, micro_batch_size, precision, dispatcher),
+        activations=activations,
         parameters=counts.as_dict(),
+        stage=stage,
+        microbatches_in_flight=in_flight,
     )

@@ -1,4 +1,4 @@
-"""The layout planner: every (tp, ep, etp, dp), dispatcher and chunk count, ranked.
+"""The layout planner: every (tp, ep, etp, pp, dp), dispatcher and chunk count, ranked.
 
     from megatron_parm.perf_model.planner import Cluster, plan
     result = plan(spec, Cluster(nodes=2, ranks_per_node=8, gpu_memory_bytes=80 * 2**30),
@@ -6,9 +6,10 @@
     best = result.candidates[0]      # fastest layout that fits; best.flags() for the launch
 
 For a model (transformer.ModelSpec) on a cluster it enumerates every layout Megatron can run
-with sequence parallelism where tp > 1 (tp divides the world, the heads and the sequence; ep
-divides the experts; ep * etp divides the world; the global batch splits into micro-batches
-on dp = W / tp ranks) and every dispatcher of the schedule catalog that runs there (chunked
+with sequence parallelism where tp > 1 (pp divides the world and the layers, into W / pp ranks
+per stage; tp divides the stage, the heads and the sequence; ep divides the experts; ep * etp
+divides the stage; the global batch splits into micro-batches on dp = W / (tp pp) ranks, at
+least pp of them) and every dispatcher of the schedule catalog that runs there (chunked
 schedules at each of their chunk counts), and estimates per rank the memory (memory.py) and
 the step time (step_time.py). Candidates that fit in memory come first, fastest first; those
 that do not follow, with by how much.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
-from megatron_parm.layout_rules import batch_problem
+from megatron_parm.layout_rules import batch_problem, microbatch_problem, pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
 from megatron_parm.perf_model.profile import Profile
@@ -92,7 +93,7 @@ class Candidate:
 
     @property
     def dp(self) -> int:
-        return self.layout.world_size // self.layout.tp
+        return self.layout.group_size("dp")
 
     @property
     def fits(self) -> bool:
@@ -113,6 +114,8 @@ class Candidate:
         flags = ["--tensor-model-parallel-size", str(layout.tp),
                  "--expert-model-parallel-size", str(layout.ep),
                  "--expert-tensor-parallel-size", str(layout.etp)]
+        if layout.pp > 1:
+            flags += ["--pipeline-model-parallel-size", str(layout.pp)]
         if layout.tp > 1:
             flags.append("--sequence-parallel")
         flags += ["--moe-token-dispatcher-type", self.dispatcher]
@@ -128,7 +131,7 @@ class Candidate:
 
     def as_dict(self) -> dict:
         return {"tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp,
-                "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
+                "pp": self.layout.pp, "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
                 "equivalent_dispatchers": list(self.equivalents),
                 "step": self.step.as_dict(), "memory_bytes": self.memory.as_dict(),
                 "fits": self.fits, "spare_bytes": self.spare_bytes, "flags": self.flags()}
@@ -137,7 +140,7 @@ class Candidate:
 @dataclass(frozen=True)
 class PlanResult:
     candidates: Tuple[Candidate, ...]  # fitting ones first, fastest first
-    skipped: Dict[Tuple[int, int, int], str] = field(default_factory=dict)  # layout -> why
+    skipped: Dict[Tuple[int, int, int, int], str] = field(default_factory=dict)  # (tp, ep, etp, pp) -> why
 
     @property
     def fitting(self) -> Tuple[Candidate, ...]:
@@ -150,15 +153,16 @@ def _divisors(number: int) -> List[int]:
 
 def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
                       global_batch_size: int, fixed: Optional[Dict[str, int]] = None
-                      ) -> Tuple[List[Layout], Dict[Tuple[int, int, int], str]]:
-    """Layouts that run `spec`, and {(tp, ep, etp): why not} for the others.
+                      ) -> Tuple[List[Layout], Dict[Tuple[int, int, int, int], str]]:
+    """Layouts that run `spec`, and {(tp, ep, etp, pp): why not} for the others.
 
-    fixed: {"tp": .., "ep": .., "etp": ..} sizes the user fixed (checked against the world).
+    fixed: {"tp": .., "ep": .., "etp": .., "pp": ..} sizes the user fixed (checked against
+    the world).
     """
     world = cluster.world_size
     fixed = {key: value for key, value in (fixed or {}).items() if value is not None}
     flags = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-             "etp": "--expert-tensor-parallel-size"}
+             "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
     for key, value in fixed.items():
         if value < 1 or world % value != 0:
             raise PlanError(f"{flags[key]} {value} does not divide the world size "
@@ -167,30 +171,45 @@ def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
         raise PlanError(f"--expert-model-parallel-size {fixed['ep']} does not divide "
                         f"--num-experts {spec.num_experts}")
     layouts, skipped = [], {}
-    for tp in _divisors(world):
-        for ep in _divisors(world):
-            for etp in _divisors(world // ep):
-                sizes = {"tp": tp, "ep": ep, "etp": etp}
-                if any(sizes[key] != value for key, value in fixed.items()):
-                    continue
-                layout = Layout(tp=tp, ep=ep, etp=etp, nodes=cluster.nodes,
-                                ranks_per_node=cluster.ranks_per_node)
-                reason = check_layout(spec, layout)
-                data_parallel = world // tp
-                if reason is None:
-                    reason = batch_problem(global_batch_size, micro_batch_size, data_parallel)
-                if reason is None:
-                    layouts.append(layout)
-                else:
-                    skipped[(tp, ep, etp)] = reason
+    for pp in _divisors(world):
+        stage = world // pp
+        for tp in _divisors(stage):
+            for ep in _divisors(stage):
+                for etp in _divisors(stage // ep):
+                    sizes = {"tp": tp, "ep": ep, "etp": etp, "pp": pp}
+                    if any(sizes[key] != value for key, value in fixed.items()):
+                        continue
+                    layout = Layout(tp=tp, ep=ep, etp=etp, nodes=cluster.nodes,
+                                    ranks_per_node=cluster.ranks_per_node, pp=pp)
+                    reason = _layout_problem(spec, layout, micro_batch_size, global_batch_size)
+                    if reason is None:
+                        layouts.append(layout)
+                    else:
+                        skipped[(tp, ep, etp, pp)] = reason
     if not layouts:
         if not skipped:
-            raise PlanError(f"no (tp, ep, etp) with ep * etp dividing {cluster.describe()}")
+            raise PlanError(f"no (tp, ep, etp, pp) with ep * etp dividing {cluster.describe()}")
         # the simplest layout's reason is the one to fix first
-        (tp, ep, etp), reason = min(skipped.items(), key=lambda item: sum(item[0]))
+        (tp, ep, etp, pp), reason = min(skipped.items(), key=lambda item: sum(item[0]))
         raise PlanError(f"no layout of {cluster.describe()} runs this model; e.g. tp={tp} "
-                        f"ep={ep} etp={etp}: {reason}")
+                        f"ep={ep} etp={etp}" + (f" pp={pp}" if pp > 1 else "") + f": {reason}")
     return layouts, skipped
+
+
+def _layout_problem(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                    global_batch_size: int) -> Optional[str]:
+    """Why the layout cannot run the model at this batch (one line naming the flags), or None."""
+    reason = check_layout(spec, layout)
+    if reason is None and layout.pp > 1:
+        layers = pipeline_stage_layers(spec.num_layers, layout.pp)
+        reason = layers if isinstance(layers, str) else None
+    data_parallel = layout.group_size("dp")
+    if reason is None:
+        reason = batch_problem(global_batch_size, micro_batch_size, data_parallel)
+    if reason is None:
+        num_microbatches = global_batch_size // (micro_batch_size * data_parallel)
+        reason = microbatch_problem(num_microbatches, layout.pp, None)
+    return reason
 
 
 def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: int,
@@ -216,8 +235,9 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
         for schedule in allowed:
             if dispatchers is not None and schedule.name not in dispatchers:
                 continue
+            num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
             memory = memory_per_rank(spec, layout, micro_batch_size, precision,
-                                     distributed_optimizer, schedule.name)
+                                     distributed_optimizer, schedule.name, num_microbatches)
             counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
             chunk_counts = (sorted({count for count in counts if count <= tokens_per_rank})
                             if schedule.chunked else [None])
@@ -229,7 +249,7 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
                                             distributed_optimizer, memory, step,
                                             cluster.gpu_memory_bytes))
         if dispatchers is not None and not any(s.name in dispatchers for s in allowed):
-            skipped[(layout.tp, layout.ep, layout.etp)] = "; ".join(
+            skipped[(layout.tp, layout.ep, layout.etp, layout.pp)] = "; ".join(
                 refused.get(name, f"--moe-token-dispatcher-type {name} is not planned")
                 for name in dispatchers)
     if not candidates:
@@ -250,7 +270,7 @@ def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
     merged: Dict[tuple, Candidate] = {}
     for candidate in candidates:
         layout = candidate.layout
-        key = (layout.tp, layout.ep, layout.etp, candidate.num_chunks,
+        key = (layout.tp, layout.ep, layout.etp, layout.pp, candidate.num_chunks,
                round(candidate.step.step_s, 12), round(candidate.memory.total))
         if key in merged:
             kept = merged[key]
@@ -267,11 +287,14 @@ def _nothing_fits(spec: ModelSpec, cluster: Cluster, candidates: Sequence[Candid
     need = smallest.memory.total / GIB
     text = (f"no layout fits in --gpu-memory-gb {cluster.gpu_memory_bytes / GIB:g} on "
             f"{cluster.describe()}: the smallest (tp={smallest.layout.tp} "
-            f"ep={smallest.layout.ep} etp={smallest.layout.etp}) needs {need:.3g} GiB per rank; ")
+            f"ep={smallest.layout.ep} etp={smallest.layout.etp}"
+            + (f" pp={smallest.layout.pp}" if smallest.layout.pp > 1 else "")
+            + f") needs {need:.3g} GiB per rank; ")
     remedies = []
     if not distributed_optimizer:
         sharded = min(memory_per_rank(spec, c.layout, micro_batch_size, precision, True,
-                                      c.dispatcher).total for c in candidates)
+                                      c.dispatcher, c.step.num_microbatches).total
+                      for c in candidates)
         if sharded < smallest.memory.total:
             remedies.append(f"--use-distributed-optimizer (then {sharded / GIB:.3g} GiB)")
     if micro_batch_size > 1:

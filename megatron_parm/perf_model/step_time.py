@@ -1,9 +1,12 @@
 """Predicted time of one training step of the whole model on one rank.
 
 Notation: see transformer.py and memory.py (L, h, a, s, b, n = s b / t, V, p, t, e, x, E);
-    m  micro-batches per step per data-parallel rank = global batch / (b * W / t)
+    m  micro-batches per step per data-parallel rank = global batch / (b * d),
+       d = W / (t p) the data-parallel size
+    p  pipeline stages (pp), v virtual stages per rank (interleaving; v = 1 without)
 
-One micro-batch, forward + backward (pipeline parallel size 1, sequence parallel when t > 1):
+One micro-batch, forward + backward, on the ranks of one pipeline stage (sequence parallel when
+t > 1); without pipelining the stage is the whole model:
     MoE layers    L * predict(dispatcher, its chunks) (predict.py, the catalog's cost plan): the
                   dispatcher's collectives and the expert GEMMs, with the profile's in-layer terms
     dense GEMMs   per layer QKV 2 s b h 3h / t, scores and context 2 * 2 b s^2 h / t, projection
@@ -20,23 +23,39 @@ One micro-batch, forward + backward (pipeline parallel size 1, sequence parallel
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
                   the real model
+Pipeline (p > 1): stage i runs its own layers (layout_rules.pipeline_stage_layers), the first
+also the embedding (its TP collectives), the last the output layer, loss and their TP
+collectives; every stage pays microbatch_overhead once per model chunk (v per micro-batch).
+Between neighbouring stages each micro-batch sends its activations forward and their gradient
+backward, [s / t, b, h] elements of p bytes per rank with sequence parallelism (Megatron's p2p
+tensor shape), v times each way with interleaving. Megatron pairs each send with the receive
+the other way, so a stage pays one send per neighbouring stage per micro-batch (per model
+chunk); each send is timed as a one-peer all-to-all on the link it crosses (intra- or inter-node from the rank order, layout.py: the profile has no
+point-to-point term of its own). With T_i the micro-batch time of stage i, sends included, and
+T its maximum, Megatron-Core's 1F1B schedule takes
+    m T + (sum_i T_i - T) / v
+the second term being the pipeline bubble: (p - 1) T / v for equal stages, a share
+(p - 1) / (v m + p - 1) of the pipelined time.
 Per step:
-    m * (one micro-batch)
+    the pipelined micro-batches (m * one micro-batch without pipelining)
     + gradient reduction: AR of the dense gradients over "dp" (W / t ranks) and of the expert
       gradients over "expt_dp" (W / (e x) ranks); with --use-distributed-optimizer an RS of the
       gradients and an AG of the updated weights instead; with t > 1 an AR over TP of the
-      LayerNorm and router gradients (replicated under sequence parallelism)
+      LayerNorm and router gradients (replicated under sequence parallelism); each stage
+      reduces its own parameters (the slowest stage counts), and with p > 1 and tied embeddings
+      an AR of the word-embedding gradients between the first and the last stage
 Not modelled: the optimizer step itself, overlap of the gradient reduction with the backward pass (the trainer reduces
 after the last micro-batch), data loading.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from megatron_parm.data.vocab import padded_vocab_size
-from megatron_parm.layout_rules import batch_problem
+from megatron_parm.layout_rules import batch_problem, microbatch_problem
 from megatron_parm.perf_model.layout import Layout
-from megatron_parm.perf_model.memory import Precision, layer_shape
+from megatron_parm.perf_model.memory import (Precision, layer_shape, stage_layers,
+                                             stage_parameter_counts)
 from megatron_parm.perf_model.predict import Prediction, stage_time, predict
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts, replicated_over_tp
@@ -46,7 +65,8 @@ from megatron_parm.schedules import FORWARD, Stage
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds on one rank; the micro-batch terms are forward + backward of one micro-batch."""
+    """Seconds on one rank; the micro-batch terms are forward + backward of one micro-batch on
+    the slowest pipeline stage (the whole model without pipelining)."""
 
     moe_s: float
     dense_compute_s: float
@@ -56,14 +76,30 @@ class StepTime:
     grad_reduce_s: float
     tokens_per_step: int
     moe_layer: Prediction  # one MoE layer, for the breakdown
+    p2p_s: float = 0.0  # the pipeline's sends of one micro-batch on that stage, both ways
+    bubble_s: float = 0.0  # the pipeline bubble of one step
+    pp: int = 1
+    vpp: Optional[int] = None
+    p2p_link: Optional[str] = None  # "intra" or "inter": where the stages' sends cross
+    p2p_bytes: float = 0.0  # one send (one rank, one micro-batch, one way)
 
     @property
     def microbatch_s(self) -> float:
         return self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
 
     @property
+    def pipeline_s(self) -> float:
+        """The micro-batches of one step, through every stage, bubble included."""
+        return self.num_microbatches * (self.microbatch_s + self.p2p_s) + self.bubble_s
+
+    @property
+    def bubble_share(self) -> float:
+        """The bubble's share of the pipelined time: (p - 1) / (v m + p - 1) for equal stages."""
+        return self.bubble_s / self.pipeline_s
+
+    @property
     def step_s(self) -> float:
-        return self.num_microbatches * self.microbatch_s + self.grad_reduce_s
+        return self.pipeline_s + self.grad_reduce_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +110,9 @@ class StepTime:
                 "tp_comm_s": self.tp_comm_s, "framework_s": self.framework_s,
                 "microbatch_s": self.microbatch_s,
                 "num_microbatches": self.num_microbatches, "grad_reduce_s": self.grad_reduce_s,
+                "pp": self.pp, "vpp": self.vpp, "p2p_s": self.p2p_s,
+                "p2p_link": self.p2p_link, "p2p_bytes": self.p2p_bytes,
+                "bubble_s": self.bubble_s, "bubble_share": self.bubble_share,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s}
 
 
@@ -93,22 +132,29 @@ def _gemms_seconds(profile: Profile, forward_flops) -> float:
 
 
 def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
-                          profile: Profile) -> float:
+                          profile: Profile, num_layers: Optional[int] = None,
+                          head: bool = True) -> float:
+    """The dense GEMMs of num_layers layers (default: all) and, with head, the output layer."""
     t, h, s = layout.tp, spec.hidden_size, spec.seq_length
+    num_layers = spec.num_layers if num_layers is None else num_layers
     tokens = s * micro_batch_size  # the whole sequence: attention GEMMs see it all under SP
     local = tokens // t
     per_layer = (2 * tokens * h * 3 * h / t, 2 * micro_batch_size * s * s * h / t,
                  2 * micro_batch_size * s * s * h / t, 2 * tokens * h * h / t,
                  2 * local * h * spec.num_experts)
-    head = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
+    head_flops = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
     if spec.model_type == "bert":
-        head.append(2 * local * h * h)
-    return spec.num_layers * _gemms_seconds(profile, per_layer) + _gemms_seconds(profile, head)
+        head_flops.append(2 * local * h * h)
+    return (num_layers * _gemms_seconds(profile, per_layer)
+            + (_gemms_seconds(profile, head_flops) if head else 0.0))
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
-                    precision: Precision) -> float:
+                    precision: Precision, num_layers: Optional[int] = None,
+                    embedding: bool = True, head: bool = True) -> float:
+    """TP collectives of num_layers layers (default: all), the embedding's and the head's."""
     t = layout.tp
+    num_layers = spec.num_layers if num_layers is None else num_layers
     if t == 1:
         return 0.0
     tokens = spec.seq_length * micro_batch_size
@@ -119,15 +165,33 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
 
     all_gather, reduce_scatter = collective("all_gather", shard), collective("reduce_scatter", shard)
     per_layer = 3 * all_gather + 2 * reduce_scatter
-    embedding = reduce_scatter + all_gather
+    embedding_s = reduce_scatter + all_gather
     output_layer = 2 * all_gather + reduce_scatter
     cross_entropy = 3 * collective("all_reduce", 2.0 * tokens * 4 / t)
-    return spec.num_layers * per_layer + embedding + output_layer + cross_entropy
+    return (num_layers * per_layer + (embedding_s if embedding else 0.0)
+            + ((output_layer + cross_entropy) if head else 0.0))
 
 
 def grad_reduce_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
-                        precision: Precision, distributed_optimizer: bool) -> float:
-    counts = parameter_counts(spec, layout.tp, layout.ep, layout.etp)
+                        precision: Precision, distributed_optimizer: bool,
+                        vpp: Optional[int] = None) -> float:
+    """The slowest stage's gradient reduction (the whole model's without pipelining)."""
+    if layout.pp == 1:
+        return _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_optimizer,
+                                          parameter_counts(spec, layout.tp, layout.ep, layout.etp),
+                                          spec.num_layers)
+    seconds = max(_stage_grad_reduce_seconds(
+        spec, layout, profile, precision, distributed_optimizer,
+        stage_parameter_counts(spec, layout, stage, sum(chunks)), sum(chunks))
+        for stage, chunks in enumerate(stage_layers(spec, layout.pp, vpp)))
+    if spec.tied_output:  # the word embeddings' two copies, first and last stage
+        word = padded_vocab_size(spec.vocab_size, layout.tp) // layout.tp * spec.hidden_size
+        seconds += p2p_send_seconds(profile, layout, word * precision.grad_bytes)  # AR of 2
+    return seconds
+
+
+def _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_optimizer,
+                               counts, num_layers) -> float:
     seconds = 0.0
     for group, params in (("dp", counts.embedding + counts.dense), ("expt_dp", counts.expert)):
         size = layout.group_size(group)
@@ -140,37 +204,106 @@ def grad_reduce_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
             seconds += collective_seconds(profile, layout, "all_reduce", group,
                                           2.0 * grads / size)
     if layout.tp > 1:
-        replicated = replicated_over_tp(spec) * precision.grad_bytes
+        replicated = replicated_over_tp(spec) * num_layers / spec.num_layers * precision.grad_bytes
         seconds += collective_seconds(profile, layout, "all_reduce", "tp",
                                       2.0 * replicated / layout.tp)
     return seconds
 
 
-def framework_seconds(spec: ModelSpec, profile: Profile) -> float:
-    """The profile's framework time of one micro-batch (forward + backward)."""
-    return profile.microbatch_overhead + spec.num_layers * profile.layer_overhead
+def framework_seconds(spec: ModelSpec, profile: Profile, num_layers: Optional[int] = None,
+                      num_chunks: int = 1) -> float:
+    """The profile's framework time of one micro-batch (forward + backward) through num_layers
+    layers (default: all) in num_chunks model chunks."""
+    num_layers = spec.num_layers if num_layers is None else num_layers
+    return num_chunks * profile.microbatch_overhead + num_layers * profile.layer_overhead
+
+
+def pipeline_link(layout: Layout) -> Optional[str]:
+    """"inter" where a stage's send to the next stage (rank r to r + S, layout.py) crosses
+    nodes for some rank, else "intra"; None without pipelining."""
+    if layout.pp == 1:
+        return None
+    crosses = any(layout.node_of(rank) != layout.node_of(rank + layout.stage_size)
+                  for rank in range(layout.world_size - layout.stage_size))
+    return "inter" if crosses else "intra"
+
+
+def p2p_send_seconds(profile: Profile, layout: Layout, num_bytes: float) -> float:
+    """One point-to-point send of num_bytes between neighbouring stages, timed as a one-peer
+    all-to-all on the link it crosses (the profile has no point-to-point term)."""
+    link = pipeline_link(layout)
+    return profile.collective_time("all_to_all", link, num_bytes) if link else 0.0
+
+
+def p2p_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+              precision: Precision) -> float:
+    """Bytes of one send between stages (one rank, one micro-batch, one way): Megatron's p2p
+    tensor [s / t, b, h] under sequence parallelism (the planner's layouts), [s, b, h] at t = 1."""
+    return (spec.seq_length // layout.tp * micro_batch_size * spec.hidden_size
+            * precision.activation_bytes)
+
+
+def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: float,
+                micro_batch_size: int, precision: Precision, vpp: Optional[int] = None
+                ) -> List[Dict[str, float]]:
+    """Per pipeline stage, one micro-batch's terms (forward + backward): moe_s,
+    dense_compute_s, tp_comm_s, framework_s, p2p_s (a single stage without pipelining)."""
+    layers = stage_layers(spec, layout.pp, vpp)
+    chunks = vpp or 1
+    send = p2p_send_seconds(profile, layout, p2p_bytes(spec, layout, micro_batch_size, precision))
+    times = []
+    for stage, stage_chunks in enumerate(layers):
+        num_layers = sum(stage_chunks)
+        first, last = stage == 0, stage == layout.pp - 1
+        # Megatron pairs each send with the receive the other way (send_forward_recv_backward
+        # and its dual): one exchange per micro-batch with each neighbouring stage, both ways
+        # at once; interleaved, every rank has both neighbours (the chunks wrap around)
+        neighbours = (2 if chunks > 1 else (not first) + (not last))
+        times.append({
+            "moe_s": num_layers * moe_layer_s,
+            "dense_compute_s": dense_compute_seconds(spec, layout, micro_batch_size, profile,
+                                                     num_layers, head=last),
+            "tp_comm_s": tp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
+                                         num_layers, embedding=first, head=last),
+            "framework_s": framework_seconds(spec, profile, num_layers, chunks),
+            "p2p_s": chunks * neighbours * send,
+        })
+    return times
 
 
 def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str,
               num_chunks: Optional[int], micro_batch_size: int, global_batch_size: int,
-              precision: Precision, distributed_optimizer: bool = False) -> StepTime:
+              precision: Precision, distributed_optimizer: bool = False,
+              vpp: Optional[int] = None) -> StepTime:
     """Predicted step of `spec` on `layout` with `dispatcher` (a schedule with a cost plan in
-    the catalog; num_chunks for a chunked one)."""
-    data_parallel = layout.world_size // layout.tp
+    the catalog; num_chunks for a chunked one); vpp virtual stages per rank (interleaving)."""
+    data_parallel = layout.group_size("dp")
     per_step = micro_batch_size * data_parallel
     problem = batch_problem(global_batch_size, micro_batch_size, data_parallel)
+    num_microbatches = global_batch_size // per_step
+    problem = problem or microbatch_problem(num_microbatches, layout.pp, vpp)
     if problem:
         raise ValueError(problem)
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
+    stages = stage_times(spec, layout, profile, moe_layer.total_s, micro_batch_size, precision,
+                         vpp)
+    totals = [sum(stage.values()) for stage in stages]
+    slowest = stages[totals.index(max(totals))]
     return StepTime(
-        moe_s=spec.num_layers * moe_layer.total_s,
-        dense_compute_s=dense_compute_seconds(spec, layout, micro_batch_size, profile),
-        tp_comm_s=tp_comm_seconds(spec, layout, micro_batch_size, profile, precision),
-        framework_s=framework_seconds(spec, profile),
-        num_microbatches=global_batch_size // per_step,
+        moe_s=slowest["moe_s"],
+        dense_compute_s=slowest["dense_compute_s"],
+        tp_comm_s=slowest["tp_comm_s"],
+        framework_s=slowest["framework_s"],
+        num_microbatches=num_microbatches,
         grad_reduce_s=grad_reduce_seconds(spec, layout, profile, precision,
-                                          distributed_optimizer),
+                                          distributed_optimizer, vpp),
         tokens_per_step=global_batch_size * spec.seq_length,
         moe_layer=moe_layer,
+        p2p_s=slowest["p2p_s"],
+        bubble_s=(sum(totals) - max(totals)) / (vpp or 1),
+        pp=layout.pp,
+        vpp=vpp,
+        p2p_link=pipeline_link(layout),
+        p2p_bytes=p2p_bytes(spec, layout, micro_batch_size, precision) if layout.pp > 1 else 0.0,
     )

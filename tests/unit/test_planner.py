@@ -14,10 +14,12 @@ from megatron_parm import schedules
 from megatron_parm.perf_model import load_profile, predict
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, layer_shape,
-                                             memory_per_rank)
+                                             memory_per_rank, microbatches_in_flight,
+                                             stage_activation_bytes, stage_parameter_counts)
 from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_for,
                                               enumerate_layouts, plan)
-from megatron_parm.perf_model.step_time import collective_seconds, step_time
+from megatron_parm.perf_model.step_time import (collective_seconds, pipeline_link, stage_times,
+                                                step_time)
 from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
                                                   parameter_counts)
 
@@ -36,8 +38,8 @@ def tiny(**overrides):
     return ModelSpec(**{**TINY, **overrides})
 
 
-def layout(tp, ep, etp, nodes=2, ranks_per_node=2):
-    return Layout(tp=tp, ep=ep, etp=etp, nodes=nodes, ranks_per_node=ranks_per_node)
+def layout(tp, ep, etp, nodes=2, ranks_per_node=2, pp=1):
+    return Layout(tp=tp, ep=ep, etp=etp, nodes=nodes, ranks_per_node=ranks_per_node, pp=pp)
 
 
 # ---------------------------------------------------------------- parameters
@@ -133,6 +135,105 @@ def test_step_time_adds_up():
         step_time(spec, lay, PROFILE, "parm_s1", None, 4, 12, fp32)
 
 
+# ---------------------------------------------------------------- pipeline parallelism
+
+def test_pipeline_stages_are_outermost_in_megatrons_rank_order():
+    # 2 nodes x 2 ranks at pp 2: a stage per node, every p2p send crosses nodes
+    lay = layout(1, 2, 1, pp=2)
+    assert lay.stage_size == 2 and [lay.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert lay.group_ranks("ep", 3) == [2, 3] and lay.group_ranks("dp", 2) == [2, 3]
+    assert lay.group_ranks("pp", 1) == [1, 3] and lay.group_size("pp") == 2
+    assert lay.is_intra("ep") and lay.is_intra("dp") and not lay.is_intra("pp")
+    assert pipeline_link(lay) == "inter"
+    # one node of 4: the stages share it; 2 nodes x 4 at pp 2 with tp 2: TP in a node, DP too
+    assert pipeline_link(layout(1, 1, 1, nodes=1, ranks_per_node=4, pp=2)) == "intra"
+    big = layout(2, 2, 1, nodes=2, ranks_per_node=4, pp=2)
+    assert big.group_ranks("dp", 5) == [5, 7] and big.group_ranks("tp", 5) == [4, 5]
+    assert big.group_ranks("pp", 5) == [1, 5] and pipeline_link(big) == "inter"
+    assert pipeline_link(layout(1, 1, 1)) is None
+    with pytest.raises(ValueError, match="pp=3"):
+        layout(1, 1, 1, pp=3)
+
+
+def test_microbatches_the_1f1b_schedule_holds():
+    # 1F1B: stage i holds pp - i micro-batches (at most all m of them)
+    assert [microbatches_in_flight(4, stage, 8) for stage in range(4)] == [4, 3, 2, 1]
+    assert microbatches_in_flight(4, 0, 2) == 2
+    # interleaved, v chunks of L / (p v) layers: the first stage holds L (1 + (p-1)/(p v))
+    pp, vpp = 4, 2
+    chunks = microbatches_in_flight(pp, 0, 16, vpp)
+    assert chunks / vpp == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))
+    assert microbatches_in_flight(pp, 0, 1, vpp) == vpp  # one micro-batch: all its chunks
+
+
+def test_stage_memory():
+    spec, fp32 = tiny(num_layers=4), Precision("fp32")
+    whole = parameter_counts(spec, 1, 1, 1)
+    lay = layout(1, 1, 1, pp=2)
+    first, last = (stage_parameter_counts(spec, lay, stage, 2) for stage in (0, 1))
+    word = 8064 * 64
+    # the layers split in two, the embeddings on the first stage, a copy of them last (tied)
+    assert first.expert + last.expert == whole.expert
+    assert first.embedding == whole.embedding and last.embedding == word
+    assert first.total + last.total == whole.total + word
+    # the first stage holds pp micro-batches of its L / pp layers: the whole model's layers
+    one_layer = (activation_bytes(tiny(num_layers=2), lay, 4, fp32)
+                 - activation_bytes(tiny(num_layers=1), lay, 4, fp32))
+    bytes0, held0 = stage_activation_bytes(spec, lay, 4, fp32, stage=0, num_microbatches=8)
+    bytes1, held1 = stage_activation_bytes(spec, lay, 4, fp32, stage=1, num_microbatches=8)
+    assert (held0, held1) == (2, 1)
+    assert bytes0 - 4 * one_layer == pytest.approx(
+        2 * (activation_bytes(spec, lay, 4, fp32) - 4 * one_layer - (bytes1 - 2 * one_layer)))
+    interleaved, _ = stage_activation_bytes(spec, lay, 4, fp32, 0, 8, vpp=2)
+    assert interleaved == pytest.approx(bytes0 + one_layer)  # (1 + 1/4) of 4 layers
+    # the layout's memory is its fullest stage's (here the last: the logits)
+    memory = memory_per_rank(spec, lay, 4, fp32, num_microbatches=8)
+    assert (memory.stage, memory.activations, memory.microbatches_in_flight) == (1, bytes1, 1)
+    assert memory.weights == 4 * last.total and bytes0 < bytes1
+    with pytest.raises(ValueError, match="--num-layers"):
+        memory_per_rank(tiny(num_layers=3), lay, 4, fp32)
+
+
+def test_pipelined_step_time():
+    spec, fp32 = tiny(num_layers=4), Precision("fp32")
+    flat = step_time(spec, layout(1, 2, 1), PROFILE, "alltoall", None, 2, 16, fp32)
+    assert (flat.pp, flat.bubble_s, flat.p2p_s, flat.bubble_share) == (1, 0.0, 0.0, 0.0)
+    lay = layout(1, 2, 1, pp=2)
+    step = step_time(spec, lay, PROFILE, "alltoall", None, 2, 16, fp32)
+    assert step.num_microbatches == 4  # 16 / (2 x dp 2)
+    assert step.p2p_link == "inter" and step.p2p_bytes == 64 * 2 * 64 * 4  # [s, b, h] fp32
+    stages = [sum(stage.values()) for stage in stage_times(spec, lay, PROFILE, step.moe_layer.total_s,
+                                                           2, fp32)]
+    assert step.bubble_s == pytest.approx(sum(stages) - max(stages))
+    assert step.microbatch_s + step.p2p_s == pytest.approx(max(stages))
+    assert step.step_s == pytest.approx(4 * max(stages) + step.bubble_s + step.grad_reduce_s)
+    # equal stages: the bubble is (pp - 1) / (m + pp - 1) of the pipelined time
+    assert step.bubble_share == pytest.approx(1 / 5, rel=0.5)
+    assert step.moe_s == pytest.approx(2 * step.moe_layer.total_s)  # 2 of the 4 layers
+    sp = step_time(spec, layout(2, 1, 1, pp=2), PROFILE, "alltoall", None, 2, 16, fp32)
+    assert sp.p2p_bytes == 64 // 2 * 2 * 64 * 4  # sequence parallel: [s / t, b, h]
+    interleaved = step_time(spec, lay, PROFILE, "alltoall", None, 2, 16, fp32, vpp=2)
+    assert interleaved.bubble_s == pytest.approx(step.bubble_s / 2, rel=0.2)
+    assert interleaved.p2p_s > step.p2p_s
+    with pytest.raises(ValueError, match="fewer than --pipeline-model-parallel-size"):
+        step_time(spec, layout(1, 1, 1, pp=4), PROFILE, "alltoall", None, 4, 12, fp32)
+
+
+def test_plan_searches_pipeline_layouts():
+    spec = tiny(num_layers=4)
+    result = plan(spec, Cluster(2, 2, GIB), PROFILE, 2, 16, Precision("fp32"),
+                  fixed={"pp": 2, "ep": 2})
+    assert {(c.layout.pp, c.layout.ep) for c in result.candidates} == {(2, 2)}
+    best = result.candidates[0]
+    flags = best.flags()
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
+    assert best.dp == 2 and best.as_dict()["pp"] == 2
+    assert best.step.bubble_s > 0 and best.memory.microbatches_in_flight >= 1
+    assert "--pipeline-model-parallel-size" not in plan(
+        spec, Cluster(2, 2, GIB), PROFILE, 2, 16, Precision("fp32"),
+        fixed={"pp": 1}).candidates[0].flags()
+
+
 def test_collectives_cost_nothing_on_one_rank_and_more_across_nodes():
     assert collective_seconds(PROFILE, layout(1, 1, 1), "all_reduce", "tp", 1e6) == 0
     inside = collective_seconds(PROFILE, layout(2, 1, 1), "all_gather", "tp", 1e6)
@@ -172,11 +273,17 @@ def test_a_schedule_added_to_the_catalog_is_planned():
 
 def test_enumerates_every_layout_of_four_ranks():
     layouts, skipped = enumerate_layouts(tiny(), Cluster(2, 2, GIB), 4, 16)
-    sizes = {(lay.tp, lay.ep, lay.etp) for lay in layouts}
-    assert len(sizes) == 3 * 6  # tp in 1,2,4 x (ep, etp) with ep * etp | 4
-    assert (4, 4, 1) in sizes and (1, 2, 2) in sizes
+    sizes = {(lay.tp, lay.ep, lay.etp, lay.pp) for lay in layouts}
+    # pp 1: tp in 1,2,4 x (ep, etp) with ep * etp | 4; pp 2 (2 ranks a stage): 2 x 3
+    assert len(sizes) == 3 * 6 + 2 * 3
+    assert (4, 4, 1, 1) in sizes and (1, 2, 2, 1) in sizes and (2, 1, 1, 2) in sizes
+    assert "--num-layers (2) must be divisible by --pipeline-model-parallel-size (4)" in \
+        skipped[(1, 1, 1, 4)]
     layouts, skipped = enumerate_layouts(tiny(num_experts=2), Cluster(2, 2, GIB), 4, 16)
-    assert "--num-experts" in skipped[(1, 4, 1)]
+    assert "--num-experts" in skipped[(1, 4, 1, 1)]
+    # at most one micro-batch per stage at pp 2: fewer micro-batches than stages
+    _, skipped = enumerate_layouts(tiny(), Cluster(2, 2, GIB), 4, 8)
+    assert "fewer than --pipeline-model-parallel-size (2)" in skipped[(1, 1, 1, 2)]
 
 
 def test_plan_ranks_fitting_candidates_fastest_first():
@@ -222,17 +329,20 @@ def test_impossible_plans_say_what_to_change(kwargs, message):
 
 def test_nothing_fits_suggests_the_distributed_optimizer_where_it_helps():
     spec = tiny(num_attention_heads=2)  # tp <= 2: every layout keeps data parallelism
+    no_pipeline = {"pp": 1}  # (pp 2 x tp 2 would leave none)
 
     def smallest(distributed):
         return min(memory_per_rank(spec, lay, 4, Precision("fp32"), distributed).total
-                   for lay in enumerate_layouts(spec, Cluster(2, 2, GIB), 4, 16)[0])
+                   for lay in enumerate_layouts(spec, Cluster(2, 2, GIB), 4, 16,
+                                                no_pipeline)[0])
 
     plain, sharded = smallest(False), smallest(True)
     assert sharded < plain
     with pytest.raises(PlanError, match=r"try --use-distributed-optimizer \(then"):
-        plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16, Precision("fp32"))
+        plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16, Precision("fp32"),
+             fixed=no_pipeline)
     result = plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16,
-                  Precision("fp32"), distributed_optimizer=True)
+                  Precision("fp32"), distributed_optimizer=True, fixed=no_pipeline)
     assert result.candidates[0].fits and "--use-distributed-optimizer" in \
         result.candidates[0].flags()
 
@@ -284,6 +394,10 @@ def test_plan_layout_table_and_json_for_a_shipped_config():
      "--expert-model-parallel-size 4 does not divide --num-experts 6"),
     (CLUSTER + ["--gpu-memory-gb", "0.001"], "no layout fits in --gpu-memory-gb"),
     (CLUSTER + ["--global-batch-size", "6"], "--global-batch-size (6) must be divisible"),
+    (CLUSTER + ["--pipeline-model-parallel-size", "3"],
+     "--pipeline-model-parallel-size 3 does not divide the world size 4"),
+    (CLUSTER + ["--pipeline-model-parallel-size", "4"],
+     "--num-layers (2) must be divisible by --pipeline-model-parallel-size (4)"),
     (CLUSTER + ["--hidden-size", "x"], "--hidden-size"),
     (CLUSTER + ["--bf16", "--fp16"], "--bf16 and --fp16"),
     (CLUSTER + ["--moe-token-dispatcher-type", "parm_s3"],
