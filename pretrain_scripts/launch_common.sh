@@ -1,7 +1,8 @@
 # Sourced by run_local.sh and run_emulated.sh: the repo root as working directory, the Python
-# to use, and the training script, config and data of MODEL (gpt|bert).
+# to use, the training script, config and data of MODEL (gpt|bert), and parallel_args.
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+source pretrain_scripts/parallel_args.sh
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$REPO/.venv/bin/python" || echo python3 )}"
 MODEL="${MODEL:-gpt}"
 case "$MODEL" in

@@ -5,10 +5,14 @@
 #   sudo pretrain_scripts/run_emulated.sh                         # 2 nodes x 2 ranks, pcie preset
 #   sudo NNODES=2 NPROC_PER_NODE=2 PRESET=nvlink DISPATCHERS="parm alltoall" \
 #        pretrain_scripts/run_emulated.sh --train-iters 30
+#   sudo TP=1 EP=2 PP=2 DISPATCHERS="parm alltoall" pretrain_scripts/run_emulated.sh \
+#        --num-layers 4          # a pipeline stage per node: the p2p sends cross nodes
 #
-# Environment: NNODES, NPROC_PER_NODE (default 2, 2), PRESET (pcie|nvlink), TP, EP (default
-# 2, 2), DISPATCHERS (default: parm alltoall ds_baseline), CONFIG, MODEL
-# (gpt|bert), RUN_DIR. Extra arguments go to the training script.
+# Environment: NNODES, NPROC_PER_NODE (default 2, 2), PRESET (pcie|nvlink), TP, EP, PP (default
+# 2, 2, 1), VPP (virtual pipeline stages per rank; default none), DISPATCHERS (default: parm
+# alltoall ds_baseline), CONFIG, MODEL (gpt|bert), RUN_DIR. Extra arguments go to the training
+# script. Ranks are node-major, stages outermost (Megatron's order): at PP=2 on 2 nodes each
+# node holds one stage, and the pipeline's sends cross the inter-node link.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
@@ -17,6 +21,7 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
 PRESET="${PRESET:-pcie}"
 TP="${TP:-2}"
 EP="${EP:-2}"
+PP="${PP:-1}"
 DISPATCHERS="${DISPATCHERS:-parm alltoall ds_baseline}"
 RUN_DIR="${RUN_DIR:-runs/emulated-${MODEL}-$(date +%Y%m%d-%H%M%S)}"
 
@@ -24,8 +29,7 @@ pretrain_scripts/prepare_data.sh
 mkdir -p "$RUN_DIR"
 
 MODEL_ARGS=(--config "$CONFIG")
-PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP")
-[ "$TP" -gt 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+parallel_args
 DATA_ARGS=(--data-path "$DATA_PATH")
 CLUSTER_ARGS=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --preset "$PRESET")
 

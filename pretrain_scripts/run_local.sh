@@ -6,9 +6,11 @@
 #   NPROC=4 DISPATCHER=alltoall pretrain_scripts/run_local.sh --train-iters 100
 #   MODEL=bert CONFIG=configs/bert_tiny_moe.yaml pretrain_scripts/run_local.sh
 #   NPROC=8 TP=2 EP=4 CONFIG=configs/gpt2_small_moe.yaml pretrain_scripts/run_local.sh
+#   TP=1 EP=2 PP=2 pretrain_scripts/run_local.sh --num-layers 4    # 2 pipeline stages
 #
-# Environment: MODEL (gpt|bert), CONFIG, NPROC (ranks, default 4), TP, EP (default 2, 2),
-# DISPATCHER (default parm), RUN_DIR (default runs/<name>-<time>).
+# Environment: MODEL (gpt|bert), CONFIG, NPROC (ranks, default 4), TP, EP, PP (default 2, 2, 1),
+# VPP (virtual pipeline stages per rank; default none), DISPATCHER (default parm), RUN_DIR
+# (default runs/<name>-<time>).
 # Extra arguments are passed to the training script and override everything else.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
@@ -16,6 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 NPROC="${NPROC:-4}"
 TP="${TP:-2}"
 EP="${EP:-2}"
+PP="${PP:-1}"
 DISPATCHER="${DISPATCHER:-parm}"
 RUN_DIR="${RUN_DIR:-runs/${MODEL}_moe-${DISPATCHER}-$(date +%Y%m%d-%H%M%S)}"
 
@@ -23,8 +26,7 @@ pretrain_scripts/prepare_data.sh   # offline; skipped when the .bin/.idx exist
 
 MODEL_ARGS=(--config "$CONFIG")
 MOE_ARGS=(--moe-token-dispatcher-type "$DISPATCHER")
-PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP")
-[ "$TP" -gt 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+parallel_args
 DATA_ARGS=(--data-path "$DATA_PATH")
 OUTPUT_ARGS=(--save "$RUN_DIR/checkpoints" --tensorboard-dir "$RUN_DIR/tensorboard")
 

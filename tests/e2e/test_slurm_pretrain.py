@@ -105,9 +105,11 @@ def test_gpt2_moe_sbatch_on_local_slurm(local_slurm, tmp_path):
 
 def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
     """scontrol requeue mid-run (as a preemption would): the job restarts under the same id,
-    finds the checkpoints it wrote and continues from the latest one to the end."""
+    finds the checkpoints it wrote and continues from the latest one to the end. Pipelined
+    (PP=2: a layer per stage, ep=2 in each), so the pipeline flags and a pipelined resume
+    pass through the sbatch script too."""
     run_dir = tmp_path / "run"
-    env = dict(local_slurm, RUN_DIR=str(run_dir), TP="2", EP="2", SAVE_INTERVAL="5")
+    env = dict(local_slurm, RUN_DIR=str(run_dir), TP="1", EP="2", PP="2", SAVE_INTERVAL="5")
     job_id = submit(env, tmp_path, "--train-iters", "60", "--log-interval", "5",
                     "--eval-iters", "1", "--eval-interval", "1000")
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
@@ -119,6 +121,7 @@ def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
     assert requeue.returncode == 0, requeue.stderr
     log = wait_for_job(env, tmp_path, job_id)
     assert "(start 1)" in log and "(start 2)" in log, log[-3000:]
+    assert "tp=1 ep=2 pp=2, dispatcher" in log and "pp=2, dp=2" in log, log[-3000:]
     resumed = re.findall(r"> loaded checkpoint .* at iteration (\d+)", log)
     assert resumed and int(resumed[-1]) >= 5, log[-3000:]
     assert (run_dir / "checkpoints" / "iter_0000060").is_dir()
@@ -203,13 +206,15 @@ def test_job_requeued_after_a_rank_dies_resumes_with_the_same_losses(local_slurm
 # the requeue's bound and its user error: the sbatch script alone, srun and scontrol stood in
 # ---------------------------------------------------------------------------------------------
 
-def run_batch_script(tmp_path, srun_status: int, **env):
-    """Run gpt2_moe.sbatch as Slurm would (job 42, start 1), with an srun that exits
-    SRUN_STATUS and an scontrol that notes its arguments; returns (result, scontrol's calls)."""
+def run_batch_script(tmp_path, srun_status: int, script="gpt2_moe.sbatch", **env):
+    """Run SCRIPT (pretrain_scripts/) as Slurm would (job 42, start 1), with an srun that
+    notes its arguments in tmp_path/srun.calls and exits SRUN_STATUS and an scontrol that notes
+    its arguments; returns (result, scontrol's calls)."""
     stubs = tmp_path / "bin"
     stubs.mkdir(parents=True, exist_ok=True)
     calls = tmp_path / "scontrol.calls"
-    (stubs / "srun").write_text(f"#!/bin/sh\nexit {srun_status}\n")
+    (stubs / "srun").write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path / "srun.calls"}\nexit {srun_status}\n')
     (stubs / "scontrol").write_text(
         f'#!/bin/sh\necho "$*" >> {calls}\n[ "$1" = show ] && echo localhost\nexit 0\n')
     for stub in stubs.iterdir():
@@ -219,7 +224,7 @@ def run_batch_script(tmp_path, srun_status: int, **env):
                    SLURM_CPUS_PER_TASK="4", SLURM_SUBMIT_DIR=str(REPO),
                    RUN_DIR=str(tmp_path / "run"))
     job_env.update(env)
-    result = subprocess.run(["bash", "pretrain_scripts/gpt2_moe.sbatch", "--train-iters", "9"],
+    result = subprocess.run(["bash", f"pretrain_scripts/{script}", "--train-iters", "9"],
                             cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
     requeues = [c for c in calls.read_text().splitlines() if c.startswith("requeue")] \
         if calls.exists() else []
@@ -252,3 +257,27 @@ def test_invalid_max_requeues_is_one_line(tmp_path, value):
     assert result.returncode == 2 and requeues == [] and result.stdout == "", result
     assert result.stderr == ("error: MAX_REQUEUES must be a whole number of requeues (0 or more), "
                              f"got '{value}'\n"), result.stderr
+
+
+def test_layout_environment_becomes_megatrons_flags(tmp_path, prepared_data):
+    """TP, EP, PP and VPP of either sbatch script reach the training script as Megatron-LM's
+    flags (sequence parallelism only with TP > 1); a size that is no whole number is one line."""
+    for script in ("gpt2_moe.sbatch", "bert_moe.sbatch"):
+        folder = tmp_path / script
+        result, _ = run_batch_script(folder, 0, script=script, TP="1", EP="2", PP="2", VPP="2")
+        assert result.returncode == 0, result.stderr
+        srun = (folder / "srun.calls").read_text()
+        assert ("--tensor-model-parallel-size 1 --expert-model-parallel-size 2 "
+                "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2") \
+            in srun and "--sequence-parallel" not in srun, srun
+        assert "tp=1 ep=2 pp=2 x 2 virtual" in result.stdout
+        assert "pretrain_" + script.split("_")[0] in srun
+    # the defaults: 4 ranks, no pipeline: tp=2 ep=2 pp=1; PP=2 leaves tp=2 ep=1 in a stage of 2
+    result, _ = run_batch_script(tmp_path / "defaults", 0)
+    assert "tp=2 ep=2 pp=1," in result.stdout, result.stdout
+    result, _ = run_batch_script(tmp_path / "pp2", 0, PP="2")
+    assert "tp=2 ep=1 pp=2," in result.stdout, result.stdout
+    for name, value in (("PP", "two"), ("VPP", "0")):
+        result, _ = run_batch_script(tmp_path / name, 0, **{name: value})
+        assert result.returncode == 2 and not (tmp_path / name / "srun.calls").exists()
+        assert result.stderr == f"error: {name} must be a positive whole number, got '{value}'\n"
