@@ -24,6 +24,8 @@ Same flags and behaviour as `torchrun` (torch.distributed.run, which this calls)
   0, and so does the launcher. torchrun itself would raise, stop the ranks, kill those still
   saving after 30 s and exit 1. A second signal falls back to torchrun's handling. Ranks
   that SIGTERM ends (no --exit-signal-handler) give status 128 + 15, without a traceback.
+* Without OMP_NUM_THREADS in the environment, the ranks get torchrun's default (1 with several
+  ranks per node) without torchrun's banner about it.
 
 The launcher tells the ranks a folder for their progress and follow-on errors (a new temporary
 folder, named to them in megatron_parm.faults.LAUNCH_DIR_ENV; removed after a success).
@@ -299,6 +301,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = torchrun.get_args_parser().parse_args(argv)
     grace_s = STOP_GRACE_S if parsed.shutdown_timeout is None else parsed.shutdown_timeout
+    if "OMP_NUM_THREADS" not in os.environ and \
+            torchrun.determine_local_world_size(parsed.nproc_per_node) > 1:
+        # torchrun's own default for several ranks per node, set here so that it does not
+        # print its 4-line banner about it
+        os.environ["OMP_NUM_THREADS"] = "1"
     folder = tempfile.mkdtemp(prefix="megatron_parm-launch-")
     os.environ[faults.LAUNCH_DIR_ENV] = folder  # the ranks inherit it
     report = _FaultReport(folder, argv, _flag_value(parsed.training_script_args, "--save"))

@@ -346,6 +346,9 @@ def pretrain(args) -> dict:
         print_rank_0(f"> {optional_packages_note()}")
     print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
                  f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
+    # The checks below fail on every rank alike, and the first to fail prints the error: wait
+    # for rank 0's banner, so that in a shared log (Slurm's) the error comes after it.
+    torch.distributed.barrier()
 
     # The checkpoint to resume from, if any, is checked before the model is built: its flags
     # must describe the same model, and its padded vocabulary is kept (it depends on the TP

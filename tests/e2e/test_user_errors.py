@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from launch import free_port, pids_with_marker, torchrun  # noqa: E402
+from launch import free_port, pids_with_marker, process_environ, torchrun  # noqa: E402
 
 TINY = ["--config", "configs/gpt2_tiny_moe.yaml", "--tensor-model-parallel-size", "2",
         "--expert-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
@@ -218,16 +218,20 @@ def test_resume_follows_the_flag_that_says_which_schedule(ranks):
 # ---------------------------------------------------------------------------------------------
 
 def _env(marker: str = "") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARM_TEST_LAUNCH=marker)
+    """A user's environment: no PYTHONWARNINGS, no OMP_NUM_THREADS (the launcher sets it)."""
+    env = dict(os.environ, PARM_TEST_LAUNCH=marker)
     env.pop("PYTHONWARNINGS", None)
+    env.pop("OMP_NUM_THREADS", None)
     return env
 
 
 def launch(*args, timeout=300, marker: str = "") -> subprocess.CompletedProcess:
+    """The launch's stdout and stderr in one stream, in the order written, as in a Slurm log."""
     return subprocess.run(
         [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4", "--master-addr",
          "127.0.0.1", "--master-port", str(free_port()), "pretrain_scripts/pretrain_gpt2_moe.py",
-         *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(marker))
+         *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout, env=_env(marker))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -238,10 +242,20 @@ def launch(*args, timeout=300, marker: str = "") -> subprocess.CompletedProcess:
 ])
 def test_launch_reports_a_mistake_once_with_status_2(flags, message, prepared_data):
     proc = launch(*TINY, *flags)
-    output = proc.stdout + proc.stderr
+    output = proc.stdout
     assert proc.returncode == 2, output[-4000:]
     assert output.count(message) == 1, output[-4000:]
-    assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1
+    lines = output.splitlines()
+    assert len([line for line in lines if line.startswith("error:")]) == 1
+    # The error is the last line: below the start-up banner when there is one (ranks that find
+    # the mistake start checking after rank 0 printed it), alone when the flags never parsed.
+    assert lines[-1].startswith(message), output[-4000:]
+    banner = [line for line in lines if line.startswith("> ")]
+    if "--load" in flags:
+        assert banner and banner[0].startswith("> GPT MoE pretraining: 4 ranks "), output[-4000:]
+    else:
+        assert lines == [lines[-1]], output[-4000:]
+    assert "OMP_NUM_THREADS" not in output, output[-4000:]  # torchrun's banner
     assert "Traceback" not in output and "usage:" not in output, output[-4000:]
     assert "ChildFailedError" not in output and "exitcode" not in output, output[-4000:]
 
@@ -283,7 +297,11 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
                 assert launcher.poll() is None and time.time() < deadline, log_path.read_text()
                 time.sleep(0.2)
             stop = time.time()
-            for pid in pids_with_marker(f"PARM_TEST_LAUNCH={marker}"):
+            pids = pids_with_marker(f"PARM_TEST_LAUNCH={marker}")
+            # torchrun's default for 4 ranks on a node, which the launcher sets in its place
+            threads = [process_environ(pid).get("OMP_NUM_THREADS") for pid in pids
+                       if "LOCAL_RANK" in process_environ(pid)]
+            for pid in pids:
                 os.kill(pid, signal.SIGTERM)
             status = launcher.wait(timeout=120)
             took = time.time() - stop
@@ -295,6 +313,8 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     stopped = int(re.search(r"> exit signal received: stopping after iteration (\d+)",
                             output).group(1))
     assert status == 0, output[-4000:]
+    assert len(threads) >= 4 and set(threads) == {"1"}, threads  # the ranks (and their helpers)
+    assert "OMP_NUM_THREADS" not in output, output[-4000:]
     assert took < 30, (took, output[-4000:])  # well inside torchrun's grace period
     assert (tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text() == str(stopped)
     assert (tmp_path / f"ckpt/iter_{stopped:07d}/metadata.json").is_file()
