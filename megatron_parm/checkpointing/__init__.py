@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import collections
 import os
-import queue
 import shutil
 from typing import Callable, Optional
 
 import torch
 
+from megatron_parm import mcore_compat
 from megatron_parm.checkpointing import rng
 from megatron_parm.checkpointing.paths import (
     TRACKER_FILE,
@@ -240,25 +240,12 @@ def _plain_args(args) -> dict:
             if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
 
 
-def _write_results_in_process() -> None:
-    """Megatron-Core's torch_dist writer forks writer processes and collects their results in a
-    queue it creates, on first use, in a multiprocessing Manager: a spawned helper process that
-    re-imports the training script (seconds), outlives a rank killed mid-save and dies with a
-    job-wide SIGTERM (Slurm's), failing the save that SIGTERM asked for. Only asynchronous saves
-    need it; these are synchronous (the results are put and taken in this process), so a plain
-    queue serves and no helper process is started."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     consumed_samples: int, args=None, save_rng: bool = True) -> str:
     """Write ROOT/iter_NNNNNNN.partial/, publish it as ROOT/iter_NNNNNNN/, then point the
     tracker at it; returns the published folder. Collective. save_rng=False (conversions)
     leaves the RNG states out, so a resumed run keeps its seed rather than the converter's."""
-    _write_results_in_process()
+    mcore_compat.keep_writer_results_in_process()  # no Manager process (see its docstring)
     rank = torch.distributed.get_rank()
     staged = partial_dir(root, iteration)
     if rank == 0:

@@ -1,18 +1,24 @@
-"""CPU/gloo redirects for Megatron-Core 0.16.1.
+"""Every change this project makes to Megatron-Core 0.16.1 (and to torch where Megatron-Core
+calls it), in one table: ``REDIRECTS``.
 
 Megatron-Core's MoE, model, optimizer and checkpoint paths assume a CUDA device in a
 handful of places. On a machine without CUDA (this project's CI, laptops) ``setup()``
 redirects exactly those places so that the same code runs on CPU with the gloo backend.
+A few other changes live next to the code they serve (the checkpoint writer's queue, the
+grouped-GEMM check TorchGroupedMLP waives, the benchmark's byte counters, the launcher's
+changes to torchrun's agent); the table lists them too, naming the module that makes them.
 
 Rules:
 - Nothing here runs at import time: entry points and tests call ``setup()`` explicitly.
 - ``setup()`` changes nothing CUDA-related where CUDA is available, so GPU runs use Megatron
-  unchanged. Two redirects are not about CUDA and apply there too (``WITH_CUDA``):
+  unchanged. Two redirects are not about CUDA and apply there too (``with_cuda``):
   ``missing_te`` (a no-op when TE imports) and ``uneven_collectives`` (only for process groups
   on gloo: several ranks sharing one GPU over gloo, as tools/gpu_check.sh does; NCCL groups go
   to Megatron's own calls).
-- Every redirect is listed in ``REDIRECTS`` with the reason it exists, and is as narrow as
-  the call site allows (a Megatron module attribute rather than torch where possible).
+- Every change is an entry of ``REDIRECTS``: the reason it exists, the version it was written
+  for, who applies it. Each is as narrow as the call site allows (a Megatron module attribute
+  rather than torch where possible). tests/unit/test_mcore_compat.py checks the entries that
+  live elsewhere against their modules' source.
 
 This module imports nothing from the rest of megatron_parm at import time but its device seam
 (``megatron_parm.device``, the one place that asks torch.cuda); the uneven
@@ -23,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Dict, List
+import queue
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -32,77 +40,6 @@ from megatron_parm import device
 logger = logging.getLogger(__name__)
 
 _APPLIED: List[str] = []
-
-# name -> why it exists. Kept next to the code so the list and the patches stay in step.
-REDIRECTS: Dict[str, str] = {
-    "current_device": (
-        "Megatron allocates with device=torch.cuda.current_device() all over "
-        "(mappings, layers, router, experts); on CPU that must name the CPU."
-    ),
-    "streams": (
-        "The alltoall dispatcher and shared experts create torch.cuda.Stream objects and "
-        "enter torch.cuda.stream(); on CPU work is ordered already, so a do-nothing stream "
-        "keeps the call sites working."
-    ),
-    "rng_tracker": (
-        "tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the "
-        "same tracker keeps CPU generator states instead, so model-parallel init and "
-        "dropout forks stay reproducible."
-    ),
-    "uneven_collectives": (
-        "gloo's list all_gather and reduce_scatter need equal sizes; Megatron's gather with "
-        "output_split_sizes and reduce-scatter with input_split_sizes (alltoall dispatcher, "
-        "ETP>1) pad every split to the largest and trim. On gloo groups only; there, CUDA "
-        "tensors are reduce-scattered by the dispatchers' all_to_all_single way too, which "
-        "gloo runs on CUDA tensors (its reduce_scatter is not relied on for them)."
-    ),
-    "sp_layernorm": (
-        "Megatron's local LayerNorm (WrappedTorchNorm) refuses sequence_parallel=True "
-        "without apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights "
-        "get Megatron's sequence_parallel attribute so their grads are reduced over TP."
-    ),
-    "host_split_sizes": (
-        "The alltoall dispatcher turns its split sizes into numpy arrays only when they "
-        "live on the GPU (maybe_move_tensor_to_cpu); on CPU they stay tensors, which "
-        "torch.distributed.all_to_all_single rejects as split sizes."
-    ),
-    "missing_te": (
-        "moe_utils.RouterGatingLinearFunction reads the name te_general_gemm, which only "
-        "exists when transformer-engine imports; it is bound to None when TE is absent. "
-        "This one is about TE, not CUDA, so setup() applies it wherever TE is missing."
-    ),
-    "cuda_device_literals": (
-        "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
-        "buffers), the loss scalers (grad_scaler), clip_grads and the pipeline schedules "
-        "create small tensors with a literal device='cuda'. Those four modules see a `torch` "
-        "whose tensor factories read 'cuda' as the CPU; every other name is torch's own."
-    ),
-    "float16_param_types": (
-        "Float16OptimizerWithFloat16Params (--bf16 / --fp16) sorts parameters by "
-        "param.type() in 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' / "
-        "'torch.cuda.FloatTensor' and refuses anything else, so CPU parameters are refused. "
-        "While its constructor runs, Tensor.type() without arguments names a CPU tensor's "
-        "type as its CUDA counterpart; nothing else changes."
-    ),
-    "loss_scaler_state": (
-        "DynamicGradScaler.load_state_dict (--fp16 resume) moves the saved scale with "
-        ".cuda(current_device); on CPU the scale is copied onto the CPU instead."
-    ),
-    "clip_grads": (
-        "get_grad_norm_fp32 computes the 2-norm through Megatron's local multi-tensor "
-        "applier, which allocates on 'cuda', and clip_grad_by_total_norm_fp32 asserts "
-        "grad.type() == 'torch.cuda.FloatTensor'. The optimizer module gets the same two "
-        "functions on the CPU: sum of squares all-reduced over grad_stats_parallel_group "
-        "(other norms: max or p-th powers, as Megatron does), then grads *= "
-        "max_norm / (norm + 1e-6) when that is below 1."
-    ),
-    "pipeline_embedding_sync": (
-        "With pipeline parallelism LanguageModule.setup_embeddings_and_output_layer moves "
-        "the tied word embedding with weight.data.cuda() before all-reducing it between the "
-        "first and last stage (the last stage's copy starts at zero). While it runs, "
-        "Tensor.cuda() without arguments leaves a CPU tensor where it is."
-    ),
-}
 
 
 def cuda_available() -> bool:
@@ -114,23 +51,18 @@ def applied() -> List[str]:
     return list(_APPLIED)
 
 
-# Redirects that are not about CUDA and so also apply where it is present.
-WITH_CUDA = ("missing_te", "uneven_collectives")
-
-
 def setup() -> None:
-    """Apply every CPU redirect once; where CUDA is present, only those of WITH_CUDA."""
+    """Apply every redirect of ``REDIRECTS`` that setup() owns, once; where CUDA is present,
+    only those marked ``with_cuda``."""
     if _APPLIED:
         return
-    if cuda_available():
-        for name in WITH_CUDA:
-            _PATCHES[name]()
+    cuda = cuda_available()
+    for name, redirect in REDIRECTS.items():
+        if redirect.applied_by == SETUP and (redirect.with_cuda or not cuda):
+            redirect.patch()
             _APPLIED.append(name)
-        return
-    for name, patch in _PATCHES.items():
-        patch()
-        _APPLIED.append(name)
-    logger.info("megatron_parm.mcore_compat: CPU redirects applied: %s", ", ".join(_APPLIED))
+    if not cuda:
+        logger.info("megatron_parm.mcore_compat: CPU redirects applied: %s", ", ".join(_APPLIED))
 
 
 # ----------------------------------------------------------------------------------------
@@ -473,17 +405,183 @@ def _patch_pipeline_embedding_sync() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
-_PATCHES: Dict[str, Callable[[], None]] = {
-    "current_device": _patch_current_device,
-    "streams": _patch_streams,
-    "rng_tracker": _patch_rng_tracker,
-    "uneven_collectives": _patch_uneven_collectives,
-    "sp_layernorm": _patch_sp_layernorm,
-    "host_split_sizes": _patch_host_split_sizes,
-    "missing_te": _patch_missing_te,
-    "cuda_device_literals": _patch_cuda_device_literals,
-    "float16_param_types": _patch_float16_param_types,
-    "loss_scaler_state": _patch_loss_scaler_state,
-    "clip_grads": _patch_clip_grads,
-    "pipeline_embedding_sync": _patch_pipeline_embedding_sync,
+# ----------------------------------------------------------------------------------------
+# the checkpoint writer's results queue (applied by every save, CPU and GPU)
+# ----------------------------------------------------------------------------------------
+
+
+def keep_writer_results_in_process() -> None:
+    """Megatron-Core's torch_dist writer forks writer processes and collects their results in a
+    queue it creates, on first use, in a multiprocessing Manager: a spawned helper process that
+    re-imports the training script (seconds), outlives a rank killed mid-save and dies with a
+    job-wide SIGTERM (Slurm's), failing the save that SIGTERM asked for. Only asynchronous saves
+    need it; the project's are synchronous (the results are put and taken in this process), so a
+    plain queue serves and no helper process is started."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+# ----------------------------------------------------------------------------------------
+# the table: every change this project makes to Megatron-Core (and to torch where Megatron-Core
+# calls it), why, the version it was written for, and who applies it
+# ----------------------------------------------------------------------------------------
+
+SETUP = "setup()"
+MCORE_VERSION = "megatron-core 0.16.1"
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """One change to a library's module, class or function, made while this process runs.
+
+    Args:
+        patch: the function that makes the change (setup() calls it for ``SETUP`` entries);
+            None for changes that live next to the code they serve (``applied_by`` names it).
+        why: what the library does that needs the change, and what the change does instead.
+        with_cuda: setup() applies it where CUDA is present too (it is not about CUDA).
+        applied_by: ``SETUP``, or the project code that makes the change (scoped ones undo it).
+        target: the patched names (dotted), for the changes that live elsewhere.
+        written_for: the library version whose source the change was written against; check
+            the change again when that version moves.
+    """
+
+    patch: Optional[Callable[[], None]]
+    why: str
+    with_cuda: bool = False
+    applied_by: str = SETUP
+    target: str = ""
+    written_for: str = MCORE_VERSION
+
+
+REDIRECTS: Dict[str, Redirect] = {
+    "current_device": Redirect(
+        _patch_current_device, with_cuda=False,
+        why=(
+            'Megatron allocates with device=torch.cuda.current_device() all over (mappings, '
+            'layers, router, experts); on CPU that must name the CPU.'
+        )),
+    "streams": Redirect(
+        _patch_streams, with_cuda=False,
+        why=(
+            'The alltoall dispatcher and shared experts create torch.cuda.Stream objects and '
+            'enter torch.cuda.stream(); on CPU work is ordered already, so a do-nothing stream '
+            'keeps the call sites working.'
+        )),
+    "rng_tracker": Redirect(
+        _patch_rng_tracker, with_cuda=False,
+        why=(
+            'tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the '
+            'same tracker keeps CPU generator states instead, so model-parallel init and dropout '
+            'forks stay reproducible.'
+        )),
+    "uneven_collectives": Redirect(
+        _patch_uneven_collectives, with_cuda=True,
+        why=(
+            "gloo's list all_gather and reduce_scatter need equal sizes; Megatron's gather with "
+            'output_split_sizes and reduce-scatter with input_split_sizes (alltoall dispatcher, '
+            'ETP>1) pad every split to the largest and trim. On gloo groups only; there, CUDA '
+            "tensors are reduce-scattered by the dispatchers' all_to_all_single way too, which "
+            'gloo runs on CUDA tensors (its reduce_scatter is not relied on for them).'
+        )),
+    "sp_layernorm": Redirect(
+        _patch_sp_layernorm, with_cuda=False,
+        why=(
+            "Megatron's local LayerNorm (WrappedTorchNorm) refuses sequence_parallel=True without "
+            "apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights get Megatron's "
+            'sequence_parallel attribute so their grads are reduced over TP.'
+        )),
+    "host_split_sizes": Redirect(
+        _patch_host_split_sizes, with_cuda=False,
+        why=(
+            'The alltoall dispatcher turns its split sizes into numpy arrays only when they live '
+            'on the GPU (maybe_move_tensor_to_cpu); on CPU they stay tensors, which '
+            'torch.distributed.all_to_all_single rejects as split sizes.'
+        )),
+    "missing_te": Redirect(
+        _patch_missing_te, with_cuda=True,
+        why=(
+            'moe_utils.RouterGatingLinearFunction reads the name te_general_gemm, which only '
+            'exists when transformer-engine imports; it is bound to None when TE is absent. This '
+            'one is about TE, not CUDA, so setup() applies it wherever TE is missing.'
+        )),
+    "cuda_device_literals": Redirect(
+        _patch_cuda_device_literals, with_cuda=False,
+        why=(
+            "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
+            'buffers), the loss scalers (grad_scaler), clip_grads and the pipeline schedules '
+            "create small tensors with a literal device='cuda'. Those four modules see a `torch` "
+            "whose tensor factories read 'cuda' as the CPU; every other name is torch's own."
+        )),
+    "float16_param_types": Redirect(
+        _patch_float16_param_types, with_cuda=False,
+        why=(
+            "Float16OptimizerWithFloat16Params (--bf16 / --fp16) sorts parameters by "
+            "param.type() in 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' / "
+            "'torch.cuda.FloatTensor' and refuses anything else, so CPU parameters are refused. "
+            "While its constructor runs, Tensor.type() without arguments names a CPU tensor's "
+            "type as its CUDA counterpart; nothing else changes."
+        )),
+    "loss_scaler_state": Redirect(
+        _patch_loss_scaler_state, with_cuda=False,
+        why=(
+            'DynamicGradScaler.load_state_dict (--fp16 resume) moves the saved scale with '
+            '.cuda(current_device); on CPU the scale is copied onto the CPU instead.'
+        )),
+    "clip_grads": Redirect(
+        _patch_clip_grads, with_cuda=False,
+        why=(
+            "get_grad_norm_fp32 computes the 2-norm through Megatron's local multi-tensor "
+            "applier, which allocates on 'cuda', and clip_grad_by_total_norm_fp32 asserts "
+            "grad.type() == 'torch.cuda.FloatTensor'. The optimizer module gets the same two "
+            'functions on the CPU: sum of squares all-reduced over grad_stats_parallel_group '
+            '(other norms: max or p-th powers, as Megatron does), then grads *= max_norm / (norm '
+            '+ 1e-6) when that is below 1.'
+        )),
+    "pipeline_embedding_sync": Redirect(
+        _patch_pipeline_embedding_sync, with_cuda=False,
+        why=(
+            'With pipeline parallelism LanguageModule.setup_embeddings_and_output_layer moves the '
+            'tied word embedding with weight.data.cuda() before all-reducing it between the first '
+            "and last stage (the last stage's copy starts at zero). While it runs, Tensor.cuda() "
+            'without arguments leaves a CPU tensor where it is.'
+        )),
+    # Changes made elsewhere, next to the code they serve.
+    "writer_results_queue": Redirect(
+        keep_writer_results_in_process, applied_by="megatron_parm.checkpointing",
+        target="megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+        why=(
+            "Megatron-Core's torch_dist writer collects its forked writers' results in a queue "
+            "it creates in a multiprocessing Manager: a spawned helper process that outlives a "
+            "rank killed mid-save and dies with a job-wide SIGTERM. Synchronous saves need no "
+            "Manager: a plain queue of this process is installed before every save."
+        )),
+    "grouped_gemm_check": Redirect(
+        None, applied_by="megatron_parm.experts",
+        target="megatron.core.transformer.moe.experts.gg.assert_grouped_gemm_is_available",
+        why=(
+            "GroupedMLP's constructor asserts that the grouped_gemm package imports, only to "
+            "use it in the forward that TorchGroupedMLP replaces; the check is waived while "
+            "TorchGroupedMLP's constructor runs, and restored after."
+        )),
+    "native_byte_taps": Redirect(
+        None, applied_by="megatron_parm.bench.native_accounting",
+        target="megatron.core.transformer.moe.token_dispatcher.all_to_all",
+        why=(
+            "To count the bytes Megatron's own alltoall dispatcher sends, the benchmark wraps "
+            "the collectives that token_dispatcher imported (all_to_all, the sequence-parallel "
+            "gather and reduce-scatter) with counting ones, inside a context manager that "
+            "puts the originals back."
+        )),
+    "torchrun_agent": Redirect(
+        None, applied_by="megatron_parm.launch",
+        target="torch.distributed.elastic.multiprocessing.api._terminate_process_handler",
+        written_for="torch 2.13 (torch.distributed.elastic)",
+        why=(
+            "The launcher is torchrun with four changes to its agent (launch.py's docstring): "
+            "the grace before SIGKILL capped, the ranks it stopped remembered, a line before "
+            "each restart (SubprocessContext._close, LocalElasticAgent._monitor_workers, "
+            "SimpleElasticAgent._restart_workers), and a signal handler that stops cleanly."
+        )),
 }
