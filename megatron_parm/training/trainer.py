@@ -28,7 +28,6 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
-    DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -62,7 +61,7 @@ from megatron_parm.training.log import (
     print_rank_0,
     validation_block,
 )
-from megatron_parm.training import mixed_precision
+from megatron_parm.training import ddp, mixed_precision, timing
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers, unwrap)
 
@@ -264,9 +263,7 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     each in Megatron's DDP, their Adam and the learning-rate schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
-        use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp_config = ddp.ddp_config(args)
     # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
     # wait for the end of the step anyway).
     model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
@@ -290,8 +287,7 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
         use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
                                                    False))
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
-    config.no_sync_func = (model[0].no_sync if len(model) == 1
-                           else [chunk.no_sync for chunk in model])
+    ddp.set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, scheduler
@@ -421,10 +417,15 @@ def pretrain(args) -> dict:
     for chunk in model:
         chunk.train()
     print_rank_0(f"> training for {args.train_iters - iteration} iterations")
+    timer = timing.StepTimer.install(model, optimizer, unwrap(model[0]).config, args)
+    # --overlap-param-gather: no forward pre-hooks in the first step (Megatron-LM's order)
+    param_gather = ddp.ParamGather(model, unwrap(model[0]).config, args)
+    param_gather.disable(param_sync=False)
 
     while iteration < args.train_iters:
         faults.record_progress(iteration + 1, "training", args.save)  # for the launcher's line
         step_start = time.time()
+        timer.step_start()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -433,6 +434,7 @@ def pretrain(args) -> dict:
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         update_successful, grad_norm, _ = optimizer.step()
+        param_gather.enable()
         if update_successful:
             scheduler.step(increment=args.global_batch_size)
         else:
@@ -444,6 +446,7 @@ def pretrain(args) -> dict:
         losses = from_last_stage(mean_over_data_parallel(average_microbatch_losses(
             losses_reduced)) if parallel_state.is_pipeline_last_stage() else None)
         summary["losses"].append(losses["lm loss"])
+        timer.step_end(iteration, losses)
         interval_nan += any(not math.isfinite(value) for value in losses.values())
         for name, value in losses.items():
             interval_losses[name] = interval_losses.get(name, 0.0) + value
@@ -485,6 +488,7 @@ def pretrain(args) -> dict:
             summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval_skipped
             for layer_number, fractions in shares:
                 print_rank_0(expert_load_line(layer_number, fractions))
+            timer.log(iteration)
             tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
                                  "train/learning-rate": learning_rate,
                                  "train/tokens-per-second": tokens_per_second,
@@ -499,7 +503,9 @@ def pretrain(args) -> dict:
         if args.eval_iters > 0 and (iteration % args.eval_interval == 0
                                     or iteration == args.train_iters):
             faults.record_progress(iteration, "evaluating", args.save)
+            param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
             eval_losses = evaluate(forward_step, valid_iter, model, args)
+            param_gather.enable()
             summary["eval"].append((iteration, eval_losses))
             progress.clear()
             print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
@@ -537,6 +543,7 @@ def pretrain(args) -> dict:
     exit_signal.close()  # after the save: a second SIGTERM must not cut it short
     faults.record_progress(iteration, "done", args.save)
     tensorboard.close()
+    timer.close()
     print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
                  if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
     print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")

@@ -1,0 +1,129 @@
+"""Megatron-LM's data-parallel flags, mapped onto Megatron-Core 0.16.1 as Megatron-LM's
+training maps them.
+
+    (the flags --overlap-grad-reduce, --overlap-param-gather, --use-distributed-optimizer,
+    --ddp-bucket-size and --ddp-average-in-collective are declared in megatron_parm.settings)
+    check_args(args, cuda)           what Megatron-Core cannot run here: ValueError naming the
+                                     flag, why, and which flag to drop
+    ddp_config(args)                 the DistributedDataParallelConfig
+    set_sync_funcs(config, model, args)   the schedule's no_sync / grad_sync / param_sync hooks
+    ParamGather(model, config, args)      --overlap-param-gather's forward pre-hooks, switched off
+                                     for the first step, evaluation and checkpoints
+
+What each flag does (Megatron-Core's DistributedDataParallel and DistributedOptimizer do the
+work; nothing here reduces a gradient):
+  --overlap-grad-reduce        the gradients' all-reduce (reduce-scatter with the distributed
+                               optimizer) starts per bucket during the last micro-batch's
+                               backward, as soon as a bucket's gradients are complete, instead
+                               of once after it (finalize_model_grads waits for them);
+  --ddp-bucket-size N          parameters per bucket (default max(4e7, 1e6 x DP size));
+                               Megatron-Core uses one bucket without --overlap-grad-reduce, so
+                               the size matters only with it;
+  --use-distributed-optimizer  the optimizer state and fp32 main parameters sharded over the
+                               data-parallel ranks (ZeRO-1): gradients reduce-scattered, each
+                               rank updates its shard, parameters all-gathered after the step;
+  --overlap-param-gather       that all-gather started after the step and waited for by each
+                               module's forward pre-hook in the next forward (needs both flags
+                               above, as in Megatron-LM);
+  --ddp-average-in-collective  the gradients averaged by the collective (ReduceOp.AVG) instead
+                               of scaled by 1/DP before a summing one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron.core.distributed import DistributedDataParallelConfig
+
+from megatron_parm.training import mixed_precision
+
+
+def check_args(args, cuda: bool) -> None:
+    """Refuse, with one ValueError naming the flag, a combination Megatron-LM refuses or
+    Megatron-Core 0.16.1 cannot run on this machine (cuda: a GPU is usable)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps "
+                         "the distributed optimizer's parameter all-gather): add it or drop "
+                         "--overlap-param-gather")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (as in "
+                         "Megatron-LM): add it or drop --overlap-param-gather")
+    if args.ddp_average_in_collective and not cuda:
+        raise ValueError("--ddp-average-in-collective needs NCCL: gloo (this machine has no "
+                         "GPU) has no ReduceOp.AVG; drop the flag (the gradients are then "
+                         "scaled by 1/DP before a summing collective, the same average)")
+    if args.use_distributed_optimizer and (args.save or args.load):
+        flag = "--save" if args.save else "--load"
+        raise ValueError(f"--use-distributed-optimizer with {flag}: checkpoints of the "
+                         "distributed optimizer's sharded state are not supported yet "
+                         "(docs/checkpoints.md); drop --use-distributed-optimizer or "
+                         f"{flag}")
+
+
+def ddp_config(args) -> DistributedDataParallelConfig:
+    """The DistributedDataParallelConfig Megatron-LM's training builds from the same flags
+    (grad_reduce_in_fp32 from the precision flags; align_param_gather on, its default)."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective)
+
+
+def _per_chunk(functions):
+    return functions[0] if len(functions) == 1 else functions
+
+
+def set_sync_funcs(config, model, args) -> None:
+    """The hooks Megatron-Core's schedules call, set as Megatron-LM's training sets them:
+    no_sync (no reduction before the last micro-batch), grad_sync with --overlap-grad-reduce
+    (start each chunk's reduction when its backward ends: aligned across pipeline stages) and
+    param_sync with --overlap-param-gather (start each chunk's all-gather before its forward)."""
+    config.no_sync_func = _per_chunk([chunk.no_sync for chunk in model])
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather:
+        config.param_sync_func = _per_chunk([chunk.start_param_sync for chunk in model])
+
+
+class ParamGather:
+    """--overlap-param-gather's forward pre-hooks (they wait for a module's parameters'
+    all-gather), switched as Megatron-LM switches them: off for the first training step (a
+    checkpoint or initialisation error must not reach every rank in the first all-gather), and
+    off with the parameters gathered synchronously around evaluation and checkpoint saves.
+    Without the flag every method does nothing."""
+
+    def __init__(self, model, config, args):
+        self.model, self.config = model, config
+        self.active = args.use_distributed_optimizer and args.overlap_param_gather
+        self.enabled = self.active
+        self._param_sync_func = getattr(config, "param_sync_func", None)
+
+    def disable(self, param_sync: bool = True) -> None:
+        if self.enabled:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=param_sync)
+            self.config.param_sync_func = None
+            self.enabled = False
+
+    def enable(self) -> None:
+        if self.active and not self.enabled:
+            for chunk in self.model:
+                chunk.enable_forward_pre_hook()
+            self.config.param_sync_func = self._param_sync_func
+            self.enabled = True
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Parameters gathered and hooks off inside (evaluation, a checkpoint save); back on
+        after, if they were on."""
+        was_enabled = self.enabled
+        self.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                self.enable()

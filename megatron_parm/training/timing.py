@@ -1,0 +1,338 @@
+"""Where a training step's time goes (--parm-timing-breakdown, --parm-timing-file; declared in
+megatron_parm.settings): host timers over exclusive regions of the step, forward and
+backward, with the device synchronised at every boundary.
+
+    StepTimer.install(model, optimizer, config, args)   the timer (a no-op one without the flags)
+      .step_start() / .step_end(iteration, losses)      around one training iteration
+      .log(iteration)                   the logged iterations' mean breakdown: one line on rank 0,
+                                        a JSON line with --parm-timing-file
+      .close()                          hooks removed, Megatron-Core's functions restored
+
+Categories (ms per iteration, mean over ranks; they add up to the step):
+  moe_dispatch, moe_experts, moe_combine   each MoE layer: the router and the dispatcher's
+      phases up to the experts, the experts' module, the phases after it; forward and backward.
+      A pipelined schedule (parm_s2) interleaves its phases with the experts' chunks: its
+      non-expert time is moe_dispatch_combine.
+  attention_dense    the rest of each transformer layer: layer norms, attention, a dense MLP,
+                     residuals (their TP/SP collectives excluded)
+  tp_sp              Megatron-Core's tensor- and sequence-parallel collectives outside the MoE
+                     layers (all-gathers and reduce-scatters of SP, TP all-reduces; an
+                     asynchronous one from its start to the end of its wait)
+  dp_grad_reduce     finalize_model_grads: the data-parallel (and expert-data-parallel)
+                     gradient reduction, or what is left of it to wait for with
+                     --overlap-grad-reduce
+  optimizer          optimizer.step(): gradient norm and clipping, Adam, the distributed
+                     optimizer's parameter all-gather
+  rest               everything else: data, embedding, loss, the loss reduction
+
+How: a module's forward is bracketed by its forward pre-hook and hook, its backward by an
+identity autograd function on its input and output (its output's gradient arrives first, its
+input's last). Time between two boundaries goes to the innermost open region. TP/SP
+collectives are timed by wrapping Megatron-Core's collective functions (tensor_parallel's
+mappings and layers modules) while the timer is installed; they are restored by close().
+Every boundary calls device.synchronize(): on a GPU the breakdown serialises streams that
+would overlap (and so costs some throughput); on CPU it is free. Backward boundaries depend on
+autograd's order: work that autograd runs between a layer's output and input gradients is
+counted in that layer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import torch
+
+from megatron_parm import device
+
+CATEGORIES = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
+              "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
+SHORT_NAMES = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combine": "combine",
+               "moe_dispatch_combine": "dispatch+combine", "attention_dense": "attn+dense",
+               "tp_sp": "tp/sp comm", "dp_grad_reduce": "dp grad reduce",
+               "optimizer": "optimizer", "rest": "rest"}
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity; its backward calls `callback` when the gradient passes."""
+
+    @staticmethod
+    def forward(ctx, tensor, callback):
+        ctx.callback = callback
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def _mark(value, callback):
+    """value (a tensor, or a tuple / list whose first item is one) with a backward boundary
+    on its tensor; unchanged where no gradient flows."""
+    if torch.is_tensor(value):
+        if value.requires_grad and torch.is_grad_enabled():
+            return _Boundary.apply(value, callback)
+        return value
+    if isinstance(value, (tuple, list)) and value and torch.is_tensor(value[0]):
+        return type(value)([_mark(value[0], callback), *value[1:]])
+    return value
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose wait() is timed as the collective."""
+
+    def __init__(self, work, timer: "StepTimer", category: str):
+        self._work, self._timer, self._category = work, timer, category
+
+    def wait(self, *args, **kwargs):
+        self._timer.push(self._category, outside_moe=True)
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._timer.pop()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class NullTimer:
+    """What StepTimer.install returns without the flags: every call does nothing."""
+
+    enabled = False
+
+    def step_start(self) -> None:
+        pass
+
+    def step_end(self, iteration: int, losses: Optional[dict] = None) -> None:
+        pass
+
+    def log(self, iteration: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StepTimer:
+    """The exclusive-region timer of one pretrain() run (see the module docstring)."""
+
+    enabled = True
+
+    @classmethod
+    def install(cls, model, optimizer, config, args):
+        if not (args.parm_timing_breakdown or args.parm_timing_file):
+            return NullTimer()
+        return cls(model, optimizer, config, args)
+
+    def __init__(self, model, optimizer, config, args):
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from megatron_parm.training.model import moe_layers
+
+        self.path = args.parm_timing_file
+        self.dispatcher = args.moe_token_dispatcher_type
+        self.tokens_per_iteration = args.global_batch_size * args.seq_length
+        self.stack: list = []
+        self.totals = dict.fromkeys(CATEGORIES, 0.0)
+        self.interval = dict.fromkeys(CATEGORIES, 0.0)
+        self.interval_steps, self.interval_losses = 0, {}
+        self.in_step, self.last = False, 0.0
+        self.handles, self.restore = [], []
+
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, TransformerLayer):
+                    self._bracket(module, lambda: ("attention_dense",))
+        for layer in moe_layers(model):
+            pipelined = bool(getattr(layer.token_dispatcher, "pipelined", False))
+            first = "moe_dispatch_combine" if pipelined else "moe_dispatch"
+            last = "moe_dispatch_combine" if pipelined else "moe_combine"
+            # forward: dispatch -> experts -> combine; backward: combine -> experts -> dispatch
+            self._bracket(layer, lambda first=first: (first,), lambda last=last: (last,))
+            self._bracket(layer.experts, lambda: ("moe_experts",),
+                          after_forward=lambda last=last: self._rename_top(last),
+                          after_backward=lambda first=first: self._rename_top(first))
+        self._wrap_collectives()
+        finalize = config.finalize_model_grads_func
+        if finalize is not None:
+            def timed_finalize(*a, **k):
+                with self.region("dp_grad_reduce"):
+                    return finalize(*a, **k)
+            config.finalize_model_grads_func = timed_finalize
+            self.restore.append(lambda: setattr(config, "finalize_model_grads_func", finalize))
+        step = optimizer.step
+
+        def timed_step(*a, **k):
+            with self.region("optimizer"):
+                return step(*a, **k)
+        optimizer.step = timed_step
+        self.restore.append(lambda: setattr(optimizer, "step", step))
+
+    # -- the region stack ---------------------------------------------------------------
+
+    def _advance(self) -> None:
+        device.synchronize()
+        now = time.perf_counter()
+        self.interval[self.stack[-1] if self.stack else "rest"] += now - self.last
+        self.last = now
+
+    def push(self, category: str, outside_moe: bool = False) -> None:
+        """Open a region; with outside_moe, count it only where no MoE region is open (a TP
+        collective inside an MoE layer is that layer's dispatch or combine)."""
+        if not self.in_step:
+            return
+        if outside_moe and any(c.startswith("moe_") for c in self.stack):
+            self.stack.append(self.stack[-1])  # keep counting where we are
+            return
+        self._advance()
+        self.stack.append(category)
+
+    def pop(self) -> None:
+        if not self.in_step or not self.stack:
+            return
+        self._advance()
+        self.stack.pop()
+
+    def _rename_top(self, category: str) -> None:
+        """Leave the innermost region and continue in `category` at the same depth."""
+        if self.in_step and self.stack:
+            self._advance()
+            self.stack[-1] = category
+
+    def region(self, category: str, outside_moe: bool = False):
+        timer = self
+
+        class _Region:
+            def __enter__(self):
+                timer.push(category, outside_moe)
+
+            def __exit__(self, *exc):
+                timer.pop()
+        return _Region()
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _bracket(self, module, forward_category, backward_category=None,
+                 after_forward=None, after_backward=None) -> None:
+        """Open forward_category()[0] from the module's forward pre-hook to its forward
+        hook, and backward_category()[0] (default the same) from its output's gradient to its
+        input's. after_forward / after_backward replace the closing pop (they rename the
+        enclosing region instead)."""
+        backward_category = backward_category or forward_category
+        close_forward = after_forward or (lambda: None)
+        close_backward = after_backward or (lambda: None)
+
+        def pre(module, args, kwargs):
+            self.push(forward_category()[0])
+            # the input's gradient closes the backward region
+            callback = self._closer(close_backward)
+            if args:
+                return (_mark(args[0], callback), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": _mark(kwargs["hidden_states"], callback)}
+            return None
+
+        def post(module, args, output):
+            self.pop()
+            close_forward()
+            return _mark(output, lambda: self.push(backward_category()[0]))
+
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(post))
+
+    def _closer(self, after):
+        def close():
+            self.pop()
+            after()
+        return close
+
+    def _wrap_collectives(self) -> None:
+        from megatron.core.tensor_parallel import layers, mappings
+
+        def wrap(module, name):
+            original = getattr(module, name)
+
+            def timed(*args, **kwargs):
+                self.push("tp_sp", outside_moe=True)
+                try:
+                    result = original(*args, **kwargs)
+                finally:
+                    self.pop()
+                if kwargs.get("async_op") and result is not None:
+                    return _TimedWork(result, self, "tp_sp")
+                return result
+            setattr(module, name, timed)
+            self.restore.append(lambda: setattr(module, name, original))
+
+        for name in ("_reduce", "_gather_along_first_dim", "_reduce_scatter_along_first_dim",
+                     "_gather_along_last_dim", "_reduce_scatter_along_last_dim"):
+            wrap(mappings, name)
+        for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+            if hasattr(layers, name):
+                wrap(layers, name)
+
+    # -- steps and reports ------------------------------------------------------------------
+
+    def step_start(self) -> None:
+        self.stack = []
+        self.in_step = True
+        device.synchronize()
+        self.last = time.perf_counter()
+
+    def step_end(self, iteration: int, losses: Optional[dict] = None) -> None:
+        self._advance()
+        self.in_step, self.stack = False, []
+        self.interval_steps += 1
+        for name, value in (losses or {}).items():
+            self.interval_losses[name] = self.interval_losses.get(name, 0.0) + value
+
+    def summary(self) -> dict:
+        """The interval's mean ms per iteration per category, averaged over the ranks, and
+        the slowest rank's step; resets the interval. Collective."""
+        steps = max(self.interval_steps, 1)
+        values = [self.interval[c] * 1e3 / steps for c in CATEGORIES]
+        step_ms = sum(values)
+        mean = torch.tensor(values + [step_ms], dtype=torch.float64, device=device.current())
+        slowest = torch.tensor([step_ms], dtype=torch.float64, device=device.current())
+        torch.distributed.all_reduce(mean)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        mean = (device.to_host(mean) / torch.distributed.get_world_size()).tolist()
+        record = {"ms": dict(zip(CATEGORIES, mean[:-1])), "step_ms": mean[-1],
+                  "slowest_rank_step_ms": device.to_host(slowest).item(),
+                  "iterations": self.interval_steps,
+                  "losses": {k: v / steps for k, v in self.interval_losses.items()}}
+        for category in CATEGORIES:
+            self.totals[category] += self.interval[category]
+        self.interval = dict.fromkeys(CATEGORIES, 0.0)
+        self.interval_steps, self.interval_losses = 0, {}
+        return record
+
+    def log(self, iteration: int) -> None:
+        """One line on rank 0 (and a JSON line with --parm-timing-file) for the iterations
+        since the last call. Collective."""
+        record = self.summary()
+        if torch.distributed.get_rank() != 0:
+            return
+        print(breakdown_line(record), flush=True)
+        if self.path:
+            record.update(iteration=iteration, dispatcher=self.dispatcher,
+                          tokens_per_iteration=self.tokens_per_iteration)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for restore in reversed(self.restore):
+            restore()
+        self.handles, self.restore = [], []
+
+
+def breakdown_line(record: dict) -> str:
+    """' time breakdown (ms/iteration, mean over ranks): dispatch 1.2 | ... | step 20.0'"""
+    parts = [f"{SHORT_NAMES[c]} {record['ms'][c]:.1f}" for c in CATEGORIES
+             if record["ms"][c] > 0 or c in ("attention_dense", "rest")]
+    return (f" time breakdown (ms/iteration, mean over ranks): {' | '.join(parts)} | "
+            f"step {record['step_ms']:.1f} (slowest rank {record['slowest_rank_step_ms']:.1f})")
