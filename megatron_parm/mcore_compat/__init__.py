@@ -315,10 +315,8 @@ def _patch_cuda_device_literals() -> None:
 
 
 def _patch_float16_param_types() -> None:
-    from megatron.core.optimizer import optimizer
+    from megatron.core.optimizer import distrib_optimizer, optimizer
 
-    cls = optimizer.Float16OptimizerWithFloat16Params
-    construct = cls.__init__
     tensor_type = torch.Tensor.type
 
     def cuda_named_type(tensor, *args, **kwargs):
@@ -326,14 +324,18 @@ def _patch_float16_param_types() -> None:
             return tensor_type(tensor).replace("torch.", "torch.cuda.", 1)
         return tensor_type(tensor, *args, **kwargs)
 
-    def __init__(self, *args, **kwargs):
-        torch.Tensor.type = cuda_named_type
-        try:
-            construct(self, *args, **kwargs)
-        finally:
-            torch.Tensor.type = tensor_type
+    def while_constructing(construct):
+        def __init__(self, *args, **kwargs):
+            torch.Tensor.type = cuda_named_type
+            try:
+                construct(self, *args, **kwargs)
+            finally:
+                torch.Tensor.type = tensor_type
+        return __init__
 
-    cls.__init__ = __init__
+    for cls in (optimizer.Float16OptimizerWithFloat16Params,
+                distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = while_constructing(cls.__init__)
 
 
 def _patch_loss_scaler_state() -> None:
@@ -517,11 +519,12 @@ REDIRECTS: Dict[str, Redirect] = {
     "float16_param_types": Redirect(
         _patch_float16_param_types, with_cuda=False,
         why=(
-            "Float16OptimizerWithFloat16Params (--bf16 / --fp16) sorts parameters by "
-            "param.type() in 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' / "
-            "'torch.cuda.FloatTensor' and refuses anything else, so CPU parameters are refused. "
-            "While its constructor runs, Tensor.type() without arguments names a CPU tensor's "
-            "type as its CUDA counterpart; nothing else changes."
+            'Float16OptimizerWithFloat16Params (--bf16 / --fp16) and DistributedOptimizer '
+            '(--use-distributed-optimizer) sort parameters by param.type() in '
+            "'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' / 'torch.cuda.FloatTensor' and "
+            'refuse anything else, so CPU parameters are refused. While their constructors run, '
+            "Tensor.type() without arguments names a CPU tensor's type as its CUDA counterpart; "
+            'nothing else changes.'
         )),
     "loss_scaler_state": Redirect(
         _patch_loss_scaler_state, with_cuda=False,
