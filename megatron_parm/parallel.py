@@ -18,9 +18,9 @@ import torch
 from megatron_parm import schedules
 from megatron_parm.layout_rules import layout_problem
 
-# --distributed-timeout-minutes: Megatron-LM's default. A collective that waits longer (a peer
+# --distributed-timeout-minutes (Megatron-LM's default): a collective that waits longer (a peer
 # hung, or its node died without closing its connections) fails, and the job ends.
-DEFAULT_TIMEOUT_MINUTES = 10
+from megatron_parm.settings import DEFAULT_TIMEOUT_MINUTES  # noqa: E402
 _timeout = timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
 

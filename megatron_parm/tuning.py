@@ -23,13 +23,12 @@ the model ranks best on the real layer, with the run's own tokens, and keeps the
 Notation: "c=F/B" is a chunked schedule run in F pipeline chunks forward and B backward
 ("c=F" both ways), e.g. parm_s2(c=2/4).
 
-Flags and their defaults live here (add_args, check_args) so that training and the layer
-benchmark share them.
+The defaults of the tuning flags live here (the flags themselves in megatron_parm.settings),
+and check_args, their cross-checks, so that training and the layer benchmark share them.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -50,26 +49,6 @@ CHUNK_NOTATION = 'c=F/B: F pipeline chunks forward, B backward ("c=F": both)'
 
 
 # -- flags -------------------------------------------------------------------------------
-
-def add_args(group) -> None:
-    """The tuning flags, on an argparse parser or group (training and tools/bench_moe_layer.py)."""
-    group.add_argument("--parm-tune", default=None, action=argparse.BooleanOptionalAction,
-                       help="parm: time the model's best candidates on the real layer in the "
-                            "first steps and keep the fastest (--no-parm-tune: the model "
-                            "alone). Default: on without --parm-profile, off with it.")
-    group.add_argument("--parm-tune-steps", type=int, default=DEFAULT_STEPS,
-                       help=f"Timed calls per candidate, after one warm-up call (default "
-                            f"{DEFAULT_STEPS}).")
-    group.add_argument("--parm-tune-margin", type=float, default=DEFAULT_MARGIN,
-                       help=f"Candidates predicted within (1 + margin) x the model's first are "
-                            f"timed (default {DEFAULT_MARGIN}).")
-    group.add_argument("--parm-tune-candidates", type=int, default=DEFAULT_MAX_CANDIDATES,
-                       help=f"At most this many candidates are timed (default "
-                            f"{DEFAULT_MAX_CANDIDATES}).")
-    group.add_argument("--parm-tune-cache", default=None,
-                       help=f"JSON file of measured choices, read before tuning and written "
-                            f"after (default: {CACHE_NAME} in --save; none without --save).")
-
 
 def check_args(steps, margin, max_candidates, cache: Optional[str]) -> None:
     """ValueError naming the flag for a value a user got wrong (the one check of these flags)."""

@@ -28,7 +28,6 @@ experts, and the output difference is to alltoall with the first implementation.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -42,7 +41,7 @@ cli.setup_warnings()  # before Megatron-Core is imported
 import torch.distributed as dist  # noqa: E402
 
 from megatron_parm import mcore_compat  # noqa: E402
-from megatron_parm import schedules  # noqa: E402
+from megatron_parm import schedules, settings  # noqa: E402
 from megatron_parm import tuning  # noqa: E402
 from megatron_parm.training.implementation import EXPERT_IMPLS  # noqa: E402
 from megatron_parm import device  # noqa: E402
@@ -54,15 +53,12 @@ ALL = "all"  # every schedule of the catalog that runs the layout (--dispatchers
 def parse_args(argv=None):
     from megatron_parm.bench.moe_layer import add_layer_args
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = settings.Parser(description=__doc__.split("\n")[0])
     add_layer_args(p, seq_length=256, hidden_size=256, moe_ffn_hidden_size=512)
-    p.add_argument("--parm-num-chunks", type=int, default=None,
-                   help="forward chunks of the chunked schedules (default: each one's own)")
-    p.add_argument("--parm-bwd-num-chunks", type=int, default=None,
-                   help="backward chunks of the chunked schedules (default: the forward count)")
-    p.add_argument("--parm-profile", default=None,
-                   help="performance-model profile for the automatic dispatcher `parm`")
-    tuning.add_args(p)  # --parm-tune, --parm-tune-steps, ... (as in training)
+    settings.add_flags(p, ["--parm-num-chunks", "--parm-bwd-num-chunks", "--parm-profile",
+                           "--parm-tune", "--parm-tune-steps", "--parm-tune-margin",
+                           "--parm-tune-candidates", "--parm-tune-cache", "--bf16",
+                           "--moe-grouped-gemm"])  # as in training
     p.add_argument("--dispatchers", default=ALL,
                    help=f"comma-separated, from {', '.join(schedules.names())} (a chunked one "
                         f"also as NAME@C or NAME@C/B: C chunks forward, B backward); default "
@@ -70,11 +66,6 @@ def parse_args(argv=None):
     p.add_argument("--chunk-variants", default=None,
                    help="comma-separated chunk counts: time each chunked schedule at each of "
                         "them (NAME@C) instead of at its default")
-    p.add_argument("--bf16", action="store_true", help="parameters and inputs in bfloat16")
-    p.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="grouped experts, as Megatron-LM's flag builds them here: GroupedMLP "
-                        "where the grouped_gemm package, a GPU and --bf16 are there, else "
-                        "TorchGroupedMLP (PyTorch's grouped_mm)")
     p.add_argument("--expert-impls", default=None,
                    help=f"comma-separated expert implementations to time side by side, from "
                         f"{', '.join(EXPERT_IMPLS)}, or '{ALL}' (every one this machine can "
@@ -93,7 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--label", default="", help="tag written into every JSON line (e.g. the link class)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the output comparison with alltoall (saves a step per dispatcher)")
-    args = p.parse_args(argv)
+    try:
+        args = settings.read(p, argv)  # each flag's declared check
+    except ValueError as err:
+        p.error(str(err))
     from megatron_parm.bench.moe_layer import parse_variant
 
     args.dispatchers = [d.strip() for d in args.dispatchers.split(",") if d.strip()]

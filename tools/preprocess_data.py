@@ -28,7 +28,7 @@ from megatron_parm import cli  # noqa: E402
 cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm.data.preprocess import preprocess_jsonl  # noqa: E402
-from megatron_parm.data.tokenizers import add_tokenizer_args  # noqa: E402
+from megatron_parm import settings  # noqa: E402
 from megatron_parm.training.log import Progress  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def parse_args(argv=None):
                        help="Keys to extract from each JSON line.")
     group.add_argument("--split-sentences", action="store_true",
                        help="Store each sentence as its own sequence (for BERT).")
-    add_tokenizer_args(parser)
+    settings.add_flags(parser.add_argument_group("tokenizer"), settings.group("tokenizer"))
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="Writes PREFIX_{key}_document (or _sentence) .bin/.idx.")

@@ -34,6 +34,7 @@ from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.layer import ParmMoELayer
 from megatron_parm.perf_model.calibrate import layer_fit_schedules
 from megatron_parm import device
+from megatron_parm import settings
 from megatron_parm.specs import layer_spec
 from megatron_parm.training.implementation import (EXPERT_IMPLS, expert_impl_flags,
                                                    expert_impl_problem)
@@ -111,22 +112,20 @@ class MoELayerSpec:
         return (rows, self.micro_batch_size, self.hidden_size)
 
 
+LAYER_FLAGS = ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+               "--expert-tensor-parallel-size", "--sequence-parallel", "--seq-length",
+               "--micro-batch-size", "--hidden-size", "--moe-ffn-hidden-size", "--num-experts",
+               "--moe-router-topk", "--moe-expert-capacity-factor",
+               "--moe-pad-expert-input-to-capacity")
+
+
 def add_layer_args(p, *, seq_length: int, hidden_size: int, moe_ffn_hidden_size: int) -> None:
     """One MoE layer's layout and shape, with Megatron-LM's flag names (the layer tools:
-    bench_moe_layer, count_ops); the sizes' defaults are each tool's own."""
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="default: the tensor-parallel size, as in Megatron")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--seq-length", type=int, default=seq_length)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=hidden_size)
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=moe_ffn_hidden_size)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
-    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    bench_moe_layer, count_ops; declared in megatron_parm.settings); the sizes' defaults are
+    each tool's own."""
+    settings.add_flags(p, LAYER_FLAGS, defaults={
+        "seq_length": seq_length, "micro_batch_size": 2, "hidden_size": hidden_size,
+        "moe_ffn_hidden_size": moe_ffn_hidden_size, "num_experts": 8})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

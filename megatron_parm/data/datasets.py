@@ -53,31 +53,6 @@ NumSamples = Sequence[Optional[int]]  # (train, valid, test)
 # Flags
 # ---------------------------------------------------------------------------------------------
 
-def add_data_args(parser):
-    """Register Megatron-LM's data flags (those not shared with the model) on a parser."""
-    group = parser.add_argument_group("data")
-    group.add_argument("--data-path", nargs="*", default=None,
-                       help="Indexed dataset prefix, or 'weight prefix weight prefix ...'.")
-    group.add_argument("--split", default="969,30,1",
-                       help="Comma-separated train,valid,test weights.")
-    group.add_argument("--data-cache-path", default=None,
-                       help="Where to store dataset index caches (default: next to the data).")
-    group.add_argument("--num-workers", type=int, default=0, help="DataLoader workers.")
-    group.add_argument("--reset-position-ids", action="store_true",
-                       help="GPT: restart position ids after each end-of-document token.")
-    group.add_argument("--reset-attention-mask", action="store_true",
-                       help="GPT: do not attend across end-of-document tokens.")
-    group.add_argument("--eod-mask-loss", action="store_true",
-                       help="GPT: no loss on end-of-document tokens.")
-    group.add_argument("--mask-prob", type=float, default=0.15,
-                       help="BERT: probability of masking a token.")
-    group.add_argument("--short-seq-prob", type=float, default=0.1,
-                       help="BERT: probability of a shorter-than-maximum sample.")
-    group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
-                       help="BERT: no next-sentence-prediction pairs.")
-    return parser
-
-
 def parse_data_path(data_path: Union[str, Sequence[str], None]) -> Blend:
     """Turn --data-path into Megatron-Core's blend, checking every prefix exists."""
     if isinstance(data_path, str):
@@ -360,8 +335,8 @@ def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed:
 
 def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSamples,
                              is_built_on_rank: Optional[Callable[[], bool]] = None):
-    """(train, valid, test) from Megatron-LM style args (add_data_args plus --seq-length
-    and --seed); model is 'gpt' or 'bert'."""
+    """(train, valid, test) from Megatron-LM style args (the data flags of
+    megatron_parm.settings plus --seq-length and --seed); model is 'gpt' or 'bert'."""
     common = dict(
         data_path=args.data_path, split=args.split, seq_length=args.seq_length,
         seed=args.seed, num_samples=num_samples,

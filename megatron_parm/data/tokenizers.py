@@ -35,12 +35,7 @@ from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
 )
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
-TOKENIZER_TYPES = (
-    "SentencePieceTokenizer",
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-)
+from megatron_parm.settings import TOKENIZER_TYPES  # values of --tokenizer-type
 
 # Pieces that train_sentencepiece reserves; ids are fixed so every model built here agrees.
 SPM_PAD, SPM_UNK, SPM_BOS, SPM_EOS = "<pad>", "<unk>", "<s>", "</s>"
@@ -54,18 +49,6 @@ BERT_CLS, BERT_SEP, BERT_MASK, BERT_PAD, BERT_UNK = "[CLS]", "[SEP]", "[MASK]", 
 # Flags and the factory
 # ---------------------------------------------------------------------------------------------
 
-def add_tokenizer_args(parser):
-    """Register Megatron-LM's tokenizer flags on an argparse parser."""
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model file (SentencePieceTokenizer).")
-    group.add_argument("--vocab-file", default=None,
-                       help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*).")
-    group.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer).")
-    return parser
-
-
 def _require_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
     if not path:
         raise ValueError(f"{flag} is required with --tokenizer-type {tokenizer_type}")
@@ -78,7 +61,7 @@ def build_tokenizer(args) -> "ParmTokenizer":
     """Build the tokenizer named by args.tokenizer_type from local files.
 
     args: any object with tokenizer_type and, as needed, tokenizer_model, vocab_file,
-    merge_file attributes (an argparse.Namespace from add_tokenizer_args, for instance).
+    merge_file attributes (an argparse.Namespace of the tokenizer flags, for instance).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None)
     tokenizer_model = getattr(args, "tokenizer_model", None)

@@ -18,7 +18,7 @@ from typing import Optional
 
 from megatron_parm.layout_rules import grouped_gemm_problem
 
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
+from megatron_parm.settings import TRANSFORMER_IMPLS  # noqa: E402  (with --transformer-impl)
 
 
 def _importable(package: str) -> bool:

@@ -1,6 +1,6 @@
 """Mixed precision as in Megatron-LM: --bf16, or --fp16 with static or dynamic loss scaling.
 
-    add_args(parser)             the flags, in their own group (Megatron-LM's names and defaults)
+    (the flags and their defaults, Megatron-LM's, are declared in megatron_parm.settings)
     validate(args)               refuses inconsistent flags (ValueError naming the flag)
     params_dtype(args)           the dtype the model's parameters are kept in
     wrap(model, config)          Megatron-Core's Float16Module around a bf16 / fp16 model
@@ -23,35 +23,7 @@ import argparse
 
 import torch
 
-# Megatron-LM's defaults for dynamic loss scaling.
-DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
-                    "loss_scale_window": 1000, "hysteresis": 2}
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("mixed precision")
-    group.add_argument("--bf16", action="store_true",
-                       help="Run the model in bfloat16 (fp32 main parameters in the optimizer).")
-    group.add_argument("--fp16", action="store_true",
-                       help="Run the model in float16 with loss scaling (fp32 main parameters).")
-    group.add_argument("--loss-scale", type=float, default=None,
-                       help="Static loss scale (a positive power of 2 helps fp16); without it "
-                            "--fp16 scales dynamically.")
-    group.add_argument("--initial-loss-scale", type=float, default=None,
-                       help=f"Dynamic loss scaling: the first scale (default "
-                            f"{DYNAMIC_DEFAULTS['initial_loss_scale']:.0f}, 2^32).")
-    group.add_argument("--min-loss-scale", type=float, default=None,
-                       help=f"Dynamic loss scaling: the smallest scale (default "
-                            f"{DYNAMIC_DEFAULTS['min_loss_scale']}).")
-    group.add_argument("--loss-scale-window", type=int, default=None,
-                       help=f"Dynamic loss scaling: clean iterations before the scale doubles "
-                            f"(default {DYNAMIC_DEFAULTS['loss_scale_window']}).")
-    group.add_argument("--hysteresis", type=int, default=None,
-                       help=f"Dynamic loss scaling: overflows tolerated before the scale halves "
-                            f"(default {DYNAMIC_DEFAULTS['hysteresis']}).")
-    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                       help="Accumulate and all-reduce gradients in fp32 (always so with "
-                            "--bf16 and in fp32 runs; with --fp16 they are fp16 without it).")
+from megatron_parm.settings import DYNAMIC_DEFAULTS  # Megatron-LM's, with the flags
 
 
 def validate(args: argparse.Namespace) -> None:

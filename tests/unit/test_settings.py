@@ -1,0 +1,76 @@
+"""The one settings layer: flags declared once, one reader of argv and config files, and the
+suggestion for a misspelled flag (no process group, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_parm import cli, settings
+
+
+def training_parser():
+    from megatron_parm.training.arguments import build_parser
+
+    return build_parser()
+
+
+def usage_error(parser, argv) -> str:
+    with cli.argparse_errors_raise(), pytest.raises(cli.UsageError) as info:
+        settings.read(parser, argv)
+    return str(info.value)
+
+
+def test_a_misspelled_flag_gets_the_closest_valid_one():
+    message = usage_error(training_parser(), ["--hiden-size", "64"])
+    assert message == ("unrecognized arguments: --hiden-size 64 (did you mean --hidden-size?)")
+    message = usage_error(training_parser(), ["--num-expert=4", "--moe-router-top-k", "2"])
+    assert "did you mean --num-experts for --num-expert?" in message
+    assert "did you mean --moe-router-topk for --moe-router-top-k?" in message
+    # nothing close: argparse's own words only
+    assert usage_error(training_parser(), ["--zzzz"]) == "unrecognized arguments: --zzzz"
+
+
+def test_unknown_flags_of_an_argv_before_any_rank_starts():
+    parser = training_parser()
+    assert settings.unknown_flags(["--hidden-size", "64", "--bf16", "--help"], parser) is None
+    assert settings.unknown_flags(["--seq-lenght=128"], parser) == (
+        "unrecognized arguments: --seq-lenght=128 (did you mean --seq-length?)")
+
+
+def test_config_file_keys_are_checked_by_the_same_reader(tmp_path):
+    parser = training_parser()
+    config = tmp_path / "c.yaml"
+    config.write_text("num_layer: 2\nhidden_size: 64\n")
+    with pytest.raises(ValueError, match=r"unknown keys num_layer .*did you mean num_layer -> "
+                                         r"num_layers\?"):
+        settings.read(parser, ["--config", str(config)])
+    config.write_text("sequence_parallel: yes please\n")
+    with pytest.raises(ValueError, match="--sequence-parallel must be true or false"):
+        settings.read(parser, ["--config", str(config)])
+    config.write_text("moe_token_dispatcher_type: nope\n")
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type: invalid choice: 'nope'"):
+        settings.read(parser, ["--config", str(config)])
+    json_config = tmp_path / "c.json"
+    json_config.write_text('{"hidden_size": 96, "num_layers": 3}')
+    args = settings.read(training_parser(), ["--config", str(json_config), "--num-layers", "5"])
+    assert (args.hidden_size, args.num_layers) == (96, 5)  # the command line over the file
+
+
+def test_each_flag_runs_its_declared_check():
+    with pytest.raises(ValueError, match="--train-iters must be a positive integer, got 0"):
+        settings.read(training_parser(), ["--train-iters", "0"])
+    with pytest.raises(ValueError, match="--parm-num-chunks must be an integer >= 1, got 0"):
+        settings.read(training_parser(), ["--parm-num-chunks", "0"])
+    with pytest.raises(ValueError, match="--eval-iters must be an integer >= 0, got -1"):
+        settings.read(training_parser(), ["--eval-iters", "-1"])
+
+
+def test_a_tool_takes_flags_by_name_with_its_own_defaults():
+    parser = settings.Parser()
+    settings.add_flags(parser, ["--seq-length", "--sequence-parallel"],
+                       defaults={"seq_length": 256})
+    args = settings.read(parser, [])
+    assert (args.seq_length, args.sequence_parallel) == (256, False)
+    assert settings.given(parser, ["--seq-length", "8"]) == {"seq_length"}
+    assert {name for name in settings.FLAGS if settings.FLAGS[name].key == "seq_length"} == \
+        {"--seq-length"}
