@@ -15,6 +15,16 @@ from megatron_parm import schedules
 from megatron_parm.comm.collectives import gather_replicated, keep_shard
 from megatron_parm.dispatchers import build_dispatcher
 
+# With a Parm dispatcher, ParmMoELayer.forward is its own copy of MoELayer.forward of this
+# Megatron-Core version (sha256 of that method's dedented source): Megatron's routing,
+# shared experts, the six dispatcher phases and MoE-layer recompute in the same order, plus
+# what MoELayer cannot do (below). tests/unit/test_layer.py fails when the installed
+# MoELayer.forward differs: compare the two, follow the change here, then update both values.
+UPSTREAM_FORWARD_VERSION = "0.16.1"
+UPSTREAM_FORWARD_SHA256 = "678e4125b86598ea173e17a2a4421605d1d8e068ca9e2d37ea8415c89de17e41"
+# MoELayer's fwd_execution_map when the whole layer runs (partial CUDA graphs shorten it).
+FULL_EXECUTION_MAP = ["route", "expert_compute", "postprocess"]
+
 
 class ParmMoELayer(MoELayer):
     """A drop-in MoELayer (same constructor) that also accepts Parm's dispatchers.
@@ -26,6 +36,13 @@ class ParmMoELayer(MoELayer):
     TP > 1 without sequence parallelism, the input is replicated over TP: the layer routes
     only this rank's sequence shard and restores the full output with one AG [TP], so no TP
     rank repeats another's work.
+
+    Why the layer keeps its own forward rather than MoELayer's: MoELayer.forward refuses TP > 1
+    without sequence parallelism in training (the shard-and-gather above replaces that), and a
+    pipelined schedule fuses dispatch, experts and combine into one call. Upstream branches the
+    copy does not follow are refused, not dropped: partial CUDA-graph capture
+    (``intermediate_tensors``, a shortened ``fwd_execution_map``) and the fp8 / fp4 MoE-layer
+    recompute through Transformer Engine's checkpoint.
     """
 
     def __init__(self, config: TransformerConfig, submodules: Optional[MoESubmodules] = None,
@@ -55,6 +72,9 @@ class ParmMoELayer(MoELayer):
         if self.use_shared_expert and self.shared_expert_overlap:
             raise ValueError("--moe-shared-expert-overlap is not supported with "
                              f"--moe-token-dispatcher-type {name}")
+        if self.moe_layer_recompute and (config.fp8 or config.fp4):
+            raise ValueError("--recompute-modules moe with fp8 / fp4 is not supported with "
+                             f"--moe-token-dispatcher-type {name}")
 
     def set_layer_number(self, layer_number: int):
         super().set_layer_number(layer_number)
@@ -71,7 +91,7 @@ class ParmMoELayer(MoELayer):
                 padding_mask: Optional[torch.Tensor] = None):
         if not self.uses_parm_dispatcher:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if intermediate_tensors is not None:
+        if intermediate_tensors is not None or self.fwd_execution_map != FULL_EXECUTION_MAP:
             raise ValueError("partial CUDA-graph capture of the MoE layer is not supported "
                              f"with --moe-token-dispatcher-type {self.config.moe_token_dispatcher_type}")
         replicated = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
