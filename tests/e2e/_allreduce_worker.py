@@ -5,6 +5,10 @@
 
 Modes:
     allreduce  one gloo all_reduce, checked against the closed form
+    pipeline   allreduce, then Megatron-Core's process groups at pp=2, ep=2 (its rank order:
+               each rank's groups and pipeline stage), and one p2p send of N bytes from every
+               stage-0 rank to its next stage as Megatron's schedules send (batch_isend_irecv
+               over the pipeline group), with the qdisc byte counters around it
     transfer   rank 0 sends N bytes to rank 1 (same node) and to rank G (next node), timed
     bench      all_reduce and all_to_all of N bytes per rank over all ranks, then all_reduce
                within each node and across nodes only; median of K iterations
@@ -51,9 +55,40 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def pipeline_stages(num_elems: int, count_bytes: bool) -> dict:
+    """Megatron-Core's groups at pp=2, ep=2 (tp=1) for this rank, and the bytes this node's
+    interfaces sent while each stage-0 rank sent num_elems floats to its next stage."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    pipeline = mpu.get_pipeline_model_parallel_group()
+    groups = {"tp": mpu.get_tensor_model_parallel_group(), "ep": mpu.get_expert_model_parallel_group(),
+              "dp": mpu.get_data_parallel_group(), "expt_dp": mpu.get_expert_data_parallel_group(),
+              "pp": pipeline, "embedding": mpu.get_embedding_group()}
+    stage = mpu.get_pipeline_model_parallel_rank()
+    found = {"stage": stage,
+             "groups": {name: dist.get_process_group_ranks(group) for name, group in groups.items()}}
+    members = found["groups"]["pp"]
+    payload = torch.ones(num_elems) if stage == 0 else torch.empty(num_elems)
+    peer = members[1 - stage]
+    dist.barrier()
+    before = qdisc_bytes() if count_bytes else None
+    dist.barrier()  # no rank of the node sends before its counters are read
+    op = dist.isend if stage == 0 else dist.irecv
+    for request in dist.batch_isend_irecv([dist.P2POp(op, payload, peer, group=pipeline)]):
+        request.wait()
+    dist.barrier()
+    if count_bytes:
+        after = qdisc_bytes()
+        found["p2p_sent"] = {dev: after[dev] - before.get(dev, 0) for dev in after}
+    found["p2p_ok"] = bool(torch.all(payload == 1))
+    mpu.destroy_model_parallel()
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["allreduce", "transfer", "bench", "fail"])
+    parser.add_argument("mode", choices=["allreduce", "pipeline", "transfer", "bench", "fail"])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--num-bytes", type=int, default=4 << 20)
     parser.add_argument("--iters", type=int, default=3)
@@ -71,10 +106,12 @@ def main() -> int:
 
     if args.mode == "fail":
         dist.barrier()  # never completes: rank 1 is gone; the launcher must stop us
-    elif args.mode == "allreduce":
+    elif args.mode in ("allreduce", "pipeline"):
         tensor = torch.full((1024,), float(rank + 1))
         dist.all_reduce(tensor)
         record["ok"] = bool(torch.all(tensor == world_size * (world_size + 1) / 2))
+        if args.mode == "pipeline":
+            record.update(pipeline_stages(num_elems, record["local_rank"] == 0))
     elif args.mode == "transfer":
         payload = torch.ones(num_elems)
         next_node_rank = local_world_size  # first rank of node 1

@@ -168,7 +168,7 @@ def _our_namespaces(prefix: str):
 
 def _launch(prefix, out_dir, mode, *flags, worker_args=(), timeout=90):
     cmd = [sys.executable, str(TOOL), "--ns-prefix", prefix, "--nnodes", "2", "--nproc-per-node", "2",
-           "--timeout", "60", *flags, "--", sys.executable, str(WORKER), mode, str(out_dir), *worker_args]
+           "--timeout", str(timeout - 30), *flags, "--", sys.executable, str(WORKER), mode, str(out_dir), *worker_args]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -179,14 +179,35 @@ def _records(out_dir):
 
 
 @needs_netns
-def test_allreduce_across_two_nodes_and_cleanup(tmp_path):
+def test_allreduce_and_pipeline_stages_across_two_nodes_and_cleanup(tmp_path):
+    """An all-reduce over both nodes; then Megatron-Core's groups at pp=2, ep=2: a stage per
+    node, the groups the performance model's Layout names (docs/design.md), and the p2p sends
+    between stages on the inter-node link only, each stage-0 rank's bytes once."""
+    from megatron_parm.perf_model.layout import Layout
+    from megatron_parm.perf_model.step_time import pipeline_link
+
+    num_bytes = 2 << 20
     prefix = _prefix()
-    proc = _launch(prefix, tmp_path, "allreduce")
+    proc = _launch(prefix, tmp_path, "pipeline", worker_args=("--num-bytes", str(num_bytes)),
+                   timeout=180)  # Megatron-Core's import, 4 ranks on a loaded machine
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _records(tmp_path)
     assert sorted(records) == [0, 1, 2, 3]
-    assert all(record["ok"] for record in records.values())
+    assert all(record["ok"] and record["p2p_ok"] for record in records.values())
     assert [(records[r]["node"], records[r]["local_rank"]) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    layout = Layout(tp=1, ep=2, etp=1, nodes=2, ranks_per_node=2, pp=2)
+    for rank, record in records.items():
+        assert record["stage"] == layout.stage_of(rank) == record["node"], record
+        for name in ("tp", "ep", "dp", "expt_dp", "pp"):
+            assert record["groups"][name] == layout.group_ranks(name, rank), (name, record)
+        assert record["groups"]["embedding"] == layout.group_ranks("pp", rank)
+    assert all(layout.is_intra(name) for name in ("tp", "ep", "dp", "expt_dp"))
+    assert pipeline_link(layout) == "inter"
+    # node 0's two stage-0 ranks sent their bytes out of eth0, nothing through lo; node 1 only
+    # received (TCP acknowledgements)
+    sent = {records[rank]["node"]: records[rank]["p2p_sent"] for rank in (0, 2)}
+    assert 2 * num_bytes < sent[0]["eth0"] < 1.3 * 2 * num_bytes + (256 << 10), sent
+    assert sent[0]["lo"] < (256 << 10) and sent[1]["eth0"] < (256 << 10), sent
     assert _our_namespaces(prefix) == []
 
 
