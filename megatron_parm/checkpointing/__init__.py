@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -66,6 +67,15 @@ SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "num_attention_heads", "num_experts", "moe_ffn_hidden_size",
                "max_position_embeddings", "disable_bias_linear",
                "untie_embeddings_and_output_weights", "openai_gelu")
+
+# FutureWarnings that Megatron-Core 0.16.1's dist_checkpointing.load raises through torch 2.x
+# about its own calls (torch DCP's load_state_dict, ShardedTensor), on every load: nothing a user
+# can act on. (message pattern, module the warning is attributed to)
+_LOAD_WARNINGS = (
+    (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\.strategies\.torch\Z"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"torch\.distributed\.checkpoint\.(planner_helpers|default_planner)\Z"),
+)
 
 # Tests set this to kill a rank at a given point of a save (see set_fault_hook).
 _fault_hook: Optional[Callable[[str, int], None]] = None
@@ -391,7 +401,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
         more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
         raise CheckpointError(f"{path} does not fit this model: {shown}{more}")
 
-    state = dist_checkpointing.load(request, path)
+    with warnings.catch_warnings():
+        for message, module in _LOAD_WARNINGS:
+            warnings.filterwarnings("ignore", message, FutureWarning, module)
+        state = dist_checkpointing.load(request, path)
     chunks = _chunks(model)
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         chunk.load_state_dict(state[key])

@@ -120,6 +120,9 @@ def grouped_worker(run: Path, train) -> dict:
 
 def worker(mode: str, run_dir: str) -> None:
     sys.path.insert(0, str(REPO))
+    from megatron_parm import cli
+
+    cli.setup_warnings()  # as the pretraining scripts do: the grouped launch shows what a user sees
     import torch
 
     from megatron_parm import checkpointing
@@ -447,6 +450,17 @@ def test_grouped_checkpoint_of_other_expert_shapes_names_the_tensor(grouped_runs
                           f"checkpoint, (2, 4, 256, 64) in this model"), message
     assert [line.strip() for line in others] == [
         f"{FC2_MOMENT}: shape (2, 4, 64, 128) in the checkpoint, (2, 4, 64, 256) in this model"], message
+
+
+def test_runs_that_load_checkpoints_print_no_warning(grouped_runs):
+    """The grouped launch as a user sees it (megatron_parm.launch, no PYTHONWARNINGS): three
+    runs that --load and a refused one, and not one warning line (Megatron-Core's loader raised
+    three FutureWarnings of torch's own deprecations on every load, before they were silenced
+    where it is called)."""
+    _, _, _, output = grouped_runs
+    assert output.count("> loaded checkpoint ") == 3, output[-6000:]
+    warned = [line for line in output.splitlines() if "warning" in line.lower()]
+    assert warned == [], warned
 
 
 def test_grouped_gemm_width_refused_by_the_launcher_in_one_line(grouped_runs):
