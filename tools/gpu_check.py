@@ -64,6 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_parm import cli  # noqa: E402  (a mistake: one line, exit status 2)
 from megatron_parm import schedules  # noqa: E402  (torch-free: the catalog's dispatcher names)
 
 STAGES = ("a", "b", "c", "d", "e", "f", "g")
@@ -734,11 +735,10 @@ def main(argv=None) -> int:
     if args.worker:
         return run_worker(args)
     if not device_is_cuda() and not args.allow_cpu:
-        print("gpu_check.py: error: no CUDA device here: this check is for a machine with an "
-              "NVIDIA GPU (--allow-cpu runs its stages on CPU as a dry run)", file=sys.stderr)
-        return 2
+        raise ValueError("no CUDA device here: this check is for a machine with an NVIDIA GPU "
+                         "(--allow-cpu runs its stages on CPU as a dry run)")
     return Check(args).main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

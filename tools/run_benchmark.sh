@@ -59,6 +59,11 @@ fi
 CALIBRATE=${CALIBRATE:-1}
 MTU_CHECK=${MTU_CHECK:-1}
 PRESETS=(pcie nvlink)
+die() { echo "run_benchmark.sh: error: $*" >&2; exit 2; }
+for grid in "$GRID" "$WORLD1_GRID"; do
+    [ -f "$grid" ] || die "$([ "$grid" = "$GRID" ] && echo GRID || echo WORLD1_GRID)=$grid: no such file"
+done
+[ "$(id -u)" = 0 ] || die "the emulated cluster needs root (network namespaces): run it with sudo"
 mkdir -p "$OUT" "$PROFILES"
 LOG="$OUT/run.log"
 export PYTHONWARNINGS=ignore

@@ -67,6 +67,18 @@ def bad_inputs(run: Path) -> dict:
                            f"error: --data-path: {run}/short_idx.idx: "),
         "truncated .bin": (["--data-path", str(run / "short_bin")],
                            f"error: --data-path: {run}/short_bin.bin: "),
+        # Megatron-LM's data-parallel flags that cannot run here (training/ddp.py)
+        "param gather without the distributed optimizer": (
+            ["--overlap-grad-reduce", "--overlap-param-gather"],
+            "error: --overlap-param-gather needs --use-distributed-optimizer"),
+        "average in collective on gloo": (
+            ["--ddp-average-in-collective"],
+            "error: --ddp-average-in-collective needs NCCL: gloo (this machine has no GPU) has "
+            "no ReduceOp.AVG"),
+        "distributed optimizer checkpoint": (
+            ["--use-distributed-optimizer", "--save", str(run / "dist_opt")],
+            "error: --use-distributed-optimizer with --save: checkpoints of the distributed "
+            "optimizer's sharded state are not supported yet"),
         "unknown YAML key": (["--config", str(run / "typo.yaml")],
                              "unknown keys num_layer (keys are flag names"),
         "empty --load": (["--load", str(run / "empty")], "no checkpoint found"),
@@ -322,6 +334,61 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     assert "Traceback" not in output, output[-4000:]
     assert "launch: SIGTERM received: passed to 4 rank(s)" in output
     assert pids_with_marker(f"PARM_TEST_LAUNCH={marker}") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Every tool: one typical mistake each
+# ---------------------------------------------------------------------------------------------
+
+MISSING = "/nonexistent/parm"
+# tool -> (its arguments, environment added, a piece of its one line); {tmp} is a fresh folder
+TOOL_MISTAKES = {
+    "bench_moe_layer.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
+    "bench_report.py": ([f"{MISSING}.jsonl"], {}, f"{MISSING}.jsonl"),
+    "calibrate.py": ([], {}, "launch with torchrun or give --parm-ranks-per-node"),
+    "convert_checkpoint.py": (["--load", MISSING, "--to-single-file", "{tmp}/ckpt.pt"], {},
+                              f"--load {MISSING}: no such directory"),
+    "count_ops.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
+    "emulate_cluster.py": (["--nnodes", "0", "--", "true"], {}, "--nnodes"),
+    "fault_loop.py": (["--faults", "crash"], {}, "--faults"),
+    "gpu_check.py": (["--out", "{tmp}", "--stages", "a,x"], {}, "--stages: unknown stage 'x'"),
+    "gpu_check.sh": ([], {}, "OUT_DIR is required"),
+    "inspect_checkpoint.py": ([MISSING], {}, f"{MISSING}: no such directory"),
+    "make_corpus.py": (["--output", "{tmp}/corpus.jsonl", "--max-bytes", "-5"], {},
+                       "--max-bytes"),
+    "plan_layout.py": (["--config", f"{MISSING}.yaml", "--nproc-per-node", "4",
+                        "--parm-profile", "nvlink_ib_estimate"], {}, f"--config {MISSING}.yaml"),
+    "plan_schedule.py": (["--config", f"{MISSING}.yaml", "--parm-profile",
+                          "nvlink_ib_estimate"], {}, f"--config {MISSING}.yaml"),
+    "preprocess_data.py": (["--input", f"{MISSING}.jsonl", "--output-prefix", "{tmp}/data",
+                            "--tokenizer-type", "GPT2BPETokenizer"], {}, "--input"),
+    "run_benchmark.sh": (["{tmp}"], {"GRID": f"{MISSING}.yaml"}, f"GRID={MISSING}.yaml"),
+    "slurm/local_slurm.sh": (["begin"], {}, "unknown command 'begin'"),
+    # a corpus of one line holds fewer pieces than that
+    "train_tokenizer.py": (["--input", "{tmp}/one.jsonl", "--vocab-size", "500",
+                            "--output-prefix", "{tmp}/spm"], {}, "--vocab-size 500"),
+    "validate_planner.py": (["--configs", f"{MISSING}.yaml"], {}, "--configs"),
+}
+
+
+def test_every_tool_has_a_mistake_below():
+    tools = {str(path.relative_to(REPO / "tools")) for path in (REPO / "tools").rglob("*")
+             if path.suffix in (".py", ".sh") and "__pycache__" not in path.parts}
+    assert tools == set(TOOL_MISTAKES)
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_MISTAKES))
+def test_tool_answers_a_mistake_with_one_line_and_status_2(tool, tmp_path):
+    args, env, piece = TOOL_MISTAKES[tool]
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "a tiny corpus"}) + "\n")
+    command = ["bash"] if tool.endswith(".sh") else [sys.executable]
+    proc = subprocess.run(
+        command + [f"tools/{tool}"] + [arg.format(tmp=tmp_path) for arg in args], cwd=REPO,
+        capture_output=True, text=True, timeout=300, env={**_env(), **env})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "error: " in lines[0] and piece in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr and "usage:" not in proc.stdout
 
 
 if __name__ == "__main__":

@@ -112,5 +112,7 @@ case "${1:-}" in
     status) status ;;
     env) echo "export SLURM_CONF=$CONF" ;;
     logs) tail -n 50 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" ;;
-    *) echo "usage: $0 {start|stop|status|env|logs}" >&2; exit 2 ;;
+    *) echo "local_slurm.sh: error: ${1:+unknown command '$1'; }give one of start, stop, status, env," \
+            "logs" >&2
+       exit 2 ;;
 esac
