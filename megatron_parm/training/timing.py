@@ -5,7 +5,8 @@ backward, with the device synchronised at every boundary.
     StepTimer.install(model, optimizer, config, args)   the timer (a no-op one without the flags)
       .step_start() / .step_end(iteration, losses)      around one training iteration
       .log(iteration)                   the logged iterations' mean breakdown: one line on rank 0,
-                                        a JSON line with --parm-timing-file
+                                        a JSON line with --parm-timing-file (its "tuning": a
+                                        dispatcher measured candidates in these iterations)
       .close()                          hooks removed, Megatron-Core's functions restored
 
 Categories (ms per iteration, mean over ranks; they add up to the step):
@@ -139,13 +140,15 @@ class StepTimer:
         self.interval = dict.fromkeys(CATEGORIES, 0.0)
         self.interval_steps, self.interval_losses = 0, {}
         self.in_step, self.last = False, 0.0
+        self.interval_tuning = False  # a layer's dispatcher measured candidates (parm's tuning)
         self.handles, self.restore = [], []
 
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, TransformerLayer):
                     self._bracket(module, lambda: ("attention_dense",))
-        for layer in moe_layers(model):
+        self.moe = moe_layers(model)
+        for layer in self.moe:
             pipelined = bool(getattr(layer.token_dispatcher, "pipelined", False))
             first = "moe_dispatch_combine" if pipelined else "moe_dispatch"
             last = "moe_dispatch_combine" if pipelined else "moe_combine"
@@ -275,7 +278,11 @@ class StepTimer:
 
     # -- steps and reports ------------------------------------------------------------------
 
+    def _tuning(self) -> bool:
+        return any(getattr(layer.token_dispatcher, "tuning", False) for layer in self.moe)
+
     def step_start(self) -> None:
+        self.interval_tuning |= self._tuning()
         self.stack = []
         self.in_step = True
         device.synchronize()
@@ -285,6 +292,7 @@ class StepTimer:
         self._advance()
         self.in_step, self.stack = False, []
         self.interval_steps += 1
+        self.interval_tuning |= self._tuning()
         for name, value in (losses or {}).items():
             self.interval_losses[name] = self.interval_losses.get(name, 0.0) + value
 
@@ -301,12 +309,13 @@ class StepTimer:
         mean = (device.to_host(mean) / torch.distributed.get_world_size()).tolist()
         record = {"ms": dict(zip(CATEGORIES, mean[:-1])), "step_ms": mean[-1],
                   "slowest_rank_step_ms": device.to_host(slowest).item(),
-                  "iterations": self.interval_steps,
+                  "iterations": self.interval_steps, "tuning": self.interval_tuning,
                   "losses": {k: v / steps for k, v in self.interval_losses.items()}}
         for category in CATEGORIES:
             self.totals[category] += self.interval[category]
         self.interval = dict.fromkeys(CATEGORIES, 0.0)
         self.interval_steps, self.interval_losses = 0, {}
+        self.interval_tuning = False
         return record
 
     def log(self, iteration: int) -> None:

@@ -5,13 +5,17 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * BERT MoE (tiny) for 20 iterations with a Parm dispatcher, saving a checkpoint.
   * GPT-2 MoE with parm without tuning (--no-parm-tune; the loop's parm tunes by default);
   * parm tuning with candidates that fail (S2 at 2 forward chunks out of memory, parm_hier
-    refused), kept in a cache file, then a run that finds it there.
+    refused), kept in a cache file, then a run that finds it there;
+  * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS), and with the
+    step's time breakdown written (alltoall, parm_s2).
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
   * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
     warning each); the choice is logged once per layer, measured, then cached;
-  * the checkpoint is in Megatron-LM's layout and the console lines are in its format.
+  * the checkpoint is in Megatron-LM's layout and the console lines are in its format;
+  * each data-parallel flag and the timing breakdown leave the losses as they are, and the
+    breakdown has the parts each run must have.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def worker(out_path: str, run_dir: str) -> None:
                                                    "--no-parm-tune"])
     results["parm_no_tune"] = pretrain(args)["losses"]
     results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
+    results["ddp"] = {name: pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + flags(
+        run_dir)))["losses"] for name, flags in DDP_RUNS.items()}
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -67,6 +73,22 @@ def worker(out_path: str, run_dir: str) -> None:
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     torch.distributed.barrier()
+
+
+# Each of Megatron-LM's data-parallel flags (several gradient buckets of the tiny model; the
+# distributed optimizer; both overlaps, with an evaluation between steps), and the timing
+# breakdown, on 4 iterations of the 20-iteration runs' schedule: name -> flags(run_dir).
+DDP_ITERS = ["--train-iters", "4", "--lr-decay-iters", str(NUM_ITERS), "--log-interval", "2"]
+DDP_RUNS = {
+    "overlap_grad_reduce": lambda d: ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+                                      "--parm-timing-file", f"{d}/timing_alltoall.jsonl"],
+    "distributed_optimizer": lambda d: ["--use-distributed-optimizer"],
+    "overlap_param_gather": lambda d: ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                       "--overlap-param-gather", "--ddp-bucket-size", "20000",
+                                       "--eval-interval", "2"],
+    "timing_parm_s2": lambda d: ["--moe-token-dispatcher-type", "parm_s2",
+                                 "--parm-timing-file", f"{d}/timing_parm_s2.jsonl"],
+}
 
 
 # Tuning at 1 timed call per candidate: the tiny layer's 3 candidates x 2 calls, decided at
@@ -118,7 +140,7 @@ def run(tmp_path_factory, prepared_data):
     from launch import run_worker_module
 
     run_dir = tmp_path_factory.mktemp("pretrain")
-    return (*run_worker_module(__file__, 4, run_dir), run_dir)
+    return (*run_worker_module(__file__, 4, run_dir, timeout=1200), run_dir)
 
 
 def test_gpt_loss_falls(run):
@@ -175,6 +197,36 @@ def test_bert_loss_falls_and_checkpoint_saved(run):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(NUM_ITERS)
     assert (ckpt / f"iter_{NUM_ITERS:07d}" / "metadata.json").is_file()
     assert results["bert"]["checkpoint"] == str(ckpt / f"iter_{NUM_ITERS:07d}")
+
+
+def test_data_parallel_flags_and_timing_leave_the_losses(run):
+    results, _, _ = run
+    for name, losses in results["ddp"].items():
+        reference = results["gpt"]["parm_s2" if name.endswith("parm_s2") else "alltoall"]
+        assert losses == pytest.approx(reference[:4], abs=1e-5), name
+
+
+def test_timing_breakdown_has_each_part(run):
+    _, stdout, run_dir = run
+    assert stdout.count(" time breakdown (ms/iteration, mean over ranks): ") == 4
+    for dispatcher in ("alltoall", "parm_s2"):
+        records = [json.loads(line) for line in
+                   (run_dir / f"timing_{dispatcher}.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [2, 4]
+        for r in records:
+            ms = r["ms"]
+            assert r["dispatcher"] == dispatcher and r["iterations"] == 2
+            assert r["step_ms"] == pytest.approx(sum(ms.values()))
+            assert r["step_ms"] <= r["slowest_rank_step_ms"] + 1e-6
+            # tp=2 with SP: TP/SP collectives; dp=2: a gradient reduction; every part timed
+            for part in ("moe_experts", "attention_dense", "tp_sp", "dp_grad_reduce",
+                         "optimizer", "rest"):
+                assert ms[part] > 0, (dispatcher, part, ms)
+            if dispatcher == "parm_s2":  # pipelined: dispatch and combine interleave
+                assert ms["moe_dispatch_combine"] > 0 and ms["moe_dispatch"] == 0
+            else:
+                assert ms["moe_dispatch"] > 0 and ms["moe_combine"] > 0
+                assert ms["moe_dispatch_combine"] == 0
 
 
 def test_console_lines_in_megatron_format(run):
