@@ -7,8 +7,10 @@
 
 For each config (default: the tiny GPT-2 MoE and the small one of configs/bench/), the planner
 ranks every candidate for 2 nodes x 2 ranks with the measured profile of the emulator preset
-(the shipped emulated_<preset>_measured profile); then its top --top candidates and --others
-more, spread evenly over the rest of the ranking, each train --iterations iterations through
+(the shipped emulated_<preset>_measured profile); then its top --top candidates, --others
+more, spread evenly over the rest of the ranking, and --pipeline-runs pipelined ones (pp > 1:
+the best of them, then a spread of the others) where those are not picked already, each train
+--iterations iterations through
 tools/emulate_cluster.py and pretrain_scripts/pretrain_gpt2_moe.py with the planner's flags.
 A run's measured step time is the median of its iteration times after the first --warmup.
 
@@ -60,6 +62,17 @@ def pick_runs(num_candidates: int, top: int, others: int):
             if index not in chosen:
                 chosen.append(index)
     return chosen
+
+
+def pick_pipelined(pipeline_sizes, chosen, count: int):
+    """Indices into a ranking whose pipeline_sizes[i] > 1, not in `chosen`: the best of them,
+    then count - 1 spread over the others as pick_runs spreads (pipelined layouts in every
+    validation, wherever the planner ranks them)."""
+    pipelined = [index for index, size in enumerate(pipeline_sizes)
+                 if size > 1 and index not in chosen]
+    if count < 1:
+        return []
+    return [pipelined[i] for i in pick_runs(len(pipelined), 1, count - 1)]
 
 
 def _ranks(values):
@@ -132,18 +145,23 @@ def validate_config(config, args, profile):
     report = run_planner(config, profile)
     ranking = [c for c in report["candidates"] if c["fits"]]
     picked = pick_runs(len(ranking), args.top, args.others)
+    picked = sorted(picked + pick_pipelined([c.get("pp", 1) for c in ranking], picked,
+                                            args.pipeline_runs))
     tokens_per_step = report["global_batch_size"] * report["model"]["seq_length"]
     rows = []
     for index in picked:
         candidate = ranking[index]
         label = (f"tp={candidate['tp']} ep={candidate['ep']} etp={candidate['etp']} "
-                 f"{candidate['dispatcher']}"
+                 + (f"pp={candidate['pp']} " if candidate.get("pp", 1) > 1 else "")
+                 + f"{candidate['dispatcher']}"
                  + (f"(c={candidate['num_chunks']})" if candidate["num_chunks"] else ""))
         print(f"[{config}] #{index + 1} {label} ...", flush=True)
         load_before = os.getloadavg()[0]
         started = time.time()
         times, error = train(config, candidate["flags"], args)
         row = {"rank": index + 1, "label": label, "flags": candidate["flags"],
+               "pp": candidate.get("pp", 1),
+               "predicted_bubble_share": candidate["step"].get("bubble_share", 0.0),
                "predicted_step_s": candidate["step"]["step_s"],
                "predicted_tokens_per_s": candidate["step"]["tokens_per_s"],
                "iteration_ms": times, "error": error, "wall_s": time.time() - started,
@@ -185,8 +203,8 @@ def render_markdown(results, meta):
                   f"{result['num_candidates']} candidates that fit)", "",
                   "| planner rank | layout and dispatcher | predicted step ms | measured step ms "
                   "(min-max) | predicted tokens/s | measured tokens/s | measured / predicted "
-                  "| load avg before/after |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| predicted bubble | load avg before/after |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for row in result["runs"]:
             if "measured_step_s" in row:
                 measured = (f"{row['measured_step_s'] * 1e3:.0f} "
@@ -197,7 +215,8 @@ def render_markdown(results, meta):
                 measured, tokens, ratio = f"failed: {row['error']}", "-", "-"
             lines.append(f"| {row['rank']} | {row['label']} | {row['predicted_step_s'] * 1e3:.0f} "
                          f"| {measured} | {row['predicted_tokens_per_s']:.0f} | {tokens} | "
-                         f"{ratio} | {row['load_before']:.1f} / {row['load_after']:.1f} |")
+                         f"{ratio} | {row.get('predicted_bubble_share', 0.0):.0%} | "
+                         f"{row['load_before']:.1f} / {row['load_after']:.1f} |")
         lines.append("")
         ratio = result.get("first_choice_vs_best")
         rho = result.get("spearman")
@@ -248,6 +267,9 @@ def main(argv=None):
     parser.add_argument("--preset", choices=("pcie", "nvlink"), default="pcie")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--others", type=int, default=3)
+    parser.add_argument("--pipeline-runs", type=int, default=2,
+                        help="pipelined candidates (pp > 1) to train besides those picked "
+                             "(default 2)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2,
                         help="iterations left out of the median (default 2)")

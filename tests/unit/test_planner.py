@@ -429,6 +429,15 @@ def test_validation_picks_the_top_and_a_spread_of_the_rest():
     assert validate_planner.pick_runs(4, 3, 3) == [0, 1, 2, 3]
 
 
+def test_validation_adds_pipelined_layouts():
+    # ranks 1-3 and 6 are picked, pipelined ones sit at 2, 5, 7 and 9
+    sizes = [1, 2, 1, 1, 2, 1, 2, 1, 2]
+    assert validate_planner.pick_pipelined(sizes, [0, 1, 2, 5], 2) == [4, 8]
+    assert validate_planner.pick_pipelined(sizes, [0, 1, 2, 5], 1) == [4]
+    assert validate_planner.pick_pipelined(sizes, [], 0) == []
+    assert validate_planner.pick_pipelined([1, 1], [0], 2) == []
+
+
 def test_spearman_and_log_parsing():
     assert validate_planner.spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
     assert validate_planner.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
