@@ -345,6 +345,8 @@ MISSING = "/nonexistent/parm"
 TOOL_MISTAKES = {
     "bench_moe_layer.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
     "bench_report.py": ([f"{MISSING}.jsonl"], {}, f"{MISSING}.jsonl"),
+    "bench_e2e.py": (["--config", f"{MISSING}.yaml"], {},
+                     f"--config: file not found: {MISSING}.yaml"),
     "calibrate.py": ([], {}, "launch with torchrun or give --parm-ranks-per-node"),
     "convert_checkpoint.py": (["--load", MISSING, "--to-single-file", "{tmp}/ckpt.pt"], {},
                               f"--load {MISSING}: no such directory"),
