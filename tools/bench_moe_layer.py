@@ -40,7 +40,6 @@ cli.setup_warnings()  # before Megatron-Core is imported
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_parm import mcore_compat  # noqa: E402
 from megatron_parm import schedules, settings  # noqa: E402
 from megatron_parm import tuning  # noqa: E402
 from megatron_parm.training.implementation import EXPERT_IMPLS  # noqa: E402
@@ -307,9 +306,9 @@ def _table_rows(results, diffs, prefix):
 
 def main(argv=None):
     args = parse_args(argv)
-    device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(device.backend())
-    mcore_compat.setup()
+    from megatron_parm.training.trainer import initialize_distributed
+
+    initialize_distributed()  # torchrun's group, or without RANK (plain python) one process
     if args.memory:
         from megatron_parm.bench.memory import exact_cpu_accounting
 

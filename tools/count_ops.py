@@ -32,9 +32,6 @@ cli.setup_warnings()  # before Megatron-Core is imported
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_parm import mcore_compat  # noqa: E402
-from megatron_parm import device  # noqa: E402
-
 
 def parse_args(argv=None):
     from megatron_parm.bench.moe_layer import add_layer_args
@@ -160,13 +157,9 @@ def format_times(spec, medians, plan_seconds, clock="wall") -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    if not dist.is_initialized():
-        # torchrun gives RANK and the rest; plain `python` runs a group of one process
-        one_process = {} if "RANK" in os.environ else dict(
-            store=dist.HashStore(), rank=0, world_size=1)
-        device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(device.backend(), **one_process)
-    mcore_compat.setup()
+    from megatron_parm.training.trainer import initialize_distributed
+
+    initialize_distributed()  # torchrun's group, or without RANK (plain python) one process
     if args.threads:
         import torch
 
