@@ -14,6 +14,7 @@ Or the launchers: pretrain_scripts/run_local.sh (torchrun), gpt2_moe.sbatch (Slu
 run_emulated.sh (the emulated multi-node cluster). Flags are Megatron-LM's; see --help.
 """
 
+import functools
 import os
 import sys
 
@@ -23,14 +24,7 @@ from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
-from megatron_parm.training.arguments import parse_args  # noqa: E402
-from megatron_parm.training.trainer import pretrain  # noqa: E402
-
-
-def main(argv=None):
-    args = parse_args(argv, model_type="gpt")  # all checks run here, before any process group
-    pretrain(args)
-
+from megatron_parm.training.trainer import main  # noqa: E402
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(functools.partial(main, "gpt"))  # all but the model is shared: training.trainer.main

@@ -128,3 +128,167 @@ def stage(description: str):
     start = time.time()
     yield
     print(f"  done in {time.time() - start:.1f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop's console: start-up lines, the interval line, dispatcher choices, the end
+# ---------------------------------------------------------------------------------------------
+
+
+def print_stage_0(message: str) -> None:
+    """Print on the first rank of each pipeline stage (rank 0 without pipelining): what only
+    that stage knows, such as its layers' dispatcher choices."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if torch.distributed.get_rank(group) == 0:
+        print(message, flush=True)
+
+
+def pipeline_text(args) -> str:
+    """'pp=2, ' (with ' x 2 virtual' when interleaved) for the start-up line; '' without."""
+    if args.pipeline_model_parallel_size == 1:
+        return ""
+    vpp = args.virtual_pipeline_model_parallel_size
+    return (f"pp={args.pipeline_model_parallel_size}"
+            + (f" x {vpp} virtual" if vpp else "") + ", ")
+
+
+def describe_choice(choice) -> str:
+    """One line for a dispatcher's choice, whole (its describe() where it has one)."""
+    return choice.describe() if hasattr(choice, "describe") else str(choice)
+
+
+def start_lines(args, experts: str, device_type: str, optional_note: Optional[str]) -> None:
+    """The start-up banner on rank 0: layout, dispatcher, experts, device, where output goes."""
+    import torch
+
+    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {torch.distributed.get_world_size()} "
+                 f"ranks (tp={args.tensor_model_parallel_size}, "
+                 f"ep={args.expert_model_parallel_size}, "
+                 f"etp={args.expert_tensor_parallel_size}, {pipeline_text(args)}"
+                 f"dp={args.data_parallel_size}), "
+                 f"dispatcher {args.moe_token_dispatcher_type}, experts {experts}, "
+                 f"{device_type}/{torch.distributed.get_backend()}")
+    if optional_note:  # Megatron-Core's own warnings about the packages are hidden
+        print_rank_0(f"> {optional_note}")
+    print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
+                 f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
+
+
+class Interval:
+    """What one iteration line averages: the iterations since the previous line."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.losses: Dict[str, float] = {}
+        self.steps = 0
+        self.skipped = 0  # Megatron-LM's skipped iterations (fp16: gradients overflowed)
+        self.nan = 0  # iterations whose loss was inf or nan
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Evaluation and checkpoint saves are not training time."""
+        self.start = time.time()
+
+    def add(self, losses: Dict[str, float], updated: bool) -> None:
+        self.steps += 1
+        self.skipped += not updated
+        self.nan += any(not math.isfinite(value) for value in losses.values())
+        for name, value in losses.items():
+            self.losses[name] = self.losses.get(name, 0.0) + value
+
+    def mean_losses(self) -> Dict[str, float]:
+        return {name: value / self.steps for name, value in self.losses.items()}
+
+    def seconds_per_step(self) -> float:
+        return (time.time() - self.start) / self.steps
+
+
+class ChoiceLog:
+    """Each MoE layer's dispatcher choice, printed once by its stage's first rank as soon as it
+    is made, and again only if it changes."""
+
+    def __init__(self, dispatcher: str, chunk_notation: str):
+        self.dispatcher, self.chunk_notation = dispatcher, chunk_notation
+        self.choices = None
+
+    def due(self, iteration: int, log_interval: int) -> bool:
+        return self.choices is None or None in self.choices or iteration % log_interval == 0
+
+    def update(self, layer_numbers: Sequence[int], choices: list, progress: "Progress") -> None:
+        previous = self.choices or [None] * len(choices)
+        changed = [(number, choice) for number, old, choice in zip(layer_numbers, previous, choices)
+                   if choice is not None and choice != old]
+        if changed:
+            progress.clear()
+            if not any(previous) and any("c=" in describe_choice(c) for _, c in changed):
+                print_stage_0(f"> schedules: {self.chunk_notation}")
+            for number, choice in changed:
+                print_stage_0(f"> MoE layer {number}: {self.dispatcher} "
+                              f"chose {describe_choice(choice)}")
+        self.choices = choices
+
+
+class TrainingLog:
+    """The training loop's console and TensorBoard: the progress bar, the iteration line of
+    each --log-interval (losses averaged over the interval), validation blocks, the end."""
+
+    def __init__(self, args, is_rank_0: bool, start_iteration: int, chunk_notation: str):
+        self.args = args
+        self.tensorboard = TensorBoard(args.tensorboard_dir, is_rank_0)
+        if self.tensorboard.notice:
+            print_rank_0(f"> {self.tensorboard.notice}")
+        self.progress = Progress(args.train_iters, start_iteration, enabled=is_rank_0)
+        self.interval = Interval()
+        self.choices = ChoiceLog(args.moe_token_dispatcher_type, chunk_notation)
+
+    def line_due(self, iteration: int) -> bool:
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+
+    def iteration(self, iteration: int, consumed_samples: int, elapsed: float, optimizer,
+                  grad_norm, load_balancing: float, shares, summary: dict) -> None:
+        """Print the interval's line (ELAPSED: seconds per iteration) and each MoE layer's
+        expert load, record the summary's loss scales and skipped iterations, then start the
+        next interval."""
+        args, interval = self.args, self.interval
+        learning_rate = optimizer.param_groups[0]["lr"]
+        logged = {**interval.mean_losses(), "load balancing loss": load_balancing}
+        tokens_per_second = args.global_batch_size * args.seq_length / elapsed
+        self.progress.clear()
+        loss_scale = optimizer.get_loss_scale().item()
+        print_rank_0(iteration_line(iteration, args.train_iters, consumed_samples,
+                                    elapsed * 1000.0, learning_rate, args.global_batch_size,
+                                    logged, tokens_per_second, grad_norm,
+                                    skipped=interval.skipped, loss_scale=loss_scale,
+                                    nan_iterations=interval.nan))
+        summary.setdefault("loss_scales", []).append((iteration, loss_scale))
+        summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval.skipped
+        for layer_number, fractions in shares:
+            print_rank_0(expert_load_line(layer_number, fractions))
+        self.tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
+                                  "train/learning-rate": learning_rate,
+                                  "train/tokens-per-second": tokens_per_second,
+                                  "train/grad-norm": grad_norm or 0.0,
+                                  "train/loss-scale": loss_scale,
+                                  **{f"expert-load/layer-{n}-max-over-mean": max(f) * len(f)
+                                     for n, f in shares}},
+                                 iteration)
+        interval.restart()
+
+    def validation(self, iteration: int, losses: Dict[str, float]) -> None:
+        self.progress.clear()
+        print_rank_0(validation_block(f"iteration {iteration}", losses))
+        self.tensorboard.scalars({f"valid/{k}": v for k, v in losses.items()}, iteration)
+
+    def done(self, iteration: int, summary: dict) -> None:
+        self.tensorboard.close()
+        print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
+                     if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
+        print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
+        logdir = self.args.tensorboard_dir
+        print_rank_0("> TensorBoard logs: " + (f"{logdir}  (tensorboard --logdir {logdir})"
+                                               if self.tensorboard.writer else "(none)"))

@@ -15,7 +15,6 @@ and last stage, and the losses, computed on the last stage, are sent to every ra
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import signal
@@ -53,12 +52,11 @@ from megatron_parm.data.datasets import (
 )
 from megatron_parm.data.tokenizers import build_tokenizer
 from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
-from megatron_parm.training.log import (
-    Progress,
-    TensorBoard,
-    expert_load_line,
-    iteration_line,
+from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the tools' too)
+    TrainingLog,
+    describe_choice,
     print_rank_0,
+    start_lines,
     validation_block,
 )
 from megatron_parm.training import ddp, mixed_precision, timing
@@ -203,33 +201,11 @@ def load_balancing_loss(num_steps: int) -> float:
     return moe.mean().item() if moe.numel() else 0.0
 
 
-def describe_choice(choice) -> str:
-    """One line for a dispatcher's choice, whole (its describe() where it has one)."""
-    return choice.describe() if hasattr(choice, "describe") else str(choice)
-
-
 def dispatcher_choices(model) -> list:
     """The schedule each MoE layer of this rank's chunks chose (dispatchers that choose expose
     `choice`); None for the others, and for one still measuring (`tuning`)."""
     return [None if getattr(layer.token_dispatcher, "tuning", False)
             else getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
-
-
-def pipeline_text(args) -> str:
-    """'pp=2, ' (with ' x 2 virtual' when interleaved) for the start-up line; '' without."""
-    if args.pipeline_model_parallel_size == 1:
-        return ""
-    vpp = args.virtual_pipeline_model_parallel_size
-    return (f"pp={args.pipeline_model_parallel_size}"
-            + (f" x {vpp} virtual" if vpp else "") + ", ")
-
-
-def print_stage_0(message: str) -> None:
-    """Print on the first rank of each pipeline stage (rank 0 without pipelining): what only
-    that stage knows, such as its layers' dispatcher choices."""
-    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    if torch.distributed.get_rank(group) == 0:
-        print(message, flush=True)
 
 
 def evaluate(forward_step, data_iterator, model, args) -> dict:
@@ -318,47 +294,25 @@ class ExitSignal:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def main(model_type: str, argv=None) -> None:
+    """The pretraining scripts' entry (pretrain_scripts/pretrain_{gpt2,bert}_moe.py): every flag
+    parsed and checked before any process group starts, then pretrain()."""
+    from megatron_parm.training.arguments import parse_args
+
+    pretrain(parse_args(argv, model_type=model_type))
+
+
 def pretrain(args) -> dict:
     """Train args.model_type ('gpt' or 'bert') as the flags say; returns a summary:
     {'losses': [lm loss per iteration], 'eval': [...], 'checkpoint': path or None, ...}."""
     faults.record_progress(None, "starting", args.save)
-    initialize_distributed(args.distributed_timeout_minutes)
-    initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                              args.expert_tensor_parallel_size, args.num_experts,
-                              args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
-                              pp=args.pipeline_model_parallel_size,
-                              vpp=args.virtual_pipeline_model_parallel_size)
-    set_seed(args.seed)
-    get_moe_layer_wise_logging_tracker().clear()  # a previous pretrain() in this process
-    rank = torch.distributed.get_rank()
-    world_size = torch.distributed.get_world_size()
-    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {world_size} ranks "
-                 f"(tp={args.tensor_model_parallel_size}, ep={args.expert_model_parallel_size}, "
-                 f"etp={args.expert_tensor_parallel_size}, {pipeline_text(args)}"
-                 f"dp={args.data_parallel_size}), "
-                 f"dispatcher {args.moe_token_dispatcher_type}, experts {expert_module_name(build_config(args))}, "
-                 f"{device.current().type}/{torch.distributed.get_backend()}")
-    if optional_packages_note():  # Megatron-Core's own warnings about them are hidden
-        print_rank_0(f"> {optional_packages_note()}")
-    print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
-                 f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
+    initialize(args)
+    start_lines(args, expert_module_name(build_config(args)), device.current().type,
+                optional_packages_note())
     # The checks below fail on every rank alike, and the first to fail prints the error: wait
     # for rank 0's banner, so that in a shared log (Slurm's) the error comes after it.
     torch.distributed.barrier()
-
-    # The checkpoint to resume from, if any, is checked before the model is built: its flags
-    # must describe the same model, and its padded vocabulary is kept (it depends on the TP
-    # size it was saved with).
-    checkpoint = find_checkpoint(args.load, args.save)
-    padded_vocab = None
-    if checkpoint is not None:
-        info = read_checkpoint_info(checkpoint[0])
-        check_model_flags(info.get("args"), args, checkpoint[0])
-        padded_vocab = (info.get("model_info") or {}).get("padded_vocab_size")
-    elif args.load:
-        print_rank_0(f"> no checkpoint in {args.load} yet (it is also --save): starting from "
-                     f"scratch, later runs resume from it")
-
+    checkpoint, padded_vocab = checkpoint_to_resume(args)
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
                                                             padded_vocab)
@@ -367,188 +321,205 @@ def pretrain(args) -> dict:
                  f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
                  f"{args.num_microbatches} micro-batches of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
+    iteration, consumed_samples = resume(checkpoint, model, optimizer, scheduler, args)
+    train_iter, valid_iter = build_iterators(args, tokenizer, model, consumed_samples)
+    forward_step = FORWARD_STEPS[args.model_type]
+    if args.skip_train:  # evaluate the loaded model and stop (Megatron-LM's --skip-train)
+        summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
+        if args.eval_iters > 0:
+            summary["eval"].append((iteration, evaluate(forward_step, valid_iter, model, args)))
+            print_rank_0(validation_block(f"iteration {iteration}", summary["eval"][-1][1]))
+        return summary
 
-    iteration, consumed_samples = 0, 0
-    if checkpoint is not None:
-        # --skip-train only evaluates: the learning-rate schedule is neither needed nor checked.
-        loaded = load_checkpoint(checkpoint[0], model, optimizer,
-                                 None if args.skip_train else scheduler, args)
-        iteration, consumed_samples = loaded["iteration"], loaded["consumed_samples"]
-        print_rank_0(f"> loaded checkpoint {checkpoint[0]} at iteration {iteration} "
-                     f"(consumed samples {consumed_samples}, RNG states "
-                     f"{'restored' if loaded['rng_restored'] else 'not restored'})")
-        for note in loaded["notes"]:
-            print_rank_0(f"> note: {note}")
+    run = Run(args, model, optimizer, scheduler, forward_step, train_iter, valid_iter,
+              iteration, consumed_samples)
+    print_rank_0(f"> training for {args.train_iters - iteration} iterations")
+    while run.iteration < args.train_iters:
+        faults.record_progress(run.iteration + 1, "training", args.save)  # the launcher's line
+        grad_norm = run.step()
+        run.log.progress.update(run.iteration)
+        if run.log.choices.due(run.iteration, args.log_interval):
+            run.log.choices.update([layer.layer_number for layer in moe_layers(model)],
+                                   dispatcher_choices(model), run.log.progress)
+        if run.log.line_due(run.iteration):
+            run.log_line(grad_norm)
+        if args.eval_iters > 0 and (run.iteration % args.eval_interval == 0
+                                    or run.iteration == args.train_iters):
+            run.evaluate()
+        if args.save and args.save_interval and run.iteration % args.save_interval == 0 \
+                and run.iteration < args.train_iters:
+            run.save()
+        reason = stop_reason(run.iteration, args, run.exit_signal)
+        if reason:
+            run.summary["exit_reason"] = reason
+            break
+    return run.finish()
 
-    # Data: every rank reads the samples of its data-parallel rank (TP peers read the same).
+
+def initialize(args) -> None:
+    """Process groups (the job's, then Megatron's for the layout), seeds, and a clean MoE
+    logging tracker (a previous pretrain() in this process leaves its values there)."""
+    initialize_distributed(args.distributed_timeout_minutes)
+    initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                              args.expert_tensor_parallel_size, args.num_experts,
+                              args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
+                              pp=args.pipeline_model_parallel_size,
+                              vpp=args.virtual_pipeline_model_parallel_size)
+    set_seed(args.seed)
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+def checkpoint_to_resume(args):
+    """(the checkpoint to resume from or None, its padded vocabulary or None), checked before
+    the model is built: its flags must describe the same model, and its padded vocabulary is
+    kept (it depends on the TP size it was saved with)."""
+    checkpoint = find_checkpoint(args.load, args.save)
+    if checkpoint is None:
+        if args.load:
+            print_rank_0(f"> no checkpoint in {args.load} yet (it is also --save): starting "
+                         f"from scratch, later runs resume from it")
+        return None, None
+    info = read_checkpoint_info(checkpoint[0])
+    check_model_flags(info.get("args"), args, checkpoint[0])
+    return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
+
+
+def resume(checkpoint, model, optimizer, scheduler, args):
+    """(iteration, consumed samples): the checkpoint's, loaded into the model, optimizer and
+    schedule; (0, 0) without one."""
+    if checkpoint is None:
+        return 0, 0
+    # --skip-train only evaluates: the learning-rate schedule is neither needed nor checked.
+    loaded = load_checkpoint(checkpoint[0], model, optimizer,
+                             None if args.skip_train else scheduler, args)
+    print_rank_0(f"> loaded checkpoint {checkpoint[0]} at iteration {loaded['iteration']} "
+                 f"(consumed samples {loaded['consumed_samples']}, RNG states "
+                 f"{'restored' if loaded['rng_restored'] else 'not restored'})")
+    for note in loaded["notes"]:
+        print_rank_0(f"> note: {note}")
+    return loaded["iteration"], loaded["consumed_samples"]
+
+
+def build_iterators(args, tokenizer, model, consumed_samples: int):
+    """(train, validation) iterators, one per model chunk: the interleaved schedule draws a
+    micro-batch for each chunk's forward step, and every chunk must see the same samples.
+    Every rank reads the samples of its data-parallel rank (TP peers read the same)."""
     num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
                                                args.eval_interval, args.eval_iters)
     train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
-    # One iterator per model chunk: the interleaved schedule draws a micro-batch for each
-    # chunk's forward step, and every chunk must see the same samples.
     train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
                                       dp_rank, dp_size, args.num_workers, cyclic=True)
                   for _ in model]
     valid_iter = [build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
                                       args.num_workers, cyclic=True) for _ in model]
+    return train_iter, valid_iter
 
-    forward_step = FORWARD_STEPS[args.model_type]
-    forward_backward = get_forward_backward_func()
-    if args.skip_train:
-        # Evaluate the loaded model and stop (Megatron-LM's --skip-train).
-        summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
-        if args.eval_iters > 0:
-            eval_losses = evaluate(forward_step, valid_iter, model, args)
-            summary["eval"].append((iteration, eval_losses))
-            print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
-        return summary
-    expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
-    tensorboard = TensorBoard(args.tensorboard_dir, rank == 0)
-    if tensorboard.notice:
-        print_rank_0(f"> {tensorboard.notice}")
-    progress = Progress(args.train_iters, iteration, enabled=rank == 0)
-    summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
-    interval_losses, interval_steps, interval_start = {}, 0, time.time()
-    interval_skipped = interval_nan = 0  # Megatron-LM's skipped (overflow) and nan iterations
-    choices = None
-    exit_signal = ExitSignal(args.exit_signal_handler)
-    start_iteration, saved_at = iteration, None
-    for chunk in model:
-        chunk.train()
-    print_rank_0(f"> training for {args.train_iters - iteration} iterations")
-    timer = timing.StepTimer.install(model, optimizer, unwrap(model[0]).config, args)
-    # --overlap-param-gather: no forward pre-hooks in the first step (Megatron-LM's order)
-    param_gather = ddp.ParamGather(model, unwrap(model[0]).config, args)
-    param_gather.disable(param_sync=False)
 
-    while iteration < args.train_iters:
-        faults.record_progress(iteration + 1, "training", args.save)  # for the launcher's line
-        step_start = time.time()
-        timer.step_start()
+def stop_reason(iteration: int, args, exit_signal: "ExitSignal") -> Optional[str]:
+    """'signal' or 'exit-interval' when the loop stops after ITERATION (said on the console);
+    None to go on. Collective (every rank agrees on a signal)."""
+    if exit_signal.any_rank():
+        print_rank_0(f"> exit signal received: stopping after iteration {iteration}")
+        return "signal"
+    if args.exit_interval and iteration % args.exit_interval == 0 \
+            and iteration < args.train_iters:
+        print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "
+                     f"{iteration}")
+        return "exit-interval"
+    return None
+
+
+class Run:
+    """One training run's state between iterations: the model, optimizer and schedule, the
+    data, the position (iteration, consumed samples), the log, timers and the summary."""
+
+    def __init__(self, args, model, optimizer, scheduler, forward_step, train_iter, valid_iter,
+                 iteration: int, consumed_samples: int):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.forward_step, self.train_iter, self.valid_iter = forward_step, train_iter, valid_iter
+        self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.start_iteration, self.saved_at = iteration, None
+        self.forward_backward = get_forward_backward_func()
+        self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
+        self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
+        self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
+        self.exit_signal = ExitSignal(args.exit_signal_handler)
         for chunk in model:
+            chunk.train()
+        config = unwrap(model[0]).config
+        self.timer = timing.StepTimer.install(model, self.optimizer, config, args)
+        # --overlap-param-gather: no forward pre-hooks in the first step (Megatron-LM's order)
+        self.param_gather = ddp.ParamGather(model, config, args)
+        self.param_gather.disable(param_sync=False)
+
+    def step(self):
+        """One iteration: forward and backward over the micro-batches, the optimizer step and
+        the schedule's; the losses (averaged over data-parallel ranks) go to the summary and
+        the log's interval. Returns the gradient norm."""
+        args, step_start = self.args, time.time()
+        self.timer.step_start()
+        for chunk in self.model:
             chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses_reduced = forward_backward(
-            forward_step_func=forward_step, data_iterator=train_iter, model=model,
+        self.optimizer.zero_grad()
+        losses_reduced = self.forward_backward(
+            forward_step_func=self.forward_step, data_iterator=self.train_iter, model=self.model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
-        update_successful, grad_norm, _ = optimizer.step()
-        param_gather.enable()
-        if update_successful:
-            scheduler.step(increment=args.global_batch_size)
-        else:
-            interval_skipped += 1  # fp16: gradients overflowed, the loss scale was lowered
-        iteration += 1
-        consumed_samples += args.global_batch_size
-        summary["iteration_times"].append(time.time() - step_start)
-
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.param_gather.enable()
+        if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
+            self.scheduler.step(increment=args.global_batch_size)
+        self.iteration += 1
+        self.consumed_samples += args.global_batch_size
+        self.summary["iteration_times"].append(time.time() - step_start)
         losses = from_last_stage(mean_over_data_parallel(average_microbatch_losses(
             losses_reduced)) if parallel_state.is_pipeline_last_stage() else None)
-        summary["losses"].append(losses["lm loss"])
-        timer.step_end(iteration, losses)
-        interval_nan += any(not math.isfinite(value) for value in losses.values())
-        for name, value in losses.items():
-            interval_losses[name] = interval_losses.get(name, 0.0) + value
-        interval_steps += 1
-        progress.update(iteration)
+        self.summary["losses"].append(losses["lm loss"])
+        self.timer.step_end(self.iteration, losses)
+        self.log.interval.add(losses, update_successful)
+        return grad_norm
 
-        if choices is None or None in choices or iteration % args.log_interval == 0:
-            # Each layer's choice once (again only if it changes), as soon as it is made.
-            new_choices = dispatcher_choices(model)
-            previous = choices or [None] * len(new_choices)
-            changed = [(layer.layer_number, choice) for layer, old, choice
-                       in zip(moe_layers(model), previous, new_choices)
-                       if choice is not None and choice != old]
-            if changed:  # a pipeline stage's choices are printed by its first rank
-                progress.clear()
-                if not any(previous) and any("c=" in describe_choice(c) for _, c in changed):
-                    print_stage_0(f"> schedules: {CHUNK_NOTATION}")
-                for layer_number, choice in changed:
-                    print_stage_0(f"> MoE layer {layer_number}: {args.moe_token_dispatcher_type} "
-                                  f"chose {describe_choice(choice)}")
-            choices = new_choices
+    def log_line(self, grad_norm) -> None:
+        """The iteration line of the interval (with the aux loss and the expert load, reduced
+        over the ranks: collective), and the step-time breakdown's."""
+        seconds_per_step = self.log.interval.seconds_per_step()
+        load_balancing = load_balancing_loss(self.log.interval.steps * self.args.num_microbatches)
+        self.log.iteration(self.iteration, self.consumed_samples, seconds_per_step,
+                           self.optimizer, grad_norm, load_balancing, self.expert_load.shares(),
+                           self.summary)
+        self.timer.log(self.iteration)
 
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            elapsed = (time.time() - interval_start) / interval_steps
-            learning_rate = optimizer.param_groups[0]["lr"]
-            logged = {name: value / interval_steps for name, value in interval_losses.items()}
-            logged["load balancing loss"] = load_balancing_loss(
-                interval_steps * args.num_microbatches)
-            tokens_per_second = args.global_batch_size * args.seq_length / elapsed
-            shares = expert_load.shares()
-            progress.clear()
-            loss_scale = optimizer.get_loss_scale().item()
-            print_rank_0(iteration_line(iteration, args.train_iters, consumed_samples,
-                                        elapsed * 1000.0, learning_rate, args.global_batch_size,
-                                        logged, tokens_per_second, grad_norm,
-                                        skipped=interval_skipped, loss_scale=loss_scale,
-                                        nan_iterations=interval_nan))
-            summary.setdefault("loss_scales", []).append((iteration, loss_scale))
-            summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval_skipped
-            for layer_number, fractions in shares:
-                print_rank_0(expert_load_line(layer_number, fractions))
-            timer.log(iteration)
-            tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
-                                 "train/learning-rate": learning_rate,
-                                 "train/tokens-per-second": tokens_per_second,
-                                 "train/grad-norm": grad_norm or 0.0,
-                                 "train/loss-scale": loss_scale,
-                                 **{f"expert-load/layer-{l}-max-over-mean": max(f) * len(f)
-                                    for l, f in shares}},
-                                iteration)
-            interval_losses, interval_steps, interval_start = {}, 0, time.time()
-            interval_skipped = interval_nan = 0
+    def evaluate(self) -> None:
+        faults.record_progress(self.iteration, "evaluating", self.args.save)
+        self.param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
+        losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)
+        self.param_gather.enable()
+        self.summary["eval"].append((self.iteration, losses))
+        self.log.validation(self.iteration, losses)
+        self.log.interval.restart_clock()
 
-        if args.eval_iters > 0 and (iteration % args.eval_interval == 0
-                                    or iteration == args.train_iters):
-            faults.record_progress(iteration, "evaluating", args.save)
-            param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
-            eval_losses = evaluate(forward_step, valid_iter, model, args)
-            param_gather.enable()
-            summary["eval"].append((iteration, eval_losses))
-            progress.clear()
-            print_rank_0(validation_block(f"iteration {iteration}", eval_losses))
-            tensorboard.scalars({f"valid/{k}": v for k, v in eval_losses.items()}, iteration)
-            interval_start = time.time()  # evaluation time is not training time
+    def save(self) -> str:
+        faults.record_progress(self.iteration, "saving a checkpoint", self.args.save)
+        path = save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                               self.scheduler, self.consumed_samples, self.args)
+        self.saved_at = self.iteration
+        print_rank_0(f"> saved checkpoint at iteration {self.iteration} to {path}")
+        self.log.interval.restart_clock()
+        return path
 
-        if args.save and args.save_interval and iteration % args.save_interval == 0 \
-                and iteration < args.train_iters:
-            faults.record_progress(iteration, "saving a checkpoint", args.save)
-            path = save_checkpoint(args.save, iteration, model, optimizer, scheduler,
-                                   consumed_samples, args)
-            saved_at = iteration
-            print_rank_0(f"> saved checkpoint at iteration {iteration} to {path}")
-            interval_start = time.time()
-
-        if exit_signal.any_rank():
-            print_rank_0(f"> exit signal received: stopping after iteration {iteration}")
-            summary["exit_reason"] = "signal"
-            break
-        if args.exit_interval and iteration % args.exit_interval == 0 \
-                and iteration < args.train_iters:
-            print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "
-                         f"{iteration}")
-            summary["exit_reason"] = "exit-interval"
-            break
-
-    summary["iteration"] = iteration
-    if args.save and iteration > start_iteration and saved_at != iteration:
-        faults.record_progress(iteration, "saving a checkpoint", args.save)
-        summary["checkpoint"] = save_checkpoint(args.save, iteration, model, optimizer,
-                                                scheduler, consumed_samples, args)
-        print_rank_0(f"> saved checkpoint at iteration {iteration} to {summary['checkpoint']}")
-    elif args.save and saved_at == iteration:
-        summary["checkpoint"] = os.path.join(args.save, f"iter_{iteration:07d}")
-    exit_signal.close()  # after the save: a second SIGTERM must not cut it short
-    faults.record_progress(iteration, "done", args.save)
-    tensorboard.close()
-    timer.close()
-    print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
-                 if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
-    print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
-    print_rank_0(f"> TensorBoard logs: "
-                 f"{args.tensorboard_dir if tensorboard.writer else '(none)'}"
-                 + (f"  (tensorboard --logdir {args.tensorboard_dir})" if tensorboard.writer else ""))
-    summary["dispatcher_choices"] = choices
-    return summary
+    def finish(self) -> dict:
+        """Save where the last save is older than the last iteration, close, say where the
+        results are; returns the summary."""
+        args, iteration, summary = self.args, self.iteration, self.summary
+        summary["iteration"] = iteration
+        if args.save and iteration > self.start_iteration and self.saved_at != iteration:
+            summary["checkpoint"] = self.save()
+        elif args.save and self.saved_at == iteration:
+            summary["checkpoint"] = os.path.join(args.save, f"iter_{iteration:07d}")
+        self.exit_signal.close()  # after the save: a second SIGTERM must not cut it short
+        faults.record_progress(iteration, "done", args.save)
+        self.timer.close()
+        self.log.done(iteration, summary)
+        summary["dispatcher_choices"] = self.log.choices.choices
+        return summary
