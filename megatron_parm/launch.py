@@ -49,7 +49,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from megatron_parm import faults
+from megatron_parm import faults, settings
 from megatron_parm.cli import USER_ERROR
 
 
@@ -300,6 +300,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = torchrun.get_args_parser().parse_args(argv)
+    problem = script_flags_problem(parsed.training_script, parsed.training_script_args)
+    if problem:  # before any rank starts (a rank would find it after ~20 s, once per rank)
+        print(f"error: {problem}", file=sys.stderr)
+        return USER_ERROR
     grace_s = STOP_GRACE_S if parsed.shutdown_timeout is None else parsed.shutdown_timeout
     if "OMP_NUM_THREADS" not in os.environ and \
             torchrun.determine_local_world_size(parsed.nproc_per_node) > 1:
@@ -340,6 +344,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if status in (0, USER_ERROR) or not os.listdir(folder):
         shutil.rmtree(folder, ignore_errors=True)  # nothing to look at
     return status
+
+
+def script_flags_problem(script: str, script_args: List[str]) -> Optional[str]:
+    """For the pretraining scripts (megatron_parm.settings.TRAINING_SCRIPTS): one line naming
+    the flags of their argv that training does not know, with the closest valid ones; None
+    for a clean argv or another script. Only the names are checked here (the values and the
+    rest after the ranks start, by the script itself)."""
+    if os.path.basename(script) not in settings.TRAINING_SCRIPTS:
+        return None
+    return settings.unknown_flags(script_args, settings.training_parser())
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:

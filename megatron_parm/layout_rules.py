@@ -24,9 +24,19 @@ def shape_problem(hidden_size: int, num_attention_heads: int, seq_length: int,
     if hidden_size % num_attention_heads != 0:
         return (f"--hidden-size ({hidden_size}) must be divisible by --num-attention-heads "
                 f"({num_attention_heads})")
+    return routing_problem(num_experts, topk)
+
+
+def routing_problem(num_experts: Optional[int], topk: int) -> Optional[str]:
+    """Why a token cannot pick topk of num_experts experts, or None (dense: num_experts None)."""
     if num_experts is not None and not 1 <= topk <= num_experts:
         return f"--moe-router-topk ({topk}) must be in [1, --num-experts ({num_experts})]"
     return None
+
+
+def precision_problem(bf16: bool, fp16: bool) -> Optional[str]:
+    """Why the precision flags exclude each other, or None."""
+    return "--bf16 and --fp16 are mutually exclusive: pick one" if bf16 and fp16 else None
 
 
 def layout_problem(world_size: int, tp: int, ep: int, etp: int,
@@ -36,12 +46,12 @@ def layout_problem(world_size: int, tp: int, ep: int, etp: int,
     Megatron puts the pipeline stages outermost: each stage has world_size / pp ranks, laid
     out by (tp, ep, etp) as a whole world would be."""
     for flag, value in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep),
-                        ("--expert-tensor-parallel-size", etp),
-                        ("--pipeline-model-parallel-size", pp)):
+                        ("--expert-tensor-parallel-size", etp)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    if world_size % pp != 0:
-        return f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world_size})"
+    problem = size_problem("--pipeline-model-parallel-size", pp, world_size)
+    if problem:
+        return problem
     stage = world_size // pp
     where = (f"the world size ({world_size})" if pp == 1 else
              f"the ranks of a pipeline stage ({world_size} / --pipeline-model-parallel-size "
@@ -53,10 +63,35 @@ def layout_problem(world_size: int, tp: int, ep: int, etp: int,
     if stage % (etp * ep) != 0:
         return (f"--expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}) "
                 f"must divide {where}")
+    return experts_problem(num_experts, ep)
+
+
+def size_problem(flag: str, value: int, world_size: int) -> Optional[str]:
+    """Why one parallel size (the flag's value) cannot split world_size ranks, or None."""
+    if value < 1:
+        return f"{flag} must be >= 1, got {value}"
+    if world_size % value != 0:
+        return f"{flag} ({value}) must divide the world size ({world_size})"
+    return None
+
+
+def experts_problem(num_experts: Optional[int], ep: int) -> Optional[str]:
+    """Why the experts do not split evenly over the EP ranks, or None."""
     if num_experts is not None and num_experts % ep != 0:
         return (f"--num-experts ({num_experts}) must be divisible by "
                 f"--expert-model-parallel-size ({ep})")
     return None
+
+
+def sequence_problem(seq_length: int, tp: int, sequence_parallel: bool = True) -> Optional[str]:
+    """Why the sequence does not split into TP shards, or None. Sequence parallelism splits the
+    layer inputs; and every MoE layer routes S / t rows of each sequence per rank, with or
+    without it (perf_model.shape.tokens_per_rank)."""
+    if seq_length % tp == 0:
+        return None
+    return (f"--seq-length ({seq_length}) must be divisible by --tensor-model-parallel-size "
+            f"({tp})" + (" with --sequence-parallel" if sequence_parallel else
+                         " (each MoE layer routes seq-length / tp rows per rank)"))
 
 
 def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_length: int,
@@ -71,9 +106,10 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
     if num_attention_heads % tp != 0:
         return (f"--num-attention-heads ({num_attention_heads}) must be divisible by "
                 f"--tensor-model-parallel-size ({tp})")
-    if sequence_parallel and seq_length % tp != 0:
-        return (f"--seq-length ({seq_length}) must be divisible by "
-                f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    if sequence_parallel or num_experts is not None:
+        problem = sequence_problem(seq_length, tp, sequence_parallel)
+        if problem:
+            return problem
     if num_experts is None:
         return (f"--expert-model-parallel-size {ep} needs --num-experts (without it the model "
                 f"is dense)") if ep > 1 else None

@@ -49,6 +49,7 @@ DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
                     "loss_scale_window": 1000, "hysteresis": 2}
 
 Check = Callable[[str, Any], None]  # (flag, value) -> None; ValueError naming the flag
+_DECLARED = object()  # add_flags: no default of the tool's own, the declared one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,9 +113,11 @@ class Flag:
     def values(self) -> Optional[Sequence]:
         return self.choices() if callable(self.choices) else self.choices
 
-    def add_to(self, parser, default=None, required: bool = False) -> None:
-        default = self.default if default is None else default
-        options: Dict[str, Any] = {"help": self.help() if callable(self.help) else self.help}
+    def add_to(self, parser, default=None, required: bool = False, help: Optional[str] = None,
+               aliases: Sequence[str] = ()) -> None:
+        default = self.default if default is _DECLARED else default
+        help = help if help is not None else self.help() if callable(self.help) else self.help
+        options: Dict[str, Any] = {"help": help}
         if self.dest is not None:
             options["dest"] = self.dest
         if self.kind == "switch":
@@ -124,7 +127,9 @@ class Flag:
         else:
             options.update(type=self.type, default=default, choices=self.values(),
                            nargs=self.nargs, metavar=self.metavar, required=required)
-        parser.add_argument(self.name, **options)
+        if aliases:
+            options.setdefault("dest", self.key)
+        parser.add_argument(self.name, *aliases, **options)
 
 
 def _dispatcher_help() -> str:
@@ -376,11 +381,41 @@ def _declare() -> List[Flag]:
 FLAGS: Dict[str, Flag] = {flag.name: flag for flag in _declare()}
 _BY_KEY: Dict[str, Flag] = {flag.key: flag for flag in FLAGS.values()}
 
+# The pretraining entry points (pretrain_scripts/): the launcher checks their flags' names
+# against training_parser() before it starts any rank.
+TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
 # The groups of training's parser, in --help order.
 TRAINING_GROUPS = ("model", "mixture of experts", "parallelism", "training",
                    "checkpoints and logging", "mixed precision", "data", "tokenizer")
 # Flags of a group that training does not take (the planners' own).
 PLANNER_ONLY = ("--vocab-size", "--swiglu", "--moe-layer-freq", "--parm-chunk-candidates")
+
+
+# One MoE layer and its layout, as the performance model takes them (tools/plan_schedule.py,
+# perf_model.layer_plan.layer_model), with that tool's defaults and config-file aliases.
+LAYER_MODEL_FLAGS = (
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size",
+    "--num-experts", "--moe-router-topk", "--seq-length", "--micro-batch-size",
+    "--tensor-model-parallel-size", "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size", "--nnodes", "--nproc-per-node", "--moe-layer-freq",
+    "--moe-expert-capacity-factor", "--sequence-parallel", "--moe-pad-expert-input-to-capacity",
+    "--bf16", "--fp16", "--swiglu")
+LAYER_MODEL_DEFAULTS = {"num_layers": 1, "micro_batch_size": 1}
+LAYER_MODEL_ALIASES = {"tp": "tensor_model_parallel_size", "ep": "expert_model_parallel_size",
+                       "etp": "expert_tensor_parallel_size", "nodes": "nnodes",
+                       "ranks_per_node": "nproc_per_node"}
+
+
+def layer_model_values(path: str, **overrides) -> argparse.Namespace:
+    """The LAYER_MODEL_FLAGS of a config file, with overrides (by key), as plan_schedule reads
+    them, without a command line (tools/bench_report.py)."""
+    parser = Parser()
+    add_flags(parser, ["--config"] + list(LAYER_MODEL_FLAGS), defaults=LAYER_MODEL_DEFAULTS)
+    values, _ = config_values(path, parser, LAYER_MODEL_ALIASES, strict=False)
+    parser.set_defaults(**{**values, **overrides})
+    args = parser.parse_args([])
+    check(args)
+    return args
 
 
 def group(title: str, exclude: Iterable[str] = ()) -> List[str]:
@@ -389,20 +424,33 @@ def group(title: str, exclude: Iterable[str] = ()) -> List[str]:
     return [name for name, flag in FLAGS.items() if flag.group == title and name not in skip]
 
 
+def training_parser(description: Optional[str] = None) -> "Parser":
+    """The parser of the pretraining flags (training/arguments.py validates what it reads)."""
+    parser = Parser(description=description)
+    add_flags(parser, ["--config"])
+    for title in TRAINING_GROUPS:
+        add_flags(parser.add_argument_group(title), group(title, exclude=PLANNER_ONLY))
+    return parser
+
+
 def flag_of(key: str) -> str:
     """The flag of a dest / config key ("num_layers" -> "--num-layers")."""
     return _BY_KEY[key].name if key in _BY_KEY else f"--{key.replace('_', '-')}"
 
 
 def add_flags(parser, names: Iterable[str], defaults: Optional[Dict[str, Any]] = None,
-              required: Iterable[str] = ()) -> None:
-    """Put the named flags on an argparse parser or argument group; ``defaults`` (by key)
-    replaces a declared default, ``required`` names flags argparse must see."""
-    defaults = defaults or {}
+              required: Iterable[str] = (), helps: Optional[Dict[str, str]] = None,
+              aliases: Optional[Dict[str, Sequence[str]]] = None) -> None:
+    """Put the named flags on an argparse parser or argument group. A tool may give, by key,
+    ``defaults`` of its own (None included) and the ``helps`` that say what its defaults
+    mean; ``required`` names flags argparse must see, ``aliases`` (by name) older spellings
+    a tool still takes."""
+    defaults, helps, aliases = defaults or {}, helps or {}, aliases or {}
     must = set(required)
     for name in names:
         flag = FLAGS[name]
-        flag.add_to(parser, defaults.get(flag.key), required=name in must)
+        flag.add_to(parser, defaults.get(flag.key, _DECLARED), required=name in must,
+                    help=helps.get(flag.key), aliases=aliases.get(name, ()))
 
 
 class Parser(argparse.ArgumentParser):
@@ -501,14 +549,15 @@ def _config_value(flag: Flag, value):
 
 
 def config_values(path: str, parser: argparse.ArgumentParser,
-                  aliases: Optional[Dict[str, str]] = None, strict: bool = True
-                  ) -> Tuple[dict, List[str]]:
+                  aliases: Optional[Dict[str, str]] = None, strict: bool = True,
+                  command_line_only: Iterable[str] = ()) -> Tuple[dict, List[str]]:
     """(values for the parser's flags, keys it does not take) of a config file.
 
     Keys no flag has are an error (with the closest key); with ``strict`` so are flags this
-    parser does not take, else they come back as unused (a planner reads a training config)."""
+    parser does not take, else they come back as unused (a planner reads a training config),
+    as do the keys of ``command_line_only``."""
     aliases = aliases or {}
-    known = {action.dest for action in parser._actions}
+    known = {action.dest for action in parser._actions} - set(command_line_only)
     values, unused, unknown = {}, [], []
     for key, value in read_config_file(path).items():
         key = aliases.get(str(key), str(key).replace("-", "_"))
@@ -528,16 +577,18 @@ def config_values(path: str, parser: argparse.ArgumentParser,
 
 
 def read(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
-         aliases: Optional[Dict[str, str]] = None, strict: bool = True) -> argparse.Namespace:
+         aliases: Optional[Dict[str, str]] = None, strict: bool = True,
+         reader: str = "here", command_line_only: Iterable[str] = ()) -> argparse.Namespace:
     """The settings of argv: the command line over the --config file over the defaults, then
     each given flag's declared check. Keys of the config file that are flags of other entry
-    points are listed in one note on stderr where ``strict`` is off (the planners)."""
+    points are listed in one note on stderr ("not used <reader>: ...") where ``strict`` is off
+    (the planners read training configs)."""
     args = parser.parse_args(argv)
     path = getattr(args, "config", None)
     if path:
-        values, unused = config_values(path, parser, aliases, strict)
+        values, unused = config_values(path, parser, aliases, strict, command_line_only)
         if unused:
-            print(f"note: --config {path}: not used here: {', '.join(sorted(unused))}",
+            print(f"note: --config {path}: not used {reader}: {', '.join(sorted(unused))}",
                   file=sys.stderr)
         parser.set_defaults(**values)
         args = parser.parse_args(argv)

@@ -23,7 +23,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_parm import cli  # noqa: E402
 
@@ -38,10 +37,10 @@ DEFAULT_MODEL_PROFILE = "nvlink_ib_estimate"
 def model_ratios(config_paths, profile_name, results):
     """{config file: {layout: [compute, inter, intra] relative to compute}} predicted for
     alltoall, at each layout (and node count) the grid ran, bf16."""
-    import plan_schedule
-
+    from megatron_parm import settings
     from megatron_parm.bench.report import model_time_shares
     from megatron_parm.perf_model import load_profile
+    from megatron_parm.perf_model.layer_plan import layer_model
 
     profile = load_profile(profile_name)
     layouts = sorted({(r.fields["tp"], r.fields["ep"], r.fields["etp"], r.fields["world_size"],
@@ -51,11 +50,10 @@ def model_ratios(config_paths, profile_name, results):
     for path in config_paths:
         entry = out.setdefault(path, {})
         for tp, ep, etp, world, per_node in layouts:
-            args = plan_schedule.build_parser().parse_args([
-                "--config", path, "--parm-profile", profile_name, "--bf16", "--tensor-model-parallel-size",
-                str(tp), "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
-                "--nnodes", str(world // per_node), "--nproc-per-node", str(per_node)])
-            layout, shape, _ = plan_schedule.build_model(plan_schedule.resolve_settings(args))
+            layout, shape, _ = layer_model(settings.layer_model_values(
+                path, bf16=True, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp, nnodes=world // per_node,
+                nproc_per_node=per_node))
             compute, inter, intra = model_time_shares(shape, layout, profile)
             entry[f"{tp},{ep},{etp}"] = dict(tokens_per_rank=shape.num_tokens,
                                               ratio=[1.0, inter / compute, intra / compute],

@@ -47,6 +47,7 @@ from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
+from megatron_parm import settings  # noqa: E402
 from megatron_parm.perf_model import Layout, save_profile  # noqa: E402
 from megatron_parm.perf_model import calibrate as cal  # noqa: E402
 
@@ -58,20 +59,21 @@ LAYER_CHUNKS = (1, 2, 8)  # 1: parm_s1; c: parm_s2 at c chunks
 # The layouts the in-layer terms are fitted over by default (those the world runs): the
 # grid's, where S2's chunks cost differently (local experts, ETP)
 DEFAULT_LAYER_LAYOUTS = ((2, 2, 2), (2, 2, 1), (1, 4, 1))
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                "--expert-tensor-parallel-size")
+LAYOUT_KEYS = tuple(settings.FLAGS[name].key for name in LAYOUT_FLAGS)
 DEFAULT_STEP_CONFIG = "configs/gpt2_tiny_moe.yaml"
 DEFAULT_STEP_LAYERS = "1,2"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = settings.Parser(
         prog="calibrate.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                        help="default: ranks per node (TP groups inside a node)")
-    parser.add_argument("--expert-model-parallel-size", type=int, default=None,
-                        help="default: number of nodes (EP groups across nodes)")
-    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                        help="default: the tensor-parallel size, as in Megatron")
+    settings.add_flags(parser, LAYOUT_FLAGS, defaults=dict.fromkeys(LAYOUT_KEYS), helps={
+        "tensor_model_parallel_size": "default: ranks per node (TP groups inside a node)",
+        "expert_model_parallel_size": "default: number of nodes (EP groups across nodes)",
+        "expert_tensor_parallel_size": "default: the tensor-parallel size, as in Megatron"})
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help="message sizes S (bytes of one rank's whole tensor): LO..HI "
                              "(doubling), LO..HI:N (N geometric points) or a comma list; "
@@ -80,10 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="untimed repetitions per point (default 2)")
     parser.add_argument("--reps", type=int, default=10,
                         help="timed repetitions per point; the median is fitted (default 10)")
-    parser.add_argument("--hidden-size", type=int, default=512,
-                        help="M of the timed expert matmuls (default 512)")
-    parser.add_argument("--moe-ffn-hidden-size", type=int, default=256,
-                        help="H of the timed expert matmuls, split over ETP (default 256)")
+    settings.add_flags(parser, ["--hidden-size", "--moe-ffn-hidden-size"],
+                       defaults={"hidden_size": 512, "moe_ffn_hidden_size": 256}, helps={
+                           "hidden_size": "M of the timed expert matmuls (default 512)",
+                           "moe_ffn_hidden_size": "H of the timed expert matmuls, split over "
+                                                  "ETP (default 256)"})
     parser.add_argument("--compute-rows", default=DEFAULT_COMPUTE_ROWS,
                         help=f"rows through the timed expert, same forms as --sizes "
                              f"(default {DEFAULT_COMPUTE_ROWS})")
@@ -117,10 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-profile", default=None,
                         help="a profile (path or shipped name) whose collective terms are kept "
                              "where the layout has no group to time (one rank); required then")
-    parser.add_argument("--parm-ranks-per-node", "--ranks-per-node", dest="ranks_per_node",
-                        type=int, default=None,
-                        help="ranks per node for the intra/inter rule, as in training (default: "
-                             "LOCAL_WORLD_SIZE, as the model and the accounting use)")
+    settings.add_flags(parser, ["--parm-ranks-per-node"],
+                       aliases={"--parm-ranks-per-node": ["--ranks-per-node"]})
     parser.add_argument("--output", default="calibrated_profile.yaml",
                         help="profile file to write, .yaml or .json (default "
                              "calibrated_profile.yaml)")
@@ -161,10 +162,10 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
         raise ValueError(f"--output must end in .yaml, .yml or .json, got {args.output!r}")
     from megatron_parm.comm.accounting import launcher_ranks_per_node, ranks_per_node as node_rule
 
-    if args.ranks_per_node is None and launcher_ranks_per_node() is None:
+    if args.parm_ranks_per_node is None and launcher_ranks_per_node() is None:
         raise ValueError("--parm-ranks-per-node not given and LOCAL_WORLD_SIZE not set; launch "
                          "with torchrun or give --parm-ranks-per-node")
-    ranks_per_node = node_rule(world_size, args.ranks_per_node)
+    ranks_per_node = node_rule(world_size, args.parm_ranks_per_node)
     tp, ep, etp = cal.default_layout_sizes(world_size, ranks_per_node)
     tp = args.tensor_model_parallel_size or tp
     etp = args.expert_tensor_parallel_size or (tp if args.tensor_model_parallel_size else etp)
@@ -177,7 +178,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     if args.moe_ffn_hidden_size % etp != 0:
         raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
                          f"by --expert-tensor-parallel-size ({etp})")
-    args.ranks_per_node = ranks_per_node
+    args.parm_ranks_per_node = ranks_per_node
     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=world_size // ranks_per_node,
                     ranks_per_node=ranks_per_node)
     args.layer_layouts = _layer_layouts(args.layer_layouts, world_size, layout)
@@ -262,8 +263,8 @@ def skip_reason(layout: Layout, name: str) -> str:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = settings.read(parser, argv)  # each flag's declared check
         layout = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         parser.error(str(error))  # every rank exits 2 with the same message, before any group

@@ -37,7 +37,7 @@ from argparse import Namespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_parm import cli  # noqa: E402
+from megatron_parm import cli, settings  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -53,11 +53,12 @@ TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    parser.add_argument("--load", help="Source checkpoint root or iter_NNNNNNN folder.")
-    parser.add_argument("--save", help="Target checkpoint root.")
+    parser = settings.Parser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    settings.add_flags(parser, ["--load", "--save"], helps={
+        "load": "Source checkpoint root or iter_NNNNNNN folder.",
+        "save": "Target checkpoint root."})
     parser.add_argument("--target-tensor-parallel-size", type=int)
     parser.add_argument("--target-expert-parallel-size", type=int)
     parser.add_argument("--target-expert-tensor-parallel-size", type=int)
@@ -71,16 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-hf", metavar="DIR",
                         help="Import a Hugging Face GPT-2 directory as a dense checkpoint.")
     parser.add_argument("--upcycle", action="store_true")
-    parser.add_argument("--num-experts", type=int, help="With --upcycle.")
-    parser.add_argument("--moe-router-topk", type=int, default=2, help="With --upcycle.")
+    settings.add_flags(parser, ["--num-experts", "--moe-router-topk"],
+                       helps={"num_experts": "With --upcycle.", "moe_router_topk": "With --upcycle."})
     parser.add_argument("--router-init-std", type=float, default=0.01,
                         help="With --upcycle: std of the random router (0: all-zero router).")
-    parser.add_argument("--seed", type=int, default=1234)
+    settings.add_flags(parser, ["--seed"])
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = settings.read(build_parser(), argv)  # each flag's declared check
     targets = (args.target_tensor_parallel_size, args.target_expert_parallel_size,
                args.target_expert_tensor_parallel_size, args.target_pipeline_parallel_size)
     modes = [name for name, on in (("--to-single-file", args.to_single_file),

@@ -23,60 +23,60 @@ files of the config (--tokenizer-model, --vocab-file). --tensor-model-parallel-s
 --moe-token-dispatcher-type on the command line restrict the search. Bad input prints one line `error: ...` and exits 2.
 """
 
-import argparse
 import json
 import os
 import shlex
 import sys
 
-TOOLS = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TOOLS)
-for path in (REPO_ROOT, TOOLS):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()
 
+import megatron_parm.settings as declared  # noqa: E402
+from megatron_parm.layout_rules import precision_problem  # noqa: E402
 from megatron_parm.perf_model import load_profile  # noqa: E402
+from megatron_parm.perf_model.layer_plan import parse_chunks  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
+from megatron_parm.perf_model.profile import shipped_profiles  # noqa: E402
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec  # noqa: E402
-from plan_schedule import parse_chunks, read_config_file  # noqa: E402
 
-# config key -> flag; Megatron-LM's names
-_INT_OPTIONS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-    "ffn_hidden_size": "--ffn-hidden-size", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads", "seq_length": "--seq-length",
-    "max_position_embeddings": "--max-position-embeddings", "num_experts": "--num-experts",
-    "moe_router_topk": "--moe-router-topk", "micro_batch_size": "--micro-batch-size",
-    "global_batch_size": "--global-batch-size", "vocab_size": "--vocab-size",
-}
-_FLOAT_OPTIONS = {"moe_expert_capacity_factor": "--moe-expert-capacity-factor",
-                  "hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
-_BOOL_OPTIONS = {
-    "moe_pad_expert_input_to_capacity": "--moe-pad-expert-input-to-capacity",
-    "disable_bias_linear": "--disable-bias-linear",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "bf16": "--bf16", "fp16": "--fp16",
-    "use_distributed_optimizer": "--use-distributed-optimizer",
-}
-_STR_OPTIONS = {"tokenizer_type": "--tokenizer-type", "tokenizer_model": "--tokenizer-model",
-                "vocab_file": "--vocab-file"}
-_DEFAULTS = {"moe_router_topk": 2, "hidden_dropout": 0.1, "attention_dropout": 0.1,
-             "bert_binary_head": True}
-_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
-             "micro_batch_size", "global_batch_size")
-_LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-                 "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
+# The model and training flags the planner reads (declared in megatron_parm.settings).
+MODEL_FLAGS = (
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size",
+    "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--num-experts",
+    "--moe-router-topk", "--micro-batch-size", "--global-batch-size", "--vocab-size",
+    "--moe-expert-capacity-factor", "--hidden-dropout", "--attention-dropout",
+    "--moe-pad-expert-input-to-capacity", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--bf16", "--fp16", "--use-distributed-optimizer",
+    "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--bert-no-binary-head")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
+            "micro_batch_size", "global_batch_size")
+# Sizes that restrict the search; the command line's only (a config's are the planner's to
+# choose, listed in the note).
+LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
+                "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
+# The flags of the launch line that are each candidate's (or the planner's own), not copied
+# from the command line.
+CANDIDATE_KEYS = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
+                  "use_distributed_optimizer"}
 
 
-class _Parser(argparse.ArgumentParser):
+def profiles_help() -> str:
+    return ("shipped profiles (--parm-profile NAME): " + ", ".join(shipped_profiles())
+            + "; or a profile file (tools/calibrate.py measures one)")
+
+
+class _Parser(declared.Parser):
     """argparse whose errors are one line, `error: ...`, exit status 2."""
 
     def error(self, message):
+        if "--parm-profile" in message and "required" in message:
+            message += f"; {profiles_help()}"
         fail(message)
 
 
@@ -88,37 +88,22 @@ def fail(message):
 def build_parser():
     parser = _Parser(description="Rank every TP/EP/ETP/DP layout, dispatcher and chunk count "
                                  "of an MoE model on a cluster by predicted step time and "
-                                 "memory per rank.", allow_abbrev=False)
-    parser.add_argument("--config", help="training config (YAML or JSON, Megatron flag names)")
+                                 "memory per rank.", epilog=profiles_help())
+    declared.add_flags(parser, ["--config"])
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="gpt",
                         help="gpt (pretrain_gpt2_moe.py) or bert (pretrain_bert_moe.py)")
     group = parser.add_argument_group("cluster")
-    group.add_argument("--nnodes", type=int, default=1)
-    group.add_argument("--nproc-per-node", type=int, required=True)
-    group.add_argument("--gpu-memory-gb", type=float, default=80.0,
-                       help="memory per rank the plan may use, GiB (default 80)")
-    group.add_argument("--parm-profile", required=True,
-                       help="cluster profile: a path or the name of a shipped profile "
-                            "(tools/calibrate.py measures one)")
-    group = parser.add_argument_group("model and training (override --config)")
-    for key, flag in _INT_OPTIONS.items():
-        group.add_argument(flag, dest=key, type=int, default=None)
-    for key, flag in _FLOAT_OPTIONS.items():
-        group.add_argument(flag, dest=key, type=float, default=None)
-    for key, flag in _BOOL_OPTIONS.items():
-        group.add_argument(flag, dest=key, action="store_true", default=None)
-    for key, flag in _STR_OPTIONS.items():
-        group.add_argument(flag, dest=key, default=None)
-    group.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
-                       default=None)
+    declared.add_flags(group, ["--nnodes", "--nproc-per-node", "--gpu-memory-gb", "--parm-profile"],
+                       required=["--nproc-per-node", "--parm-profile"])
+    declared.add_flags(parser.add_argument_group("model and training (override --config)"),
+                       MODEL_FLAGS)
     group = parser.add_argument_group("search (default: everything)")
-    for key, flag in _LAYOUT_FLAGS.items():
-        group.add_argument(flag, dest=key, type=int, default=None)
+    declared.add_flags(group, LAYOUT_FLAGS.values(),
+                       defaults={declared.FLAGS[flag].key: None for flag in LAYOUT_FLAGS.values()})
+    # the training flag's name, here a list to search (training's takes one schedule)
     group.add_argument("--moe-token-dispatcher-type", dest="dispatchers", default=None,
                        help="only these dispatchers (comma-separated)")
-    group.add_argument("--parm-chunk-candidates", default=None,
-                       help="chunk counts of the chunked schedules (default: each one's own "
-                            "from the schedule catalog)")
+    declared.add_flags(group, ["--parm-chunk-candidates"])
     group = parser.add_argument_group("output")
     group.add_argument("--top", type=int, default=15,
                        help="rows of the table (default 15; 0 = all)")
@@ -128,60 +113,16 @@ def build_parser():
     return parser
 
 
-def _read_config(path):
-    data = read_config_file(path)
-    known = set(_INT_OPTIONS) | set(_FLOAT_OPTIONS) | set(_BOOL_OPTIONS) | set(_STR_OPTIONS)
-    settings, unused = {}, []
-    for key, value in data.items():
-        key = str(key).replace("-", "_")
-        if key in known:
-            settings[key] = value
-        elif key == "bert_no_binary_head":
-            settings["bert_binary_head"] = not value
-        else:
-            unused.append(key)
-    if unused:  # training settings, and the layout and dispatcher the planner chooses
-        print(f"note: --config {path}: not used by the planner: {', '.join(sorted(unused))}",
-              file=sys.stderr)
-    return settings
-
-
-def _flag(key):
-    for table in (_INT_OPTIONS, _FLOAT_OPTIONS, _BOOL_OPTIONS, _STR_OPTIONS):
-        if key in table:
-            return table[key]
-    return f"--{key.replace('_', '-')}"
-
-
-def resolve_settings(args):
-    """Defaults < --config < flags, each value checked; errors name the flag."""
-    settings = dict(_DEFAULTS)
-    if args.config:
-        settings.update(_read_config(args.config))
-    for key in list(_INT_OPTIONS) + list(_FLOAT_OPTIONS) + list(_BOOL_OPTIONS) + \
-            list(_STR_OPTIONS) + ["bert_binary_head"]:
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    for key in _REQUIRED:
-        if settings.get(key) is None:
-            raise ValueError(f"{_flag(key)} is required (flag or --config key {key})")
-    for key in _INT_OPTIONS:
-        value = settings.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{_flag(key)} must be a positive integer, got {value!r}")
-    for key in _FLOAT_OPTIONS:
-        value = settings.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{_flag(key)} must be a number, got {value!r}")
-    for key in list(_BOOL_OPTIONS) + ["bert_binary_head"]:
-        if settings.get(key) is None:
-            settings[key] = key == "bert_binary_head"
-        if not isinstance(settings[key], bool):
-            raise ValueError(f"{_flag(key)} must be true or false, got {settings[key]!r}")
-    if settings["bf16"] and settings["fp16"]:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive")
-    return settings
+def resolve_settings(parser, argv):
+    """The planner's settings (flags over --config over the defaults, each value checked;
+    errors name the flag) as a dict, and the keys given on the command line."""
+    args = declared.read(parser, argv, strict=False, reader="by the planner",
+                         command_line_only=[declared.FLAGS[f].key for f in LAYOUT_FLAGS.values()])
+    declared.require(args, REQUIRED)
+    problem = precision_problem(args.bf16, args.fp16)
+    if problem:
+        raise ValueError(problem)
+    return args, vars(args), declared.given(parser, sys.argv[1:] if argv is None else argv)
 
 
 def vocab_size_of(settings):
@@ -231,19 +172,20 @@ def build_spec(settings, model_type):
     )
 
 
-def model_overrides(args):
-    """The model and tokenizer flags given on the command line, for the printed launch line
-    (the batch, precision and optimizer flags are the candidate's; --vocab-size is the
-    planner's own)."""
-    own = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
-           "use_distributed_optimizer"}
+def model_overrides(given):
+    """The model and tokenizer flags given on the command line (given: their keys, with their
+    values), for the printed launch line; the batch, precision and optimizer flags are the
+    candidate's, --vocab-size the planner's own."""
     flags = []
-    for table in (_INT_OPTIONS, _FLOAT_OPTIONS, _STR_OPTIONS):
-        flags += [item for key, flag in table.items() if key not in own
-                  and getattr(args, key) is not None for item in (flag, str(getattr(args, key)))]
-    flags += [flag for key, flag in _BOOL_OPTIONS.items() if key not in own and getattr(args, key)]
-    if args.bert_binary_head is False:
-        flags.append("--bert-no-binary-head")
+    for name in MODEL_FLAGS:
+        flag = declared.FLAGS[name]
+        if flag.key not in given or flag.key in CANDIDATE_KEYS:
+            continue
+        value = given[flag.key]
+        if flag.kind == "value":
+            flags += [name, str(value)]
+        elif value != flag.inverted:  # a switch the command line turned on
+            flags.append(name)
     return flags
 
 
@@ -304,7 +246,7 @@ def render(result, spec, cluster, profile, precision, args):
                      f"{_size(memory.optimizer)} optimizer state, {_size(memory.activations)} "
                      f"activations")
         command = [script] + (["--config", args.config] if args.config else []) + \
-            model_overrides(args) + candidate.flags()
+            model_overrides(args.command_line) + candidate.flags()
         lines.append("  " + shlex.join(command))
     if profile.provenance != "measured":
         lines.append("")
@@ -314,14 +256,11 @@ def render(result, spec, cluster, profile, precision, args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
-        settings = resolve_settings(args)
+        args, settings, given = resolve_settings(parser, argv)
+        args.command_line = {key: settings[key] for key in given}
         spec = build_spec(settings, args.model_type)
-        if args.nnodes < 1 or args.nproc_per_node < 1:
-            raise ValueError("--nnodes and --nproc-per-node must be positive")
-        if not args.gpu_memory_gb > 0:
-            raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb}")
         try:
             profile = load_profile(args.parm_profile, require_terms=True)
         except ValueError as error:
@@ -335,7 +274,8 @@ def main(argv=None):
         result = plan(spec, cluster, profile, settings["micro_batch_size"],
                       settings["global_batch_size"], precision,
                       settings["use_distributed_optimizer"], chunks,
-                      fixed={key: getattr(args, key) for key in _LAYOUT_FLAGS},
+                      fixed={key: settings[declared.FLAGS[flag].key]
+                             for key, flag in LAYOUT_FLAGS.items()},
                       dispatchers=dispatchers)
     except ValueError as error:  # PlanError included
         fail(str(error))

@@ -663,8 +663,8 @@ def model_accuracy(results: List[ConfigResult], profile) -> Dict[str, dict]:
         layout = Layout(tp=f["tp"], ep=f["ep"], etp=f["etp"], nodes=f["world_size"] // per_node,
                         ranks_per_node=per_node)
         sp = f.get("sequence_parallel", True) and f["tp"] > 1
-        shape = layer_shape(SimpleNamespace(**{"sequence_parallel": True, "capacity_factor": None,
-                                               "pad_to_capacity": False, **f}))
+        shape = layer_shape(SimpleNamespace(**{"capacity_factor": None, "pad_to_capacity": False,
+                                               **f}))
         entry = out.setdefault(r.label, {"pairs": [], "within_25pct": 0.0})
         for name in r.median_ms:
             if base_name(name) not in modelled_dispatchers():

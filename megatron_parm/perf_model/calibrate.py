@@ -239,16 +239,17 @@ def build_profile(fits: Dict[Tuple[str, str], Fit], name: str, note: str,
 
 
 def layer_shape(layer_spec) -> "LayerShape":
-    """The performance model's shape of a benchmark MoELayerSpec (tokens per rank)."""
-    from megatron_parm.perf_model.shape import LayerShape
+    """The performance model's shape of a benchmark MoELayerSpec (shape.layer_shape: the
+    tokens per rank are S / t * B with or without sequence parallelism)."""
+    from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
 
-    sp = layer_spec.sequence_parallel and layer_spec.tp > 1
-    tokens = layer_spec.seq_length * layer_spec.micro_batch_size // (layer_spec.tp if sp else 1)
-    return LayerShape(num_tokens=tokens, hidden_size=layer_spec.hidden_size,
-                      ffn_hidden_size=layer_spec.ffn_hidden_size,
-                      num_experts=layer_spec.num_experts, topk=layer_spec.topk,
-                      capacity_factor=layer_spec.capacity_factor,
-                      pad_to_capacity=layer_spec.pad_to_capacity, dtype_bytes=4)
+    return shape_of_layer(seq_length=layer_spec.seq_length,
+                          micro_batch_size=layer_spec.micro_batch_size, tp=layer_spec.tp,
+                          hidden_size=layer_spec.hidden_size,
+                          ffn_hidden_size=layer_spec.ffn_hidden_size,
+                          num_experts=layer_spec.num_experts, topk=layer_spec.topk,
+                          capacity_factor=layer_spec.capacity_factor,
+                          pad_to_capacity=layer_spec.pad_to_capacity, dtype_bytes=4)
 
 
 def layer_fit_schedules() -> Tuple[str, str]:

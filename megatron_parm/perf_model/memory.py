@@ -67,6 +67,7 @@ from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.shape import LayerShape
+from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
 from megatron_parm.perf_model.transformer import ModelSpec, ParameterCounts, parameter_counts
 from megatron_parm.perf_model.volumes import build_plan
 from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
@@ -133,17 +134,14 @@ class MemoryEstimate:
 
 def layer_shape(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                 precision: Precision) -> LayerShape:
-    """The MoE layer as the performance model sees it: n = s * b / t tokens per rank."""
-    tokens = spec.seq_length * micro_batch_size
-    if tokens % layout.tp != 0:
-        raise ValueError(f"--seq-length x --micro-batch-size ({tokens}) must be divisible by "
-                         f"--tensor-model-parallel-size ({layout.tp})")
-    return LayerShape(num_tokens=tokens // layout.tp, hidden_size=spec.hidden_size,
-                      ffn_hidden_size=spec.moe_ffn_hidden_size, num_experts=spec.num_experts,
-                      topk=spec.topk, capacity_factor=spec.capacity_factor,
-                      pad_to_capacity=spec.pad_to_capacity,
-                      dtype_bytes=precision.activation_bytes,
-                      grouped_experts=spec.moe_grouped_gemm)
+    """The MoE layer of a planned model as the performance model sees it (shape.layer_shape)."""
+    return shape_of_layer(seq_length=spec.seq_length, micro_batch_size=micro_batch_size,
+                          tp=layout.tp, hidden_size=spec.hidden_size,
+                          ffn_hidden_size=spec.moe_ffn_hidden_size, num_experts=spec.num_experts,
+                          topk=spec.topk, capacity_factor=spec.capacity_factor,
+                          pad_to_capacity=spec.pad_to_capacity,
+                          dtype_bytes=precision.activation_bytes,
+                          grouped_experts=spec.moe_grouped_gemm)
 
 
 def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
-from megatron_parm.layout_rules import batch_problem, microbatch_problem, pipeline_stage_layers
+from megatron_parm.layout_rules import (batch_problem, experts_problem, microbatch_problem,
+                                        pipeline_stage_layers, size_problem)
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
 from megatron_parm.perf_model.profile import Profile
@@ -164,12 +165,11 @@ def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
     flags = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
              "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
     for key, value in fixed.items():
-        if value < 1 or world % value != 0:
-            raise PlanError(f"{flags[key]} {value} does not divide the world size "
-                            f"{cluster.describe()}")
-    if "ep" in fixed and spec.num_experts % fixed["ep"] != 0:
-        raise PlanError(f"--expert-model-parallel-size {fixed['ep']} does not divide "
-                        f"--num-experts {spec.num_experts}")
+        problem = size_problem(flags[key], value, world)
+        if problem:
+            raise PlanError(f"{problem}: {cluster.describe()}")
+    if "ep" in fixed and experts_problem(spec.num_experts, fixed["ep"]):
+        raise PlanError(experts_problem(spec.num_experts, fixed["ep"]))
     layouts, skipped = [], {}
     for pp in _divisors(world):
         stage = world // pp

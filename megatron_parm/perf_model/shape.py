@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_parm.layout_rules import sequence_problem
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -78,3 +80,38 @@ class LayerShape:
         fc1_outputs = (2 if self.gated_linear_unit else 1) * self.ffn_hidden_size / etp
         fc2_inputs = self.ffn_hidden_size / etp
         return 2.0 * self.hidden_size * fc1_outputs + 2.0 * fc2_inputs * self.hidden_size
+
+
+def tokens_per_rank(seq_length: int, micro_batch_size: int, tp: int) -> int:
+    """n: the tokens of one micro-batch that enter a rank's token dispatcher, S / t * B, with
+    and without sequence parallelism.
+
+    With --sequence-parallel the MoE layer's input is this rank's [S/t, B, M] shard. Without
+    it the input is replicated, [S, B, M] on every TP rank: ParmMoELayer keeps this rank's S/t
+    rows before routing (megatron_parm/layer.py) and all-gathers the output after (the cost
+    plans' restore_ag), and Megatron-Core 0.16.1's own MoELayer refuses TP > 1 without
+    sequence parallelism in training (the catalog's needs_sequence_parallel). So the dispatcher
+    sees S / t * B tokens either way; tests/unit/test_layer_shape.py runs the layer's forward
+    to check it.
+    """
+    problem = sequence_problem(seq_length, tp)
+    if problem:
+        raise ValueError(problem)
+    return seq_length // tp * micro_batch_size
+
+
+def layer_shape(*, seq_length: int, micro_batch_size: int, tp: int, hidden_size: int,
+                ffn_hidden_size: int, num_experts: int, topk: int,
+                capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
+                dtype_bytes: int = 2, gated_linear_unit: bool = False,
+                grouped_experts: bool = False) -> LayerShape:
+    """The one way from a model's settings and its TP size to the LayerShape of its MoE layer
+    (the planner, calibration, the benchmark report and plan_schedule all ask here): n from
+    tokens_per_rank, the sizes as given (ffn_hidden_size: the expert's, --moe-ffn-hidden-size
+    or else --ffn-hidden-size)."""
+    return LayerShape(
+        num_tokens=tokens_per_rank(seq_length, micro_batch_size, tp), hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size, num_experts=num_experts, topk=topk,
+        capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
+        dtype_bytes=dtype_bytes, gated_linear_unit=gated_linear_unit,
+        grouped_experts=grouped_experts)

@@ -30,13 +30,8 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
-    parser = settings.Parser(
-        description=f"{model_type.upper()} MoE pretraining on Megatron-Core with Parm's dispatchers")
-    settings.add_flags(parser, ["--config"])
-    for title in settings.TRAINING_GROUPS:
-        settings.add_flags(parser.add_argument_group(title),
-                           settings.group(title, exclude=settings.PLANNER_ONLY))
-    return parser
+    return settings.training_parser(
+        f"{model_type.upper()} MoE pretraining on Megatron-Core with Parm's dispatchers")
 
 
 def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",

@@ -23,13 +23,15 @@ import argparse
 
 import torch
 
+from megatron_parm.layout_rules import precision_problem
 from megatron_parm.settings import DYNAMIC_DEFAULTS  # Megatron-LM's, with the flags
 
 
 def validate(args: argparse.Namespace) -> None:
     """Refuse what cannot run together; fill the dynamic-scaling defaults."""
-    if args.bf16 and args.fp16:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive: pick one")
+    problem = precision_problem(args.bf16, args.fp16)
+    if problem:
+        raise ValueError(problem)
     dynamic = [flag for flag in DYNAMIC_DEFAULTS if getattr(args, flag) is not None]
     if dynamic and not args.fp16:
         raise ValueError(f"--{dynamic[0].replace('_', '-')} sets dynamic loss scaling, which "

@@ -314,8 +314,8 @@ def test_plan_fixed_sizes_and_dispatchers():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(fixed={"tp": 3}), "--tensor-model-parallel-size 3 does not divide the world size 4"),
-    (dict(fixed={"ep": 8}), "--expert-model-parallel-size 8 does not divide the world size"),
+    (dict(fixed={"tp": 3}), "--tensor-model-parallel-size (3) must divide the world size (4)"),
+    (dict(fixed={"ep": 8}), "--expert-model-parallel-size (8) must divide the world size"),
     (dict(global_batch_size=10), "--global-batch-size (10) must be divisible"),
     (dict(gpu_memory=1e6), "needs 0.00631 GiB per rank; try a smaller --micro-batch-size"),
 ])
@@ -386,16 +386,16 @@ def test_plan_layout_table_and_json_for_a_shipped_config():
 @pytest.mark.parametrize("args,message", [
     (["--nnodes", "2", "--nproc-per-node", "3", "--tensor-model-parallel-size", "4",
       "--parm-profile", "emulated_pcie_measured"],
-     "--tensor-model-parallel-size 4 does not divide the world size 6"),
+     "--tensor-model-parallel-size (4) must divide the world size (6)"),
     (["--nnodes", "1", "--nproc-per-node", "2", "--expert-model-parallel-size", "4",
       "--parm-profile", "emulated_pcie_measured"],
-     "--expert-model-parallel-size 4 does not divide the world size 2"),
+     "--expert-model-parallel-size (4) must divide the world size (2)"),
     (CLUSTER + ["--num-experts", "6", "--expert-model-parallel-size", "4"],
-     "--expert-model-parallel-size 4 does not divide --num-experts 6"),
+     "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
     (CLUSTER + ["--gpu-memory-gb", "0.001"], "no layout fits in --gpu-memory-gb"),
     (CLUSTER + ["--global-batch-size", "6"], "--global-batch-size (6) must be divisible"),
     (CLUSTER + ["--pipeline-model-parallel-size", "3"],
-     "--pipeline-model-parallel-size 3 does not divide the world size 4"),
+     "--pipeline-model-parallel-size (3) must divide the world size (4)"),
     (CLUSTER + ["--pipeline-model-parallel-size", "4"],
      "--num-layers (2) must be divisible by --pipeline-model-parallel-size (4)"),
     (CLUSTER + ["--hidden-size", "x"], "--hidden-size"),
@@ -412,6 +412,16 @@ def test_plan_layout_bad_input_is_one_line(args, message):
     assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
     assert message in errors[0]
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_plan_layout_without_a_profile_lists_the_shipped_ones():
+    from megatron_parm.perf_model.profile import shipped_profiles
+
+    result = _plan_layout("--config", "configs/gpt2_tiny_moe.yaml", "--nproc-per-node", "2")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--parm-profile" in result.stderr
+    assert all(name in result.stderr for name in shipped_profiles())
+    assert "nvlink_ib_estimate" in _plan_layout("--help").stdout
 
 
 def test_plan_layout_without_a_vocabulary_names_the_flags():

@@ -74,3 +74,20 @@ def test_a_tool_takes_flags_by_name_with_its_own_defaults():
     assert settings.given(parser, ["--seq-length", "8"]) == {"seq_length"}
     assert {name for name in settings.FLAGS if settings.FLAGS[name].key == "seq_length"} == \
         {"--seq-length"}
+
+
+def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, monkeypatch):
+    from megatron_parm import launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("torchrun started ranks for a misspelled flag")
+
+    monkeypatch.setattr("torch.distributed.run.main", no_ranks)
+    status = launch.main(["--nproc-per-node", "4", "pretrain_scripts/pretrain_gpt2_moe.py",
+                          "--config", "configs/gpt2_tiny_moe.yaml", "--moe-router-top-k", "2"])
+    assert status == cli.USER_ERROR
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --moe-router-top-k (did "
+                                       "you mean --moe-router-topk?)\n")
+    assert launch.script_flags_problem("pretrain_scripts/pretrain_bert_moe.py",
+                                       ["--bert-no-binary-head", "--seq-length=64"]) is None
+    assert launch.script_flags_problem("tools/other.py", ["--anything"]) is None
