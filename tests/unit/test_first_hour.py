@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 from megatron_parm.checkpointing import CheckpointError, read_checkpoint_info  # noqa: E402
 from megatron_parm.checkpointing.full import (  # noqa: E402
     FullCheckpoint,
@@ -127,6 +128,12 @@ def test_warnings_once_on_rank_0_in_one_line():
     assert _python(WARN, RANK="3").stderr == ""
     note = cli.optional_packages_note()
     assert note is None or note.startswith("optional packages not installed: ")
+
+
+def test_counts_say_1_rank_not_1_ranks():
+    assert [plural(n, "rank") for n in (0, 1, 4)] == ["0 ranks", "1 rank", "4 ranks"]
+    assert [plural(n, "micro-batch") for n in (1, 2)] == ["1 micro-batch", "2 micro-batches"]
+    assert plural(3, "process") == "3 processes" and plural(2, "index", "indices") == "2 indices"
 
 
 # ---------------------------------------------------------------------------------------------
