@@ -12,13 +12,15 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
     dispatcher for 5;
   * pp=2 interleaved (2 virtual stages of one layer), alltoall;
   * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
-  * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each.
+  * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each;
+  * BERT MoE (its tiny config, 2 layers: one a stage) from its own one-iteration pp=1 start,
+    at pp=1 and at pp=2 with parm, iterations 2-6.
 8 ranks:
   * pp=2 with tp=2, ep=2 (etp=1), alltoall;
   * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
     iteration each.
-The tests then check that the pipelined losses follow the reference (1e-4, as the
-dispatchers follow alltoall in test_pretrain.py), that a same-layout resume repeats them
+The tests then check that the pipelined losses (GPT's and BERT's) follow the reference (1e-4,
+as the dispatchers follow alltoall in test_pretrain.py), that a same-layout resume repeats them
 bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
 that the converter and the inspector read pipelined checkpoints.
 """
@@ -44,6 +46,7 @@ SP = ["--sequence-parallel"]
 REFERENCE = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
              "--expert-tensor-parallel-size", "1"] + SP
 PP2 = REFERENCE + ["--pipeline-model-parallel-size", "2"]
+BERT = ["--config", "configs/bert_tiny_moe.yaml"] + MODEL[2:]
 CURVE_TOLERANCE = 1e-4  # relative, as the dispatchers meet against alltoall
 LOAD_TOLERANCE = 1e-6  # relative: the same weights in another layout, one iteration
 
@@ -65,8 +68,9 @@ def worker(world: str, run_dir: str) -> None:
     run = Path(run_dir)
     start = str(run / "start")
 
-    def train(*flags, dispatcher="alltoall"):
-        args = parse_args(MODEL + list(flags) + ["--moe-token-dispatcher-type", dispatcher])
+    def train(*flags, dispatcher="alltoall", model="gpt"):
+        args = parse_args((MODEL if model == "gpt" else BERT) + list(flags)
+                          + ["--moe-token-dispatcher-type", dispatcher], model_type=model)
         began = time.time()
         summary = pretrain(args)
         return {"losses": summary["losses"], "seconds": time.time() - began}
@@ -89,6 +93,12 @@ def worker(world: str, run_dir: str) -> None:
         results["at_pp1"] = train(*REFERENCE, "--load", iter5, "--exit-interval", "6")
         results["at_pp4"] = train("--pipeline-model-parallel-size", "4", "--load", iter5,
                                   "--exit-interval", "6")
+        bert_start = str(run / "bert_start")
+        train(*REFERENCE, "--save", bert_start, "--exit-interval", "1", model="bert")
+        results["bert_reference"] = train(*REFERENCE, "--load", bert_start, "--exit-interval",
+                                          "6", model="bert")
+        results["bert_pp2"] = train(*PP2, "--load", bert_start, "--exit-interval", "6",
+                                    dispatcher="parm", model="bert")
     else:
         results["pp2_tp2_ep2"] = train(*PP2, "--load", start)
         iter5 = str(run / "pp2" / "iter_0000005")
@@ -135,6 +145,14 @@ def test_pipelined_run_matches_the_unpipelined_model(runs):
     _close(results["pp2_tp2_ep2"]["losses"], reference, CURVE_TOLERANCE)
     assert "pp=2, dp=1" in outputs["4"] and "pp=2 x 2 virtual" in outputs["4"]
     assert "pp=2, dp=2" in outputs["8"]
+
+
+def test_bert_pipelined_matches_the_unpipelined_model(runs):
+    results, outputs, _ = runs
+    reference = results["bert_reference"]["losses"]
+    assert len(reference) == 5, reference
+    _close(results["bert_pp2"]["losses"], reference, CURVE_TOLERANCE)
+    assert "sop loss" in outputs["4"]
 
 
 def test_every_dispatcher_follows_alltoall_under_pipelining(runs):
