@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
+from megatron_parm.wording import plural
 
 BASELINE = "alltoall"
 DEEPSPEED = "ds_baseline"
@@ -119,43 +120,51 @@ def load_config(path: str) -> dict:
         raise ValueError(f"--config: {path} must hold a mapping")
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
-        raise ValueError(f"--config: {path}: unknown field {unknown[0]!r} (fields: "
-                         f"{', '.join(_FIELDS)})")
+        message = (f"--config: {path}: unknown field {unknown[0]!r} (fields: "
+                   f"{', '.join(_FIELDS)})")
+        raise ValueError(message)
     config = {**_DEFAULTS, **raw}
     for key, kind in _FIELDS.items():
         if key not in config:
             raise ValueError(f"--config: {path}: field {key!r} is required")
         value = config[key]
         if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
-            raise ValueError(f"--config: {path}: {key} must be "
-                             f"{'a positive integer' if kind is int else 'a ' + kind.__name__}, "
-                             f"got {value!r}")
+            message = (f"--config: {path}: {key} must be "
+                       f"{'a positive integer' if kind is int else 'a ' + kind.__name__}, "
+                       f"got {value!r}")
+            raise ValueError(message)
         if kind is list and not value:
             raise ValueError(f"--config: {path}: {key} is empty")
     for key, known in (("models", sorted(MODELS)), ("presets", presets()),
                        ("dispatchers", schedules.names())):
-        for name in config[key]:
-            if name not in known:
-                raise ValueError(f"--config: {path}: unknown {key[:-1]} {name!r} (known: "
-                                 f"{', '.join(known)})")
+        unknown = [name for name in config[key] if name not in known]
+        if unknown:
+            message = (f"--config: {path}: unknown {key[:-1]} {unknown[0]!r} (known: "
+                       f"{', '.join(known)})")
+            raise ValueError(message)
     world_size = config["nodes"] * config["ranks_per_node"]
     for text in config["layouts"]:
         try:
             tp, ep, etp = parse_layout(text)
         except ValueError as err:
-            raise ValueError(f"--config: {path}: {err}") from None
+            message = (f"--config: {path}: {err}")
+            raise ValueError(message) from None
         if world_size % tp or world_size % (ep * etp):
-            raise ValueError(f"--config: {path}: layout {text} does not fit {world_size} ranks")
+            message = (f"--config: {path}: layout {text} does not fit "
+                       f"{plural(world_size, 'rank')}")
+            raise ValueError(message)
         for model_name in config["models"]:
             if (MODELS[model_name].tokens_per_rank * tp) % MODELS[model_name].seq_length:
-                raise ValueError(f"--config: {path}: layout {text}: {model_name}'s "
-                                 f"{MODELS[model_name].tokens_per_rank} tokens per rank x TP "
-                                 f"{tp} is no whole number of sequences")
+                message = (f"--config: {path}: layout {text}: {model_name}'s "
+                           f"{MODELS[model_name].tokens_per_rank} tokens per rank x TP "
+                           f"{tp} is no whole number of sequences")
+                raise ValueError(message)
         for name in config["dispatchers"]:
             problem = schedules.get(name).unsupported(tp, ep, etp)
             if problem:
-                raise ValueError(f"--config: {path}: dispatcher {name} cannot run layout "
-                                 f"{text}: {problem}")
+                message = (f"--config: {path}: dispatcher {name} cannot run layout "
+                           f"{text}: {problem}")
+                raise ValueError(message)
     config["layouts"] = [",".join(map(str, parse_layout(t))) for t in config["layouts"]]
     return config
 

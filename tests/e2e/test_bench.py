@@ -151,3 +151,60 @@ def test_bad_grid_is_refused(tmp_path):
         "[b.spec_from_args(args, **c) for c in b.load_grid(args.grid)]")],
         cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and "--grid: unknown field 'sequence_length'" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The end-to-end benchmark (tools/bench_e2e.py): one launch of its smoke on plain loopback
+# ---------------------------------------------------------------------------------------------
+
+E2E_SMOKE = ("models: [gpt2_tiny_moe]\npresets: [loopback]\nlayouts: ['2,2,2']\n"
+             "dispatchers: [alltoall, parm_s1, parm]\nwarmup: 1\niterations: 2\npasses: 1\n")
+
+
+def bench_e2e(*args):
+    return subprocess.run([sys.executable, "tools/bench_e2e.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
+    config, out = tmp_path / "e2e.yaml", tmp_path / "out"
+    config.write_text(E2E_SMOKE)
+    proc = bench_e2e("--config", config, "--output", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1/1 pass1_gpt2_tiny_moe_loopback_222: alltoall, parm_s1, parm" in proc.stdout
+    records = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
+    assert [r["dispatcher"] for r in records] == ["alltoall", "parm_s1", "parm"]
+    for r in records:
+        # parm measured its candidates first: more iterations, the tuning ones marked
+        assert len(r["iterations"]) == len(r["losses"]) >= 3
+        assert any(it["tuning"] for it in r["iterations"]) == (r["dispatcher"] == "parm")
+    summary = json.loads((out / "e2e_summary.json").read_text())
+    assert summary["losses_equal"] is True
+    rows = {r["dispatcher"]: r for r in summary["rows"]}
+    assert set(rows) == {"alltoall", "parm_s1", "parm"}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["timed"] >= 2 and row["max_loss_diff"] <= 1e-4
+        assert row["breakdown_ms"]["moe_experts"] > 0 and row["breakdown_ms"]["tp_sp"] > 0
+    assert rows["parm"]["choices"] and rows["alltoall"]["vs"]["alltoall"] == 1.0
+    assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 |" in (out / "e2e_table.md").read_text()
+    assert (out / "e2e_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second run finds every run in its output: nothing launched, the same report
+    again = bench_e2e("--config", config, "--output", out)
+    assert again.returncode == 0 and "pass1_gpt2" not in again.stdout, again.stderr[-2000:]
+    assert len((out / "e2e.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("line, message", [
+    ("dispatchers: [alltoall, parm_s3]", "unknown dispatcher 'parm_s3'"),
+    ("models: [gpt3_moe]", "unknown model 'gpt3_moe'"),
+    ("presets: [infiniband]", "unknown preset 'infiniband'"),
+])
+def test_e2e_config_naming_something_unknown_is_one_line(tmp_path, line, message):
+    key = line.split(":")[0]
+    text = "\n".join(l for l in E2E_SMOKE.splitlines() if not l.startswith(key + ":"))
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"{text}\n{line}\n")
+    proc = bench_e2e("--config", config, "--output", tmp_path / "out")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

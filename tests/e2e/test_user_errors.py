@@ -363,6 +363,7 @@ TOOL_MISTAKES = {
                        f"--config: file not found: {MISSING}.yaml"),
     "plan_schedule.py": (["--config", f"{MISSING}.yaml", "--parm-profile",
                           "nvlink_ib_estimate"], {}, f"--config: file not found: {MISSING}.yaml"),
+    "predict_e2e.py": (["--nnodes", "0"], {}, "--nnodes must be positive integers"),
     "preprocess_data.py": (["--input", f"{MISSING}.jsonl", "--output-prefix", "{tmp}/data",
                             "--tokenizer-type", "GPT2BPETokenizer"], {}, "--input"),
     "run_benchmark.sh": (["{tmp}"], {"GRID": f"{MISSING}.yaml"}, f"GRID={MISSING}.yaml"),
