@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_parm.wording import plural
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GROUPED_GEMM_ALIGN_BYTES = 16  # PyTorch's grouped_mm: every operand row on a 16-byte boundary
 
@@ -31,6 +33,13 @@ def routing_problem(num_experts: Optional[int], topk: int) -> Optional[str]:
     """Why a token cannot pick topk of num_experts experts, or None (dense: num_experts None)."""
     if num_experts is not None and not 1 <= topk <= num_experts:
         return f"--moe-router-topk ({topk}) must be in [1, --num-experts ({num_experts})]"
+    return None
+
+
+def capacity_problem(capacity_factor: Optional[float], pad_to_capacity: bool) -> Optional[str]:
+    """Why the capacity flags do not go together, or None."""
+    if pad_to_capacity and capacity_factor is None:
+        return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
     return None
 
 
@@ -113,13 +122,21 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
     if num_experts is None:
         return (f"--expert-model-parallel-size {ep} needs --num-experts (without it the model "
                 f"is dense)") if ep > 1 else None
-    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:
-        return (f"--moe-ffn-hidden-size ({moe_ffn_hidden_size}) must be divisible by "
-                f"--expert-tensor-parallel-size ({etp})")
+    problem = expert_split_problem(moe_ffn_hidden_size, etp)
+    if problem:
+        return problem
     if add_bias_linear and etp != 1:
         return (f"--num-experts with linear biases needs --expert-tensor-parallel-size 1 "
                 f"(got {etp}): Megatron-Core 0.16.1 supports expert biases only without expert "
                 f"tensor parallelism; or give --disable-bias-linear")
+    return None
+
+
+def expert_split_problem(moe_ffn_hidden_size: Optional[int], etp: int) -> Optional[str]:
+    """Why each expert's FFN does not split over the ETP ranks, or None."""
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:
+        return (f"--moe-ffn-hidden-size ({moe_ffn_hidden_size}) must be divisible by "
+                f"--expert-tensor-parallel-size ({etp})")
     return None
 
 
@@ -241,10 +258,10 @@ def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int]) -> Op
         return None
     if num_microbatches < pp:
         return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
-                f"{num_microbatches} micro-batches, fewer than {PIPELINE_FLAG} ({pp}): raise "
-                f"--global-batch-size to at least {pp} micro-batches")
+                f"{plural(num_microbatches, 'micro-batch')}, fewer than {PIPELINE_FLAG} ({pp}): "
+                f"raise --global-batch-size to at least {pp} micro-batches")
     if vpp is not None and num_microbatches % pp:
         return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
-                f"{num_microbatches} micro-batches; interleaving (virtual pipeline stages) "
-                f"needs a multiple of {PIPELINE_FLAG} ({pp})")
+                f"{plural(num_microbatches, 'micro-batch')}; interleaving (virtual pipeline "
+                f"stages) needs a multiple of {PIPELINE_FLAG} ({pp})")
     return None

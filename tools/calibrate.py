@@ -44,10 +44,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
 from megatron_parm import settings  # noqa: E402
+from megatron_parm.layout_rules import expert_split_problem  # noqa: E402
 from megatron_parm.perf_model import Layout, save_profile  # noqa: E402
 from megatron_parm.perf_model import calibrate as cal  # noqa: E402
 
@@ -153,8 +155,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     args.layer_num_experts = _int_list(args.layer_num_experts, "--layer-num-experts")
     if tokens and not args.layer_num_experts:
         raise ValueError("--layer-num-experts: give at least one expert count")
-    for flag in ("--warmup", "--reps", "--hidden-size", "--moe-ffn-hidden-size",
-                 "--layer-hidden-size", "--layer-ffn-hidden-size"):
+    for flag in ("--warmup", "--reps", "--layer-hidden-size", "--layer-ffn-hidden-size"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < (0 if flag == "--warmup" else 1):
             raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
@@ -175,9 +176,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
     from megatron_parm.parallel import validate_layout
 
     validate_layout(world_size, tp, ep, etp)
-    if args.moe_ffn_hidden_size % etp != 0:
-        raise ValueError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible "
-                         f"by --expert-tensor-parallel-size ({etp})")
+    problem = expert_split_problem(args.moe_ffn_hidden_size, etp)
+    if problem:
+        raise ValueError(problem)
     args.parm_ranks_per_node = ranks_per_node
     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=world_size // ranks_per_node,
                     ranks_per_node=ranks_per_node)
@@ -215,8 +216,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
             raise ValueError(f"--base-profile: {error}") from None
     if not cal.groups_to_time(layout) and args.base_profile is None:
         raise ValueError(
-            f"nothing to time with tp={tp} ep={ep} etp={etp} on {layout.nodes} node(s) x "
-            f"{ranks_per_node} ranks: every group has one rank or mixes intra- and inter-node "
+            f"nothing to time with tp={tp} ep={ep} etp={etp} on {plural(layout.nodes, 'node')} x "
+            f"{plural(ranks_per_node, 'rank')}: every group has one rank or mixes intra- and inter-node "
             f"peers; choose --tensor-model-parallel-size / --expert-model-parallel-size / "
             f"--expert-tensor-parallel-size so a group spans 2+ ranks of one node, or one rank "
             f"on each of 2+ nodes; or give --base-profile for the collective terms (one GPU)")
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
                     add_bias_linear=not step_args.disable_bias_linear)
                 step_times.append((spec, layout, step_args.micro_batch_size, count,
                                    statistics.median(seconds)))
-            say(f"  timed {args.step_config} with {num_layers} layer(s), 1 and 2 micro-batches",
+            say(f"  timed {args.step_config} with {plural(num_layers, 'layer')}, 1 and 2 micro-batches",
                 flush=True)
 
     status = 0

@@ -15,9 +15,11 @@ shape.layer_shape's.
 from typing import Tuple
 
 from megatron_parm import schedules
-from megatron_parm.layout_rules import layout_problem, precision_problem, routing_problem
+from megatron_parm.layout_rules import (capacity_problem, layout_problem, precision_problem,
+                                        routing_problem)
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.predict import predict, schedule_label
+from megatron_parm.wording import plural
 from megatron_parm.perf_model.shape import LayerShape, layer_shape
 from megatron_parm.perf_model.volumes import comm_volumes, modelled_dispatchers
 
@@ -39,11 +41,11 @@ def layer_model(values) -> Tuple[Layout, LayerShape, int]:
         raise ValueError(f"{problem}; the world is --nnodes x --nproc-per-node "
                          f"({values.nnodes} x {values.nproc_per_node})")
     problem = (routing_problem(values.num_experts, values.moe_router_topk)
+               or capacity_problem(values.moe_expert_capacity_factor,
+                                   values.moe_pad_expert_input_to_capacity)
                or precision_problem(values.bf16, values.fp16))
     if problem:
         raise ValueError(problem)
-    if values.moe_pad_expert_input_to_capacity and values.moe_expert_capacity_factor is None:
-        raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=values.nnodes,
                     ranks_per_node=values.nproc_per_node)
     shape = layer_shape(
@@ -105,8 +107,8 @@ def render(layout, shape, num_moe_layers, profile, choice, others, sequence_para
         for name, group in (("TP", "tp"), ("EP", "ep"), ("ETP", "expt_tp"))
         if layout.group_size(group) > 1)
     lines.append(
-        f"layout: tp={layout.tp} ep={layout.ep} etp={layout.etp} on {layout.nodes} node(s) x "
-        f"{layout.ranks_per_node} ranks" + (f"; {placement}" if placement else ""))
+        f"layout: tp={layout.tp} ep={layout.ep} etp={layout.etp} on {plural(layout.nodes, 'node')} "
+        f"x {plural(layout.ranks_per_node, 'rank')}" + (f"; {placement}" if placement else ""))
     lines.append(f"profile: {profile.name} ({profile.provenance}) from {profile.source}")
     lines.append("")
     header = (f"{'schedule':<16}{'fwd ms':>10}{'bwd ms':>10}{'total ms':>10}"
@@ -128,13 +130,13 @@ def render(layout, shape, num_moe_layers, profile, choice, others, sequence_para
     lines.append("")
     chosen = choice.predictions[choice.schedule]
     label = (choice.schedule if isinstance(choice.schedule, str)
-             else f"{choice.dispatcher} with {choice.num_chunks} chunks"
+             else f"{choice.dispatcher} with {plural(choice.num_chunks, 'chunk')}"
              + ("" if choice.bwd_num_chunks == choice.num_chunks
                 else f" forward, {choice.bwd_num_chunks} backward"))
     lines.append(f"choice: {label}" + (f"  (speedups over {base_name})" if base_name else ""))
     per_step = [f"{name} {p.total_s * num_moe_layers * 1e3:.1f} ms" for name, p in others.items()]
     lines.append(
-        f"per step ({num_moe_layers} MoE layer(s), forward + backward): "
+        f"per step ({plural(num_moe_layers, 'MoE layer')}, forward + backward): "
         + ", ".join(per_step + [f"choice {chosen.total_s * num_moe_layers * 1e3:.1f} ms"]))
     if profile.provenance != "measured":
         lines.append("note: the profile is an estimate; calibrate it on the cluster to trust "

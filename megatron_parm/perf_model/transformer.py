@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron_parm.data.vocab import padded_vocab_size
-from megatron_parm.layout_rules import layout_problem, model_problem, shape_problem
+from megatron_parm.layout_rules import (capacity_problem, layout_problem, model_problem,
+                                        shape_problem)
 from megatron_parm.perf_model.layout import Layout
 
 MODEL_TYPES = ("gpt", "bert")
@@ -74,9 +75,9 @@ class ModelSpec:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"--moe-expert-capacity-factor must be positive, "
                              f"got {self.capacity_factor!r}")
-        if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError("--moe-pad-expert-input-to-capacity needs "
-                             "--moe-expert-capacity-factor")
+        problem = capacity_problem(self.capacity_factor, self.pad_to_capacity)
+        if problem:
+            raise ValueError(problem)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), "

@@ -91,3 +91,14 @@ def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, mo
     assert launch.script_flags_problem("pretrain_scripts/pretrain_bert_moe.py",
                                        ["--bert-no-binary-head", "--seq-length=64"]) is None
     assert launch.script_flags_problem("tools/other.py", ["--anything"]) is None
+
+
+def test_settings_import_no_torch_or_yaml():
+    """The launcher reads the flag table in its parent process, before torch starts ranks."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_parm.settings; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'yaml')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
