@@ -20,7 +20,8 @@ from typing import Dict
 
 import torch
 
-from megatron_parm.checkpointing.paths import CheckpointError, partial_dir, publish
+from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.checkpointing.paths import partial_dir, publish
 from megatron_parm.checkpointing.safe_load import load_safely, load_torch_file
 from megatron_parm.checkpointing.verify import (
     check_complete,

@@ -39,10 +39,10 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_parm.checkpointing import CHECKPOINT_VERSION
+from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.full import FullCheckpoint
-from megatron_parm.checkpointing.paths import CheckpointError
 from megatron_parm.checkpointing.safe_load import load_torch_file
+from megatron_parm.checkpointing.state import CHECKPOINT_VERSION
 from megatron_parm.data.vocab import padded_vocab_size
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

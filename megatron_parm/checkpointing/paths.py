@@ -6,7 +6,7 @@
       iter_0000020/
       iter_0000030.partial/               a save in progress, or one killed mid-way: ignored
 
-Pure file-system logic, no process groups; the collective save/load is in __init__.py.
+Pure file-system logic, no process groups; the collective save/load is in save_load.py.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
+from megatron_parm.checkpointing.errors import CheckpointError
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 # The files every published torch_dist checkpoint folder holds (.metadata: torch DCP's index).
 REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, with a message saying which one and why."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:

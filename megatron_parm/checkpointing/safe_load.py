@@ -32,7 +32,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from megatron_parm.checkpointing.paths import CheckpointError
+from megatron_parm.checkpointing.errors import CheckpointError
 
 # numpy's random state (numpy.random.get_state()) is an uint32 array: what torch.load needs to
 # rebuild one (numpy 2 names the module numpy._core; numpy 1 numpy.core). Allowed for every

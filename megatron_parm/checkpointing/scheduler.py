@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from megatron_parm.checkpointing.paths import CheckpointError
+from megatron_parm.checkpointing.errors import CheckpointError
 
 OVERRIDE_FLAG = "--override-opt_param-scheduler"
 USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"

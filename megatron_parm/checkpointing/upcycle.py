@@ -22,7 +22,7 @@ import re
 import torch
 
 from megatron_parm.checkpointing.full import FullCheckpoint
-from megatron_parm.checkpointing.paths import CheckpointError
+from megatron_parm.checkpointing.errors import CheckpointError
 
 DENSE_MLP = re.compile(r"^decoder\.layers\.mlp\.(linear_fc[12])\.(weight|bias)$")
 DENSE_MLP_OBJECT = re.compile(r"^decoder\.layers\.mlp\.(linear_fc[12])\._extra_state/shard_(\d+)_(\d+)$")

@@ -19,7 +19,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from megatron_parm.checkpointing.paths import CheckpointError, missing_files
+from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.checkpointing.paths import missing_files
 
 MANIFEST_FILE = "parm_manifest.json"
 _SHOWN = 8  # problems listed in one error message before "... and N more"

@@ -552,7 +552,7 @@ REDIRECTS: Dict[str, Redirect] = {
         )),
     # Changes made elsewhere, next to the code they serve.
     "writer_results_queue": Redirect(
-        keep_writer_results_in_process, applied_by="megatron_parm.checkpointing",
+        keep_writer_results_in_process, applied_by="megatron_parm.checkpointing.save_load",
         target="megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
         why=(
             "Megatron-Core's torch_dist writer collects its forked writers' results in a queue "

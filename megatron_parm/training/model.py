@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm import tuning
+from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm import device
@@ -158,16 +159,6 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
     if device.is_cuda():
         model.to(device.current())
     return mixed_precision.wrap(model, config)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel / BertModel inside DDP and Float16Module."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    while isinstance(model, (DistributedDataParallel, Float16Module)):
-        model = model.module
-    return model
 
 
 def moe_layers(model):

@@ -1,0 +1,138 @@
+"""What a checkpoint holds of a run, apart from the optimizer's moments (optimizer_state.py):
+the model chunks' sharded state under Megatron-LM's keys, the layout it was saved in, the
+flags that fix the model's shape.
+
+    unwrap(model), model_chunks(model), model_keys(num_chunks)
+    sharded_state_dict(model, optimizer, is_loading) -> (state to save or load, optimizer targets)
+    sharded_tensors(state)          every ShardedTensor a load of STATE reads
+    layout_of(args), same_layout(saved, layout), describe_layout(layout)
+    check_model_flags(saved_args, args, path)   CheckpointError naming the flag of another shape
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.checkpointing.optimizer_state import sharded_optimizer_state
+
+CHECKPOINT_VERSION = 3.0
+# Flags that change tensor shapes or names, or what the weights compute (the activation):
+# a checkpoint only loads into the same values.
+SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
+               "num_attention_heads", "num_experts", "moe_ffn_hidden_size",
+               "max_position_embeddings", "disable_bias_linear",
+               "untie_embeddings_and_output_weights", "openai_gelu")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel / BertModel inside DDP and Float16Module (--bf16 / --fp16): Megatron-LM
+    stores the model under its own names (decoder.layers...), not the wrappers' module.*."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
+
+
+def model_chunks(model) -> list:
+    """The model's chunks, unwrapped: one per virtual pipeline stage (a list), or the model."""
+    return [unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def model_keys(num_chunks: int) -> list:
+    """Where each chunk's state sits: 'model', then 'model1', ... (Megatron-LM's names). The
+    tensors inside carry global names and the layer axis at global layer numbers, so a
+    chunk's key only groups them and any pipeline layout reads any other's."""
+    return ["model"] + [f"model{index}" for index in range(1, num_chunks)]
+
+
+def sharded_state_dict(model, optimizer, is_loading: bool):
+    """{'model': ..., 'optimizer_state': {key@offset: ShardedTensor}, 'optimizer_step': step},
+    and for loading the map from each optimizer entry to the state tensor it fills."""
+    chunks = model_chunks(model)
+    model_state = {key: chunk.sharded_state_dict()
+                   for key, chunk in zip(model_keys(len(chunks)), chunks)}
+    state = {**model_state, "checkpoint_version": CHECKPOINT_VERSION}
+    targets = {}
+    if optimizer is not None:
+        tensors, step, targets = sharded_optimizer_state(optimizer, model_state, is_loading)
+        state["optimizer_state"] = tensors
+        state["optimizer_step"] = step
+    return state, targets
+
+
+def sharded_tensors(state):
+    """Every ShardedTensor of STATE, factories built: what loading STATE reads."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            yield value
+        elif isinstance(value, ShardedTensorFactory):
+            # build() gives one ShardedTensor (GroupedMLP without GLU), a list or a dict
+            for built in nested_values([value.build()]):
+                if isinstance(built, ShardedTensor):
+                    yield built
+
+
+# A layout's pipeline entries as checkpoints without them (saved before pipelining) had them.
+NO_PIPELINE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
+
+
+def layout_of(args) -> dict:
+    return {"world_size": torch.distributed.get_world_size(),
+            "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),
+            "expert_model_parallel_size": getattr(args, "expert_model_parallel_size", None),
+            "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None),
+            "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1),
+            "virtual_pipeline_model_parallel_size": getattr(
+                args, "virtual_pipeline_model_parallel_size", None)}
+
+
+def same_layout(saved: Optional[dict], layout: dict) -> bool:
+    """Whether a checkpoint's recorded layout is LAYOUT (one without pipeline entries was saved
+    without pipelining); only then do its ranks' RNG states belong to this run's ranks."""
+    return saved is not None and {**NO_PIPELINE, **saved} == {**NO_PIPELINE, **layout}
+
+
+def describe_layout(layout: Optional[dict]) -> str:
+    if not layout:
+        return "unknown"
+    layout = {**NO_PIPELINE, **layout}
+    pipeline = ""
+    if layout["pipeline_model_parallel_size"] != 1:
+        pipeline = f" pp={layout['pipeline_model_parallel_size']}"
+        if layout["virtual_pipeline_model_parallel_size"]:
+            pipeline += f" vpp={layout['virtual_pipeline_model_parallel_size']}"
+    return (f"{layout['world_size']} ranks, tp={layout['tensor_model_parallel_size']} "
+            f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}"
+            + pipeline)
+
+
+def plain_args(args) -> dict:
+    return {k: v for k, v in vars(args).items()
+            if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+
+
+def check_model_flags(saved_args: Optional[dict], args, path: str) -> None:
+    """Refuse a checkpoint of another model shape, naming the flag."""
+    if not saved_args or args is None:
+        return
+    current = vars(args)
+    for flag in SHAPE_FLAGS:
+        if flag in saved_args and flag in current and \
+                _effective(saved_args, flag) != _effective(current, flag):
+            raise CheckpointError(
+                f"{path} holds a different model: it was saved with --{flag.replace('_', '-')} "
+                f"{saved_args[flag]!r}, this run has {getattr(args, flag)!r}")
+
+
+def _effective(values: dict, flag: str):
+    if flag == "moe_ffn_hidden_size" and values.get(flag) is None and values.get("num_experts"):
+        return values.get("ffn_hidden_size")  # the default
+    return values.get(flag)
