@@ -506,10 +506,12 @@ def unknown_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> Optio
 # ---------------------------------------------------------------------------------------------
 
 
-def read_config_file(path: str) -> dict:
-    """The mapping of a --config file (JSON by its suffix, else YAML); ValueError naming it."""
+def read_config_file(path: str, flag: str = "--config") -> dict:
+    """The mapping of a config file (JSON by its suffix, else YAML) that ``flag`` names;
+    ValueError naming both. Every config file of the project is read here (training's and the
+    planners' --config, the benchmarks' --config and --grid)."""
     if not os.path.isfile(path):
-        raise ValueError(f"--config: file not found: {path}")
+        raise ValueError(f"{flag}: file not found: {path}")
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     try:
@@ -520,10 +522,10 @@ def read_config_file(path: str) -> dict:
 
             data = yaml.safe_load(text) or {}
     except Exception as error:  # json.JSONDecodeError or yaml.YAMLError (imported lazily)
-        raise ValueError(f"--config: {path} is not valid YAML/JSON: "
+        raise ValueError(f"{flag}: {path} is not valid YAML/JSON: "
                          f"{' '.join(str(error).split())}") from error
     if not isinstance(data, dict):
-        raise ValueError(f"--config: {path} must hold a mapping of flag names to values")
+        raise ValueError(f"{flag}: {path} must hold a mapping of names to values")
     return data
 
 

@@ -166,12 +166,7 @@ def load_grid(path):
     """
     import itertools
 
-    import yaml
-
-    if not os.path.exists(path):
-        raise ValueError(f"--grid: no such file: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = settings.read_config_file(path, "--grid")
     unknown = set(data) - {"name", "description", "fixed", "grid", "exclude_if"}
     if unknown:
         raise ValueError(f"--grid {path}: unknown keys {sorted(unknown)}")

@@ -107,17 +107,9 @@ def parse_layout(text: str) -> Tuple[int, int, int]:
 def load_config(path: str) -> dict:
     """The benchmark config at PATH, defaults filled; ValueError naming the file and field
     for an unknown field, model, preset or dispatcher, or a layout that cannot run."""
-    import yaml
+    from megatron_parm.settings import read_config_file
 
-    if not os.path.isfile(path):
-        raise ValueError(f"--config: file not found: {path}")
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config: {path} is not valid YAML: {' '.join(str(err).split())}")
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config: {path} must hold a mapping")
+    raw = read_config_file(path)
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         message = (f"--config: {path}: unknown field {unknown[0]!r} (fields: "
