@@ -30,22 +30,23 @@ Between neighbouring stages each micro-batch sends its activations forward and t
 backward, [s / t, b, h] elements of p bytes per rank with sequence parallelism (Megatron's p2p
 tensor shape), v times each way with interleaving. Megatron pairs each send with the receive
 the other way, so a stage pays one send per neighbouring stage per micro-batch (per model
-chunk); each send is timed as a one-peer all-to-all on the link it crosses (intra- or inter-node from the rank order, layout.py: the profile has no
-point-to-point term of its own). With T_i the micro-batch time of stage i, sends included, and
+chunk); each send is timed as a one-peer all-to-all on the link it crosses (intra- or
+inter-node from the rank order, layout.py: the profile has no point-to-point term of its own). With T_i the micro-batch time of stage i, sends included, and
 T its maximum, Megatron-Core's 1F1B schedule takes
     m T + (sum_i T_i - T) / v
 the second term being the pipeline bubble: (p - 1) T / v for equal stages, a share
 (p - 1) / (v m + p - 1) of the pipelined time.
 Per step:
     the pipelined micro-batches (m * one micro-batch without pipelining)
-    + gradient reduction: AR of the dense gradients over "dp" (W / t ranks) and of the expert
-      gradients over "expt_dp" (W / (e x) ranks); with --use-distributed-optimizer an RS of the
+    + gradient reduction: AR of the dense gradients over "dp" (d = W / (t p) ranks) and of the
+      expert gradients over "expt_dp" (W / (e x p) ranks); with --use-distributed-optimizer an RS of the
       gradients and an AG of the updated weights instead; with t > 1 an AR over TP of the
       LayerNorm and router gradients (replicated under sequence parallelism); each stage
       reduces its own parameters (the slowest stage counts), and with p > 1 and tied embeddings
       an AR of the word-embedding gradients between the first and the last stage
-Not modelled: the optimizer step itself, overlap of the gradient reduction with the backward pass (the trainer reduces
-after the last micro-batch), data loading.
+Not modelled: the optimizer step itself, overlap of the gradient reduction with the backward
+pass (the trainer reduces after the last micro-batch), overlap of the pipeline's sends with
+compute, data loading.
 """
 
 from dataclasses import dataclass
