@@ -10,13 +10,16 @@ group but the pipeline's and the embedding's stays inside one stage's W / p rank
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from megatron_parm import schedules
+from megatron_parm.comm.accounting import ranks_per_node as node_rule
 from megatron_parm.layout_rules import layout_problem
+from megatron_parm.perf_model.layout import ep_node_blocks
 
 # --distributed-timeout-minutes (Megatron-LM's default): a collective that waits longer (a peer
 # hung, or its node died without closing its connections) fails, and the job ends.
@@ -55,9 +58,13 @@ def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_e
 def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = None,
                               num_experts: Optional[int] = None, dispatcher: Optional[str] = None,
                               timeout_minutes: Optional[float] = None, pp: int = 1,
-                              vpp: Optional[int] = None) -> None:
+                              vpp: Optional[int] = None,
+                              ranks_per_node: Optional[int] = None) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
-    each with group_timeout() (timeout_minutes sets it first)."""
+    each with group_timeout() (timeout_minutes sets it first), and with them the split of this
+    rank's EP group by node that parm_hier runs on (node_groups(); ranks_per_node:
+    --parm-ranks-per-node, None for the launcher's)."""
+    global _node_groups
     from megatron.core import parallel_state
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
@@ -70,6 +77,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
+    _node_groups = _split_ep_group_by_node(ranks_per_node)
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it
     # is given (torch's default, 30 min), and the tools create the default group with torch's
     # default: set it on every group this rank is in.
@@ -77,6 +85,70 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
 
     for group in list(distributed_c10d._world.pg_map):
         distributed_c10d._set_pg_timeout(group_timeout(), group)
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's place in its EP group split by node, and the two groups of the split."""
+
+    inter: object  # "ep_inter": the EP ranks at this rank's position of every node (K)
+    intra: object  # "ep_intra": the EP ranks of this rank's node (g)
+    nodes: int  # K
+    per_node: int  # g
+    node: int  # b
+    position: int  # a
+    ranks_per_node: int = 0  # of the world, as the split was made with
+    ep_ranks: tuple = ()  # the EP group that was split
+
+
+# The split of this rank's EP group by node, made with Megatron's groups (parm_hier's).
+_node_groups: Optional[NodeGroups] = None
+
+
+def node_groups() -> NodeGroups:
+    """This rank's EP group split by node ("ep_inter", "ep_intra"), as initialize_model_parallel
+    made it with Megatron's groups."""
+    if _node_groups is None:
+        raise RuntimeError("parm_hier's node groups are made by "
+                           "megatron_parm.parallel.initialize_model_parallel: call it (not "
+                           "Megatron's parallel_state) before building the layers")
+    return _node_groups
+
+
+def _split_ep_group_by_node(setting: Optional[int]) -> NodeGroups:
+    """Split this rank's EP group by node (ranks per node: SETTING or the launcher's). Only the
+    members of a new group make it (use_local_synchronization), and every rank makes its
+    intra-node group before its inter-node group: each rank belongs to one of each, so no
+    member waits on a rank that waits on another group first. A split equal to the EP group
+    is the EP group itself."""
+    from megatron.core import parallel_state
+
+    dist = torch.distributed
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    per_node_ranks = node_rule(dist.get_world_size(), setting)
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    tp_ep_ranks = dist.get_process_group_ranks(tp_ep_group)
+    if list(tp_ep_ranks[etp_rank::etp_size]) != list(ep_ranks):
+        raise RuntimeError(f"parm_hier: the expert TP x EP group {tp_ep_ranks} is not ordered "
+                           f"EP-major, ESP-minor around this rank's EP group {ep_ranks}")
+    blocks = ep_node_blocks(tp_ep_ranks, etp_size, per_node_ranks)[etp_rank]
+    me = dist.get_rank()
+    node = next(b for b, members in enumerate(blocks) if me in members)
+    position = blocks[node].index(me)
+
+    def group(ranks: List[int]):
+        if list(ranks) == list(ep_ranks):
+            return ep_group
+        return dist.new_group(list(ranks), use_local_synchronization=True,
+                              timeout=group_timeout())
+
+    intra = group(blocks[node])
+    inter = group([members[position] for members in blocks])
+    return NodeGroups(inter, intra, nodes=len(blocks), per_node=len(blocks[node]), node=node,
+                      position=position, ranks_per_node=per_node_ranks, ep_ranks=tuple(ep_ranks))
 
 
 def stage_group():

@@ -6,7 +6,7 @@ rank, k top-k, s the ESP size. The rank's EP group spans K nodes with g of its r
 (``perf_model.layout.ep_node_blocks``): the rank at position a of node block b has EP index
 j = b * g + a, and a node holds G = g * L experts. Two process groups are cut out of the EP
 group: "ep_inter", the K ranks at position a of every node, and "ep_intra", the g ranks of
-node b. The rank of node b at position a is the relay of the rows that the ranks at
+node b (made with Megatron's groups by megatron_parm.parallel.initialize_model_parallel). The rank of node b at position a is the relay of the rows that the ranks at
 position a of every node send to node b.
 
 The rows that cross a node boundary are deduplicated: for each (token, destination node) one
@@ -20,8 +20,7 @@ combine work as S1's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,59 +30,24 @@ from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
-from megatron_parm.parallel import group_timeout
-from megatron_parm.perf_model.layout import ep_node_blocks
+from megatron_parm.parallel import NodeGroups, node_groups
 from megatron_parm import device as devices
 
-# Process groups made by parm_hier, by their ranks (made once per set of ranks).
-_GROUPS: Dict[Tuple[int, ...], object] = {}
 
-
-def _group(ranks: Sequence[int], existing: Dict[Tuple[int, ...], object]):
-    """The process group of ``ranks``: one of ``existing`` with the same ranks, else made once.
-
-    Only the members call torch.distributed.new_group (use_local_synchronization), and every
-    rank makes its intra-node group before its inter-node group: each rank belongs to one of
-    each, so no member waits on a rank that waits on another group first.
-    """
-    key = tuple(ranks)
-    if key in existing:
-        return existing[key]
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True,
-                                      timeout=group_timeout())
-    return _GROUPS[key]
-
-
-@dataclass(frozen=True)
-class NodeGroups:
-    """This rank's place in its EP group split by node, and the two groups of the split."""
-
-    inter: object  # "ep_inter": the EP ranks at this rank's position of every node (K)
-    intra: object  # "ep_intra": the EP ranks of this rank's node (g)
-    nodes: int  # K
-    per_node: int  # g
-    node: int  # b
-    position: int  # a
-
-
-def node_groups(ep_group, tp_ep_group, etp_rank: int, etp_size: int, setting=None) -> NodeGroups:
-    """Split this rank's EP group by node (ranks per node: --parm-ranks-per-node or the launcher's)."""
+def checked_node_groups(ep_group, setting=None) -> NodeGroups:
+    """The split of EP_GROUP by node that initialize_model_parallel made with Megatron's groups
+    (megatron_parm.parallel.node_groups), checked against this layer's EP group and its
+    --parm-ranks-per-node."""
+    groups = node_groups()
     per_node_ranks = ranks_per_node(dist.get_world_size(), setting)
-    ep_ranks = dist.get_process_group_ranks(ep_group)
-    tp_ep_ranks = dist.get_process_group_ranks(tp_ep_group)
-    if list(tp_ep_ranks[etp_rank::etp_size]) != list(ep_ranks):
-        raise RuntimeError(f"parm_hier: the expert TP x EP group {tp_ep_ranks} is not ordered "
-                           f"EP-major, ESP-minor around this rank's EP group {ep_ranks}")
-    blocks = ep_node_blocks(tp_ep_ranks, etp_size, per_node_ranks)[etp_rank]
-    me = dist.get_rank()
-    node = next(b for b, members in enumerate(blocks) if me in members)
-    position = blocks[node].index(me)
-    existing = {tuple(ep_ranks): ep_group}
-    intra = _group(blocks[node], existing)
-    inter = _group([members[position] for members in blocks], existing)
-    return NodeGroups(inter, intra, nodes=len(blocks), per_node=len(blocks[node]), node=node,
-                      position=position)
+    if per_node_ranks != groups.ranks_per_node:
+        raise ValueError(f"--parm-ranks-per-node: parm_hier's layer has {per_node_ranks} ranks per "
+                         f"node, its process groups were made with {groups.ranks_per_node} "
+                         f"(pass the same to megatron_parm.parallel.initialize_model_parallel)")
+    if tuple(dist.get_process_group_ranks(ep_group)) != groups.ep_ranks:
+        raise RuntimeError(f"parm_hier: the layer's EP group {dist.get_process_group_ranks(ep_group)} "
+                           f"is not the one initialize_model_parallel split by node {groups.ep_ranks}")
+    return groups
 
 
 class NodePlan:
@@ -193,8 +157,7 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         self.etp_size = utils.get_pg_size(self.etp_group)
-        self.groups = node_groups(self.ep_group, self.tp_ep_group, self.etp_rank,
-                                  self.etp_size, getattr(config, "parm_ranks_per_node", None))
+        self.groups = checked_node_groups(self.ep_group, getattr(config, "parm_ranks_per_node", None))
         # Whether a token can have several pairs on one node: the same on every rank, so all
         # of them run the secondary pairs' A2A or none does.
         self.has_secondaries = self.topk > 1 or self.drop_and_pad

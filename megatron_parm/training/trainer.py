@@ -364,7 +364,8 @@ def initialize(args) -> None:
                               args.expert_tensor_parallel_size, args.num_experts,
                               args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
                               pp=args.pipeline_model_parallel_size,
-                              vpp=args.virtual_pipeline_model_parallel_size)
+                              vpp=args.virtual_pipeline_model_parallel_size,
+                              ranks_per_node=args.parm_ranks_per_node)
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()
 

@@ -460,7 +460,9 @@ def check_layout(tp, ep, etp, per_node, records):
 
     from megatron_parm.parallel import initialize_model_parallel
 
-    initialize_model_parallel(tp, ep, etp, num_experts=E)
+    # parm_hier's node groups: as many ranks per node as run_layer's configs say
+    initialize_model_parallel(tp, ep, etp, num_experts=E,
+                              ranks_per_node=per_node or dist.get_world_size())
     model_parallel_cuda_manual_seed(1234)
     rank = dist.get_rank()
     num_replicas = dist.get_world_size() // tp

@@ -208,3 +208,15 @@ def test_e2e_config_naming_something_unknown_is_one_line(tmp_path, line, message
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_model_table_in_benchmark_md_is_the_tools_output():
+    """docs/benchmark.md's predicted end-to-end table is what tools/predict_e2e.py writes
+    now (regenerate it with --update docs/benchmark.md after a model or profile change)."""
+    proc = subprocess.run([sys.executable, "tools/predict_e2e.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = (REPO / "docs/benchmark.md").read_text()
+    begin, end = "<!-- predict_e2e: begin -->\n", "<!-- predict_e2e: end -->"
+    assert doc[doc.index(begin) + len(begin):doc.index(end)] == proc.stdout
+    assert "| GPT-2-medium-MoE | 4 x 8 | TP=ETP 4, EP 8 |" in proc.stdout

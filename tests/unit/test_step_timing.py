@@ -1,0 +1,173 @@
+"""The training loop's time breakdown (training/timing.py) and Megatron-LM's data-parallel
+flags (training/ddp.py): their pure parts, on CPU without process groups."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+import torch
+
+from megatron_parm.training import ddp, timing
+
+SLEEP = 0.05
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP)
+        return grad * 2
+
+
+class Inner(torch.nn.Module):
+    """Sleeps SLEEP forward and SLEEP backward."""
+
+    def forward(self, x):
+        time.sleep(SLEEP)
+        return _SlowBackward.apply(x)
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+def bare_timer():
+    """A StepTimer with no hooks yet (its constructor needs Megatron's modules)."""
+    timer = timing.StepTimer.__new__(timing.StepTimer)
+    timer.stack, timer.handles, timer.restore, timer.moe = [], [], [], []
+    timer.interval = dict.fromkeys(timing.CATEGORIES, 0.0)
+    timer.interval_steps, timer.interval_losses, timer.interval_tuning = 0, {}, False
+    timer.in_step, timer.last = False, 0.0
+    return timer
+
+
+def test_regions_take_forward_and_backward_time_of_the_innermost_module():
+    model, timer = Outer(), bare_timer()
+    timer._bracket(model, lambda: ("attention_dense",))
+    timer._bracket(model.inner, lambda: ("moe_experts",))
+    x = torch.ones(4, requires_grad=True)
+    timer.step_start()
+    model(x).sum().backward()
+    time.sleep(SLEEP)  # after the model: the rest of the step
+    timer.step_end(1, {"lm loss": 1.0})
+    ms = timer.interval
+    assert ms["moe_experts"] >= 2 * SLEEP, ms  # forward and backward
+    assert ms["attention_dense"] < SLEEP and ms["rest"] >= SLEEP, ms
+    assert sum(ms.values()) == pytest.approx(ms["moe_experts"] + ms["attention_dense"]
+                                             + ms["rest"])
+    assert x.grad.tolist() == [2.0] * 4  # the boundaries pass the gradient through
+    for handle in timer.handles:
+        handle.remove()
+
+
+def test_outside_moe_regions_count_as_the_moe_phase_they_occur_in():
+    timer = bare_timer()
+    timer.step_start()
+    timer.push("moe_dispatch")
+    with timer.region("tp_sp", outside_moe=True):
+        time.sleep(SLEEP)
+    timer.pop()
+    assert timer.interval["moe_dispatch"] >= SLEEP and timer.interval["tp_sp"] == 0
+    with timer.region("tp_sp", outside_moe=True):
+        time.sleep(SLEEP)
+    timer.step_end(1)
+    assert timer.interval["tp_sp"] >= SLEEP
+
+
+def test_without_the_flags_the_timer_does_nothing():
+    args = argparse.Namespace(parm_timing_breakdown=False, parm_timing_file=None)
+    assert isinstance(timing.StepTimer.install([], None, None, args), timing.NullTimer)
+
+
+def flags(**given):
+    values = dict(overlap_grad_reduce=False, overlap_param_gather=False,
+                  use_distributed_optimizer=False, ddp_bucket_size=None,
+                  ddp_average_in_collective=False, save=None, load=None, bf16=False,
+                  fp16=False, accumulate_allreduce_grads_in_fp32=False)
+    values.update(given)
+    return argparse.Namespace(**values)
+
+
+def test_ddp_config_carries_the_flags_as_megatron_lm_does():
+    config = ddp.ddp_config(flags(overlap_grad_reduce=True, overlap_param_gather=True,
+                                  use_distributed_optimizer=True, ddp_bucket_size=1000))
+    assert (config.overlap_grad_reduce, config.overlap_param_gather, config.align_param_gather,
+            config.use_distributed_optimizer, config.bucket_size,
+            config.average_in_collective) == (True, True, True, True, 1000, False)
+    plain = ddp.ddp_config(flags())
+    assert not (plain.overlap_grad_reduce or plain.use_distributed_optimizer) \
+        and plain.bucket_size is None
+
+
+@pytest.mark.parametrize("given, cuda, message", [
+    (dict(overlap_param_gather=True, overlap_grad_reduce=True), False,
+     "--overlap-param-gather needs --use-distributed-optimizer"),
+    (dict(overlap_param_gather=True, use_distributed_optimizer=True), False,
+     "--overlap-param-gather needs --overlap-grad-reduce"),
+    (dict(ddp_average_in_collective=True), False, "--ddp-average-in-collective needs NCCL"),
+    (dict(use_distributed_optimizer=True, load="ckpt"), True,
+     "--use-distributed-optimizer with --load: checkpoints"),
+])
+def test_ddp_flags_megatron_core_cannot_run_here_are_refused(given, cuda, message):
+    with pytest.raises(ValueError, match=message):
+        ddp.check_args(flags(**given), cuda)
+
+
+def test_ddp_flags_it_runs_pass():
+    ddp.check_args(flags(ddp_average_in_collective=True), cuda=True)
+    ddp.check_args(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                         overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
+
+
+class FakeChunk:
+    def __init__(self, log):
+        self.log = log
+
+    def no_sync(self):
+        pass
+
+    def start_grad_sync(self):
+        pass
+
+    def start_param_sync(self):
+        pass
+
+    def disable_forward_pre_hook(self, param_sync=True):
+        self.log.append(("disable", param_sync))
+
+    def enable_forward_pre_hook(self):
+        self.log.append(("enable",))
+
+
+def test_param_gather_hooks_switch_as_megatron_lm_switches_them():
+    log = []
+    model, config = [FakeChunk(log)], argparse.Namespace()
+    args = flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                 overlap_param_gather=True)
+    ddp.set_sync_funcs(config, model, args)
+    assert config.param_sync_func == model[0].start_param_sync
+    assert config.grad_sync_func == model[0].start_grad_sync
+    gather = ddp.ParamGather(model, config, args)
+    gather.disable(param_sync=False)  # the first step: no hooks, no sync
+    assert config.param_sync_func is None
+    gather.enable()
+    gather.enable()  # once only
+    gather.disable()  # evaluation: gathered, hooks off
+    gather.enable()
+    assert log == [("disable", False), ("enable",), ("disable", True), ("enable",)]
+    assert config.param_sync_func == model[0].start_param_sync
+    idle = ddp.ParamGather(model, config, flags())
+    idle.disable()
+    idle.enable()
+    assert len(log) == 4  # without --overlap-param-gather nothing switches
