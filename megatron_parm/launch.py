@@ -51,6 +51,7 @@ from typing import Dict, List, Optional
 
 from megatron_parm import faults, settings
 from megatron_parm.cli import USER_ERROR
+from megatron_parm.wording import plural
 
 
 def child_pids() -> List[int]:
@@ -84,7 +85,7 @@ class _GracefulStop:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        print(f"launch: {self.requested.name} received: passed to {len(ranks)} rank(s) as "
+        print(f"launch: {self.requested.name} received: passed to {plural(len(ranks), 'rank')} as "
               f"SIGTERM; waiting for them to stop (send it again to end them now)",
               file=sys.stderr, flush=True)
 

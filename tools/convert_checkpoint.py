@@ -38,6 +38,7 @@ from argparse import Namespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli, settings  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -266,7 +267,7 @@ def relayout(source, args) -> int:
         message = str(err)
         for flag, target_flag in TARGET_FLAGS.items():
             message = message.replace(flag, target_flag)
-        raise ValueError(f"target layout ({world} ranks, --target-world-size): {message}") from err
+        raise ValueError(f"target layout ({plural(world, 'rank')}, --target-world-size): {message}") from err
     try:  # Megatron-Core's own checks of the model against the layout, before any rank starts
         build_config(target_args(saved, (tp, ep, etp, pp), world))
     except (ValueError, AssertionError) as err:
@@ -286,7 +287,7 @@ def relayout(source, args) -> int:
     path = checkpoint_dir(args.save, source[1])
     with stage(f"reading {path} back and comparing every checksum"):
         verify_against(path, expected, "conversion to the target layout")
-    print(f"wrote {path} for tp={tp} ep={ep} etp={etp} pp={pp} ({world} ranks) from {source[0]}: "
+    print(f"wrote {path} for tp={tp} ep={ep} etp={etp} pp={pp} ({plural(world, 'rank')}) from {source[0]}: "
           f"{_summary(expected)}")
     return 0
 

@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -151,7 +152,7 @@ def format_times(spec, medians, plan_seconds, clock="wall") -> str:
         lines.append(cell)
     if plan_seconds:
         lines.append("S2's chunk plan on the host (ChunkPlan, median CPU time): " + ", ".join(
-            f"{c} chunks {1e6 * s:.0f} us" for c, s in plan_seconds.items()))
+            f"{plural(c, 'chunk')} {1e6 * s:.0f} us" for c, s in plan_seconds.items()))
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
                 raise ValueError("--cleanup-stale takes no command")
             ec.check_host(spec)
             removed = ec.cleanup_stale(spec.prefix)
-            print(f"removed {len(removed)} stale namespace(s)" + (f": {' '.join(removed)}" if removed else ""))
+            print(f"removed {plural(len(removed), 'stale namespace')}" + (f": {' '.join(removed)}" if removed else ""))
             return 0
         if not command:
             raise ValueError("no command given: put it after '--', e.g. -- python script.py")

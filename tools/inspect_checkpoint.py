@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -54,7 +55,7 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
     pp, vpp = layout.get("pipeline_model_parallel_size") or 1, layout.get(
         "virtual_pipeline_model_parallel_size")
     stages = (f" pp={pp}" + (f" vpp={vpp}" if vpp else "")) if pp > 1 else ""
-    print(f"  saved on {layout.get('world_size')} ranks: tp={layout.get('tensor_model_parallel_size')} "
+    print(f"  saved on {plural(layout.get('world_size'), 'rank')}: tp={layout.get('tensor_model_parallel_size')} "
           f"ep={layout.get('expert_model_parallel_size')} etp={layout.get('expert_tensor_parallel_size')}"
           f"{stages}; "
           f"model {args.get('model_type')} layers={args.get('num_layers')} hidden={args.get('hidden_size')} "
@@ -62,7 +63,7 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
           f"{(info.get('model_info') or {}).get('padded_vocab_size')}")
     print(f"  optimizer state: {'yes' if 'optimizer_step' in info else 'no'}; LR schedule: "
           f"{'yes' if 'opt_param_scheduler' in info else 'no'}; RNG states: "
-          f"{len(info['rng_state']['per_rank']) if 'rng_state' in info else 0} ranks"
+          f"{plural(len(info['rng_state']['per_rank']) if 'rng_state' in info else 0, 'rank')}"
           + (f"; upcycled from a dense checkpoint ({info['upcycled_from']})" if "upcycled_from" in info else ""))
     entries = tensor_entries(read_metadata(path))
     total = sum(e.size.numel() * torch.empty(0, dtype=e.properties.dtype).element_size()
@@ -72,7 +73,7 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
     if show_tensors:
         for key, entry in sorted(entries.items()):
             dtype = str(entry.properties.dtype).replace("torch.", "")
-            print(f"    {key:90s} {dtype:9s} {str(tuple(entry.size)):24s} {len(entry.chunks):3d} chunks")
+            print(f"    {key:90s} {dtype:9s} {str(tuple(entry.size)):24s} {plural(len(entry.chunks), 'chunk'):>10}")
     if verify:
         from megatron_parm.checkpointing.full import read_full
         from megatron_parm.checkpointing.verify import count_experts, tensor_checksums
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         return 0
     tracked = read_tracker(args.path)
     found = list_checkpoints(args.path)
-    print(f"{args.path}: {len(found)} checkpoints, tracker -> "
+    print(f"{args.path}: {plural(len(found), 'checkpoint')}, tracker -> "
           f"{tracked if tracked is not None else '(none)'}"
           + (f"; unfinished saves: {', '.join(list_partial(args.path))}" if list_partial(args.path) else ""))
     if not found:

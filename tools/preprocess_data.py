@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -67,8 +68,8 @@ def main(argv=None):
     start = time.time()
     num_lines = count_lines(args.input)
     progress = Progress(num_lines, unit="documents")
-    print(f"tokenizing {args.input} ({num_lines} lines) with {args.tokenizer_type}, "
-          f"{args.workers} worker(s) ...", flush=True)
+    print(f"tokenizing {args.input} ({plural(num_lines, 'line')}) with {args.tokenizer_type}, "
+          f"{plural(args.workers, 'worker')} ...", flush=True)
     prefixes = preprocess_jsonl(
         args.input, args.output_prefix, tokenizer_args, json_keys=args.json_keys,
         append_eod=args.append_eod, split=args.split_sentences, workers=args.workers,

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
@@ -65,7 +66,7 @@ def reading(paths, json_keys):
         done["lines"] += 1
         yield line
     progress.clear()
-    print(f"  read {done['lines']} lines in {time.time() - start:.1f} s", flush=True)
+    print(f"  read {plural(done['lines'], 'line')} in {time.time() - start:.1f} s", flush=True)
 
 
 def main(argv=None):

@@ -38,6 +38,8 @@ import sys
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from megatron_parm.wording import plural
+
 DEFAULT_PREFIX = "parmemu"
 DEFAULT_MASTER_PORT = 29500
 # Jumbo frames on the veth links and loopback: a GPU cluster's NICs and NVLink move data
@@ -291,7 +293,7 @@ def describe(spec: ClusterSpec) -> str:
         return text + (f" +{shape.latency_us:g}us" if shape.latency_us > 0 else "")
 
     return (
-        f"{spec.num_nodes} nodes x {spec.num_procs_per_node} ranks, "
+        f"{plural(spec.num_nodes, 'node')} x {plural(spec.num_procs_per_node, 'rank')}, "
         f"inter-node {shape_text(spec.inter_node)}, intra-node {shape_text(spec.intra_node)}, "
         f"mtu {spec.mtu}, master {node_address(0)}:{spec.master_port}"
     )

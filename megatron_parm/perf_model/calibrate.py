@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.profile import LINKS, Profile, fit_alpha_beta
 from megatron_parm.schedules import COLLECTIVE_KINDS
+from megatron_parm.wording import plural
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
           "mib": 1024 ** 2, "g": 1024 ** 3, "gb": 1024 ** 3, "gib": 1024 ** 3}
@@ -428,7 +429,7 @@ def format_layer_fit(profile: Profile, layout: Layout,
                      f"{100 * error:+6.1f}%")
     if errors:
         lines.append(f"  layer fit: |error| median {100 * stats.median(errors):.1f}%, max "
-                     f"{100 * max(errors):.1f}% over {len(errors)} layers")
+                     f"{100 * max(errors):.1f}% over {plural(len(errors), 'layer')}")
     return "\n".join(lines)
 
 
@@ -485,7 +486,8 @@ def format_framework_fit(profile: Profile,
         step = step_time(spec, where, profile, sequential, None, micro_batch,
                          micro_batch * (where.world_size // where.tp) * count, Precision("fp32"))
         predicted = count * step.microbatch_s
-        lines.append(f"  {spec.num_layers} layer(s) x {count} micro-batch(es): measured "
+        lines.append(f"  {plural(spec.num_layers, 'layer')} x {plural(count, 'micro-batch')}: "
+                     f"measured "
                      f"{1e3 * seconds:8.1f} ms  model {1e3 * predicted:8.1f} ms "
                      f"(framework {1e3 * count * step.framework_s:.1f} ms)  "
                      f"{100 * (predicted - seconds) / seconds:+6.1f}%")
@@ -554,7 +556,8 @@ def describe_run(argv: Sequence[str], layout: Layout, timed: Sequence[Tuple[str,
     groups = ", ".join(f"{name}={layout.group_size(name)} ({link})" for name, link in timed)
     parts = [
         f"Measured by tools/calibrate.py on {now}.",
-        f"World {layout.world_size} = {layout.nodes} nodes x {layout.ranks_per_node} ranks; "
+        f"World {layout.world_size} = {plural(layout.nodes, 'node')} x "
+        f"{plural(layout.ranks_per_node, 'rank')}; "
         f"tp={layout.tp} ep={layout.ep} etp={layout.etp}; timed groups: {groups}.",
     ]
     if rates:

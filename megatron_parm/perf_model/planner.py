@@ -24,6 +24,7 @@ from megatron_parm import schedules
 from megatron_parm.layout_rules import (batch_problem, experts_problem, microbatch_problem,
                                         pipeline_stage_layers, size_problem)
 from megatron_parm.perf_model.layout import Layout
+from megatron_parm.wording import plural
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.step_time import StepTime, step_time
@@ -71,7 +72,7 @@ class Cluster:
         return self.nodes * self.ranks_per_node
 
     def describe(self) -> str:
-        return (f"{self.world_size} ranks (--nnodes {self.nodes} x --nproc-per-node "
+        return (f"{plural(self.world_size, 'rank')} (--nnodes {self.nodes} x --nproc-per-node "
                 f"{self.ranks_per_node})")
 
 

@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
+from megatron_parm.wording import plural
+
 
 def print_rank_0(message: str = "") -> None:
     import torch
@@ -164,8 +166,9 @@ def start_lines(args, experts: str, device_type: str, optional_note: Optional[st
     """The start-up banner on rank 0: layout, dispatcher, experts, device, where output goes."""
     import torch
 
-    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: {torch.distributed.get_world_size()} "
-                 f"ranks (tp={args.tensor_model_parallel_size}, "
+    print_rank_0(f"> {args.model_type.upper()} MoE pretraining: "
+                 f"{plural(torch.distributed.get_world_size(), 'rank')} "
+                 f"(tp={args.tensor_model_parallel_size}, "
                  f"ep={args.expert_model_parallel_size}, "
                  f"etp={args.expert_tensor_parallel_size}, {pipeline_text(args)}"
                  f"dp={args.data_parallel_size}), "
@@ -286,7 +289,8 @@ class TrainingLog:
 
     def done(self, iteration: int, summary: dict) -> None:
         self.tensorboard.close()
-        print_rank_0(f"> done: {iteration} iterations, final lm loss {summary['losses'][-1]:.4f}"
+        print_rank_0(f"> done: {plural(iteration, 'iteration')}, final lm loss "
+                     f"{summary['losses'][-1]:.4f}"
                      if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
         print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
         logdir = self.args.tensorboard_dir

@@ -37,6 +37,7 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 
 from megatron_parm import device, faults, mcore_compat
 from megatron_parm.tuning import CHUNK_NOTATION
+from megatron_parm.wording import plural
 from megatron_parm.cli import optional_packages_note
 from megatron_parm.checkpointing import (
     check_model_flags,
@@ -319,7 +320,7 @@ def pretrain(args) -> dict:
     num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
                  f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
-                 f"{args.num_microbatches} micro-batches of {args.micro_batch_size} per "
+                 f"{plural(args.num_microbatches, 'micro-batch')} of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
     iteration, consumed_samples = resume(checkpoint, model, optimizer, scheduler, args)
     train_iter, valid_iter = build_iterators(args, tokenizer, model, consumed_samples)
@@ -333,7 +334,7 @@ def pretrain(args) -> dict:
 
     run = Run(args, model, optimizer, scheduler, forward_step, train_iter, valid_iter,
               iteration, consumed_samples)
-    print_rank_0(f"> training for {args.train_iters - iteration} iterations")
+    print_rank_0(f"> training for {plural(args.train_iters - iteration, 'iteration')}")
     while run.iteration < args.train_iters:
         faults.record_progress(run.iteration + 1, "training", args.save)  # the launcher's line
         grad_norm = run.step()

@@ -251,7 +251,7 @@ def test_pipeline_stage_layers_as_megatron_builds_them():
     (["--num-layers", "6", "--decoder-first-pipeline-num-layers", "2",
       "--pipeline-model-parallel-size", "4"], ["--decoder-first-pipeline-num-layers", "4 layers for 3 middle"]),
     # a global batch that does not give enough micro-batches
-    (["--global-batch-size", "4"], ["1 micro-batches", "--pipeline-model-parallel-size (2)",
+    (["--global-batch-size", "4"], ["1 micro-batch,", "--pipeline-model-parallel-size (2)",
                                     "--global-batch-size"]),
     (["--global-batch-size", "12", "--micro-batch-size", "2", "--virtual-pipeline-model-parallel-size",
       "2"], ["3 micro-batches", "multiple of --pipeline-model-parallel-size (2)"]),
