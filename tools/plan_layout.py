@@ -37,39 +37,13 @@ from megatron_parm import cli  # noqa: E402
 cli.setup_warnings()
 
 import megatron_parm.settings as declared  # noqa: E402
-from megatron_parm.layout_rules import precision_problem  # noqa: E402
+from megatron_parm import planner_inputs  # noqa: E402
 from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.layer_plan import parse_chunks  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
-from megatron_parm.perf_model.profile import shipped_profiles  # noqa: E402
-from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec  # noqa: E402
-
-# The model and training flags the planner reads (declared in megatron_parm.settings).
-MODEL_FLAGS = (
-    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size",
-    "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--num-experts",
-    "--moe-router-topk", "--micro-batch-size", "--global-batch-size", "--vocab-size",
-    "--moe-expert-capacity-factor", "--hidden-dropout", "--attention-dropout",
-    "--moe-pad-expert-input-to-capacity", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--bf16", "--fp16", "--use-distributed-optimizer",
-    "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--bert-no-binary-head")
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
-            "micro_batch_size", "global_batch_size")
-# Sizes that restrict the search; the command line's only (a config's are the planner's to
-# choose, listed in the note).
-LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-                "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
-# The flags of the launch line that are each candidate's (or the planner's own), not copied
-# from the command line.
-CANDIDATE_KEYS = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
-                  "use_distributed_optimizer"}
-
-
-def profiles_help() -> str:
-    return ("shipped profiles (--parm-profile NAME): " + ", ".join(shipped_profiles())
-            + "; or a profile file (tools/calibrate.py measures one)")
-
+from megatron_parm.planner_inputs import (LAYOUT_FLAGS, build_spec, model_overrides,  # noqa: E402
+                                          profiles_help, resolve_settings)
 
 class _Parser(declared.Parser):
     """argparse whose errors are one line, `error: ...`, exit status 2."""
@@ -86,107 +60,7 @@ def fail(message):
 
 
 def build_parser():
-    parser = _Parser(description="Rank every TP/EP/ETP/DP layout, dispatcher and chunk count "
-                                 "of an MoE model on a cluster by predicted step time and "
-                                 "memory per rank.", epilog=profiles_help())
-    declared.add_flags(parser, ["--config"])
-    parser.add_argument("--model-type", choices=MODEL_TYPES, default="gpt",
-                        help="gpt (pretrain_gpt2_moe.py) or bert (pretrain_bert_moe.py)")
-    group = parser.add_argument_group("cluster")
-    declared.add_flags(group, ["--nnodes", "--nproc-per-node", "--gpu-memory-gb", "--parm-profile"],
-                       required=["--nproc-per-node", "--parm-profile"])
-    declared.add_flags(parser.add_argument_group("model and training (override --config)"),
-                       MODEL_FLAGS)
-    group = parser.add_argument_group("search (default: everything)")
-    declared.add_flags(group, LAYOUT_FLAGS.values(),
-                       defaults={declared.FLAGS[flag].key: None for flag in LAYOUT_FLAGS.values()})
-    # the training flag's name, here a list to search (training's takes one schedule)
-    group.add_argument("--moe-token-dispatcher-type", dest="dispatchers", default=None,
-                       help="only these dispatchers (comma-separated)")
-    declared.add_flags(group, ["--parm-chunk-candidates"])
-    group = parser.add_argument_group("output")
-    group.add_argument("--top", type=int, default=15,
-                       help="rows of the table (default 15; 0 = all)")
-    group.add_argument("--show-flags", type=int, default=3,
-                       help="print the flags of this many best layouts (default 3)")
-    group.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
-
-
-def resolve_settings(parser, argv):
-    """The planner's settings (flags over --config over the defaults, each value checked;
-    errors name the flag) as a dict, and the keys given on the command line."""
-    args = declared.read(parser, argv, strict=False, reader="by the planner",
-                         command_line_only=[declared.FLAGS[f].key for f in LAYOUT_FLAGS.values()])
-    declared.require(args, REQUIRED)
-    problem = precision_problem(args.bf16, args.fp16)
-    if problem:
-        raise ValueError(problem)
-    return args, vars(args), declared.given(parser, sys.argv[1:] if argv is None else argv)
-
-
-def vocab_size_of(settings):
-    """--vocab-size, else the size of the tokenizer the config names (as the trainer's)."""
-    if settings.get("vocab_size"):
-        return settings["vocab_size"]
-    kind = settings.get("tokenizer_type")
-    if kind == "SentencePieceTokenizer":
-        path = settings.get("tokenizer_model")
-        if not path or not os.path.isfile(path):
-            raise ValueError(f"--tokenizer-model: file not found: {path} (or give --vocab-size)")
-        import sentencepiece
-
-        return sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
-    if kind in ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"):
-        path = settings.get("vocab_file")
-        if not path or not os.path.isfile(path):
-            raise ValueError(f"--vocab-file: file not found: {path} (or give --vocab-size)")
-        with open(path, encoding="utf-8") as handle:
-            if kind == "GPT2BPETokenizer":
-                return len(json.load(handle))
-            return len({line.strip() for line in handle if line.strip()})
-    raise ValueError("--vocab-size is required (or a --tokenizer-type with its "
-                     "--tokenizer-model / --vocab-file)")
-
-
-def build_spec(settings, model_type):
-    ffn = settings.get("ffn_hidden_size") or 4 * settings["hidden_size"]
-    return ModelSpec(
-        model_type=model_type,
-        num_layers=settings["num_layers"],
-        hidden_size=settings["hidden_size"],
-        num_attention_heads=settings["num_attention_heads"],
-        seq_length=settings["seq_length"],
-        vocab_size=vocab_size_of(settings),
-        num_experts=settings["num_experts"],
-        moe_ffn_hidden_size=settings.get("moe_ffn_hidden_size") or ffn,
-        topk=settings["moe_router_topk"],
-        max_position_embeddings=settings.get("max_position_embeddings"),
-        capacity_factor=settings.get("moe_expert_capacity_factor"),
-        pad_to_capacity=settings["moe_pad_expert_input_to_capacity"],
-        add_bias_linear=not settings["disable_bias_linear"],
-        untie_embeddings_and_output_weights=settings["untie_embeddings_and_output_weights"],
-        hidden_dropout=float(settings["hidden_dropout"]),
-        attention_dropout=float(settings["attention_dropout"]),
-        bert_binary_head=settings["bert_binary_head"],
-    )
-
-
-def model_overrides(given):
-    """The model and tokenizer flags given on the command line (given: their keys, with their
-    values), for the printed launch line; the batch, precision and optimizer flags are the
-    candidate's, --vocab-size the planner's own."""
-    flags = []
-    for name in MODEL_FLAGS:
-        flag = declared.FLAGS[name]
-        if flag.key not in given or flag.key in CANDIDATE_KEYS:
-            continue
-        value = given[flag.key]
-        if flag.kind == "value":
-            flags += [name, str(value)]
-        elif value != flag.inverted:  # a switch the command line turned on
-            flags.append(name)
-    return flags
+    return planner_inputs.build_parser(_Parser)
 
 
 def _gib(num_bytes):

@@ -26,15 +26,13 @@ import io
 import os
 import sys
 
-TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(TOOLS))
-sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()
 
-import plan_layout  # noqa: E402
+from megatron_parm import planner_inputs  # noqa: E402
 from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, PlanError, plan  # noqa: E402
@@ -129,8 +127,9 @@ def rows(args):
                     "--nproc-per-node", str(args.nproc_per_node), "--bf16",
                     "--parm-profile", args.parm_profile]
             with contextlib.redirect_stderr(io.StringIO()):  # its note on the config's keys
-                _, settings, _ = plan_layout.resolve_settings(plan_layout.build_parser(), argv)
-            spec = plan_layout.build_spec(settings, model_type)
+                _, settings, _ = planner_inputs.resolve_settings(planner_inputs.build_parser(),
+                                                                 argv)
+            spec = planner_inputs.build_spec(settings, model_type)
             cluster = Cluster(nodes, args.nproc_per_node, args.gpu_memory_gb * GIB)
             for label, fixed in restrictions(nodes, args.nproc_per_node):
                 first = f"| {name} | {nodes} x {args.nproc_per_node} | {label} | "
