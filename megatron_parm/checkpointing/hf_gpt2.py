@@ -44,6 +44,7 @@ from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.safe_load import load_torch_file
 from megatron_parm.checkpointing.state import CHECKPOINT_VERSION
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.wording import plural
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # GPT-2's activation names: the tanh approximation (Megatron's --openai-gelu) or erf GELU.
@@ -157,7 +158,7 @@ def hf_gpt2_to_full(path: str) -> FullCheckpoint:
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise CheckpointError(f"{path}: weight {name!r} missing (config.json says "
-                                  f"{layers} layers)")
+                                  f"{plural(layers, 'layer')})")
         return weights[name].to(torch.float32)
 
     def stacked(name: str, transform=lambda t: t) -> torch.Tensor:

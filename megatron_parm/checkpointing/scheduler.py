@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.wording import plural
 
 OVERRIDE_FLAG = "--override-opt_param-scheduler"
 USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
@@ -42,8 +43,8 @@ def _describe(value, samples: bool, batch: Optional[int]) -> str:
     if not samples:
         return repr(value)
     if batch and value % batch == 0:
-        return f"{value // batch} iterations ({value} samples)"
-    return f"{value} samples"
+        return f"{plural(value // batch, 'iteration')} ({plural(value, 'sample')})"
+    return plural(value, "sample")
 
 
 def schedule_differences(saved: dict, scheduler, saved_batch: Optional[int],

@@ -17,6 +17,7 @@ import torch
 
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.optimizer_state import sharded_optimizer_state
+from megatron_parm.wording import plural
 
 CHECKPOINT_VERSION = 3.0
 # Flags that change tensor shapes or names, or what the weights compute (the activation):
@@ -109,7 +110,7 @@ def describe_layout(layout: Optional[dict]) -> str:
         pipeline = f" pp={layout['pipeline_model_parallel_size']}"
         if layout["virtual_pipeline_model_parallel_size"]:
             pipeline += f" vpp={layout['virtual_pipeline_model_parallel_size']}"
-    return (f"{layout['world_size']} ranks, tp={layout['tensor_model_parallel_size']} "
+    return (f"{plural(layout['world_size'], 'rank')}, tp={layout['tensor_model_parallel_size']} "
             f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}"
             + pipeline)
 
