@@ -9,8 +9,13 @@ ranks, no traceback, the files it could have touched unchanged (and a planted pa
 
 Separate launches check what a process sees end to end: megatron_parm.launch with 4 ranks for a
 mistake found before any process group exists and one found after (exit status 2, one line,
-no torchrun report), a conversion to an impossible layout, and SIGTERM during a run (the
-checkpoint published, exit status 0, no process left).
+no torchrun report; stdout and stderr in one stream, as in a Slurm log: the error is the last
+line, below the start-up banner or alone; no torchrun banner about OMP_NUM_THREADS), a
+conversion to an impossible layout, and SIGTERM during a run (the checkpoint published, exit
+status 0, no process left, the ranks on one OpenMP thread each).
+
+Every tool in tools/ gets one typical mistake (TOOL_MISTAKES, one subprocess each): exit
+status 2, one line on stderr, no traceback.
 """
 
 from __future__ import annotations
