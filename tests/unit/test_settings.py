@@ -102,3 +102,44 @@ def test_settings_import_no_torch_or_yaml():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'yaml')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Flags that share a name with a declared one but mean something else in one place: (file,
+# flag) -> why. plan_layout's --moe-token-dispatcher-type restricts its search to a list.
+OTHER_MEANING = {("megatron_parm/planner_inputs.py", "--moe-token-dispatcher-type"):
+                 "a comma-separated list of dispatchers to search"}
+DECLARING = ["tools/plan_layout.py", "tools/plan_schedule.py", "tools/bench_moe_layer.py",
+             "tools/calibrate.py", "tools/convert_checkpoint.py", "tools/count_ops.py"]
+
+
+def test_training_and_the_tools_take_their_flags_from_settings():
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    paths = DECLARING + [str(p.relative_to(repo)) for p in (repo / "megatron_parm").rglob("*.py")
+                         if p.name != "settings.py"]
+    redeclared = []
+    for path in paths:
+        for node in ast.walk(ast.parse((repo / path).read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                redeclared += [(path, name) for name in names
+                               if name in settings.FLAGS and (path, name) not in OTHER_MEANING]
+    assert not redeclared
+
+
+def test_no_tool_imports_another_tool():
+    import ast
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    names = {path.stem for path in tools.glob("*.py")}
+    imports = []
+    for path in tools.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imports += [(path.name, a.name) for a in node.names if a.name in names]
+            elif isinstance(node, ast.ImportFrom) and node.module in names:
+                imports.append((path.name, node.module))
+    assert not imports
