@@ -5,8 +5,9 @@ Megatron-Core's MoE, model, optimizer and checkpoint paths assume a CUDA device 
 handful of places. On a machine without CUDA (this project's CI, laptops) ``setup()``
 redirects exactly those places so that the same code runs on CPU with the gloo backend.
 A few other changes live next to the code they serve (the checkpoint writer's queue, the
-grouped-GEMM check TorchGroupedMLP waives, the benchmark's byte counters, the launcher's
-changes to torchrun's agent); the table lists them too, naming the module that makes them.
+grouped-GEMM check TorchGroupedMLP waives, the benchmark's byte counters, the step timer's
+collective wrappers, the launcher's changes to torchrun's agent); the table lists them too,
+naming the module that makes them.
 
 Rules:
 - Nothing here runs at import time: entry points and tests call ``setup()`` explicitly.
@@ -576,6 +577,16 @@ REDIRECTS: Dict[str, Redirect] = {
             "the collectives that token_dispatcher imported (all_to_all, the sequence-parallel "
             "gather and reduce-scatter) with counting ones, inside a context manager that "
             "puts the originals back."
+        )),
+    "step_timer_collectives": Redirect(
+        None, applied_by="megatron_parm.training.timing",
+        target="megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+        why=(
+            "--parm-timing-breakdown times Megatron-Core's tensor- and sequence-parallel "
+            "collectives outside the MoE layer: StepTimer wraps tensor_parallel.mappings' "
+            "_reduce, _gather_along_*_dim and _reduce_scatter_along_*_dim and "
+            "tensor_parallel.layers' dist_all_gather_func / dist_reduce_scatter_func with "
+            "timed ones, and puts the originals back when the run closes it."
         )),
     "torchrun_agent": Redirect(
         None, applied_by="megatron_parm.launch",
