@@ -349,12 +349,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def script_flags_problem(script: str, script_args: List[str]) -> Optional[str]:
     """For the pretraining scripts (megatron_parm.settings.TRAINING_SCRIPTS): one line naming
-    the flags of their argv that training does not know, with the closest valid ones; None
-    for a clean argv or another script. Only the names are checked here (the values and the
-    rest after the ranks start, by the script itself)."""
+    the flags of their argv, or the keys of their --config file, that training does not know,
+    with the closest valid ones; None for a clean argv or another script. Only names are
+    checked here (the values and the rest after the ranks start, by the script itself)."""
     if os.path.basename(script) not in settings.TRAINING_SCRIPTS:
         return None
-    return settings.unknown_flags(script_args, settings.training_parser())
+    parser = settings.training_parser()
+    problem = settings.unknown_flags(script_args, parser)
+    config = _flag_value(script_args, "--config")
+    if problem is None and config is not None:
+        try:
+            settings.config_values(config, parser)
+        except ValueError as error:
+            problem = str(error)
+    return problem
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:

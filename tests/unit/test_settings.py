@@ -76,7 +76,8 @@ def test_a_tool_takes_flags_by_name_with_its_own_defaults():
         {"--seq-length"}
 
 
-def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, monkeypatch):
+def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, monkeypatch,
+                                                                      tmp_path):
     from megatron_parm import launch
 
     def no_ranks(*args, **kwargs):
@@ -91,6 +92,10 @@ def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, mo
     assert launch.script_flags_problem("pretrain_scripts/pretrain_bert_moe.py",
                                        ["--bert-no-binary-head", "--seq-length=64"]) is None
     assert launch.script_flags_problem("tools/other.py", ["--anything"]) is None
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("num_layers: 2\nnum_layer: 1\n")
+    assert "unknown keys num_layer" in launch.script_flags_problem(
+        "pretrain_gpt2_moe.py", ["--config", str(typo)])
 
 
 def test_settings_import_no_torch_or_yaml():
