@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_parm.layout_rules import sequence_problem
-
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -94,6 +92,8 @@ def tokens_per_rank(seq_length: int, micro_batch_size: int, tp: int) -> int:
     sees S / t * B tokens either way; tests/unit/test_layer_shape.py runs the layer's forward
     to check it.
     """
+    from megatron_parm.layout_rules import sequence_problem  # the package's one check of it
+
     problem = sequence_problem(seq_length, tp)
     if problem:
         raise ValueError(problem)

@@ -51,7 +51,7 @@ def test_distributed_timeout_flag_is_checked(prepared_data):
 
     args = parse_args(["--config", "configs/gpt2_tiny_moe.yaml"])
     assert args.distributed_timeout_minutes == 10  # Megatron-LM's default
-    with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0, got 0"):
+    with pytest.raises(ValueError, match="--distributed-timeout-minutes must be a positive number, got 0"):
         parse_args(["--config", "configs/gpt2_tiny_moe.yaml", "--distributed-timeout-minutes", "0"])
 
 
