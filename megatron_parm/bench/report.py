@@ -65,6 +65,13 @@ def base_name(dispatcher: str) -> str:
     return dispatcher.partition(":")[0].partition("@")[0]
 
 
+def choice_variant(label: str) -> str:
+    """The benchmark's variant of a choice label (perf_model.schedule_label): ``parm_s2(c=4)``
+    -> ``parm_s2@4``, ``parm_s2(c=8/4)`` -> ``parm_s2@8/4``, ``parm_s1`` -> ``parm_s1``."""
+    name, _, chunks = label.partition("(c=")
+    return f"{name}@{chunks.rstrip(')')}" if chunks else name
+
+
 def is_auto(dispatcher: str) -> bool:
     """Whether a dispatcher chooses its schedule (``parm``, or a mode of it: ``parm:measured``)."""
     return base_name(dispatcher) in schedules.names(schedules.AUTO)
@@ -376,6 +383,14 @@ def _timing_summary(label: str, rows: List[ConfigResult], unshaped: Dict[tuple, 
                 r.median_ms[auto] <= 1.05 * r.best_parm[1] for r in choices) / len(choices)
             out["parm_time_vs_best_parm" + suffix] = _stats(
                 [r.median_ms[auto] / r.best_parm[1] for r in choices])
+            # the choice judged by its own fixed schedule's time in the same run (free of the
+            # noise of parm's own column; a choice no fixed variant ran is not judged)
+            judged = [r.median_ms[v] / r.best_parm[1] for r in choices
+                      for v in [choice_variant(r.parm_choices.get(auto, ""))] if v in r.median_ms]
+            if judged:
+                out["parm_choice_vs_best_parm" + suffix] = dict(
+                    _stats(judged), judged=len(judged), of=len(choices),
+                    within_5pct=sum(q <= 1.05 for q in judged) / len(judged))
     spreads = [r.spread(d) for r in rows for d in r.median_ms]
     spreads = [s for s in spreads if s is not None]
     if spreads:

@@ -169,6 +169,12 @@ def test_parm_modes_get_their_own_share_target_and_choice():
     assert report.base_name("parm:measured") == "parm" and report.is_auto("parm:model")
     assert not report.is_parm("parm:measured")  # never the "best Parm" it is judged against
     assert rows[0].parm_choices == {"parm:model": "parm_s1", "parm:measured": "parm_s2(c=4)"}
+    # the choices judged by their fixed schedules' times: parm_s1 90 and parm_s2@4 60 (config 0,
+    # best 60), the same names in config 1 (95 and 70, best 70)
+    model, measured = (summary["parm_choice_vs_best_parm_" + m] for m in ("model", "measured"))
+    assert (model["judged"], model["of"], model["within_5pct"]) == (2, 2, 0.0)
+    assert model["max"] == pytest.approx(1.5) and measured["within_5pct"] == 1.0
+    assert report.choice_variant("parm_s2(c=8/4)") == "parm_s2@8/4"
 
 
 def test_parm_mode_variants_are_checked():
