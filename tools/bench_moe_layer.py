@@ -57,7 +57,11 @@ def parse_args(argv=None):
     settings.add_flags(p, ["--parm-num-chunks", "--parm-bwd-num-chunks", "--parm-profile",
                            "--parm-tune", "--parm-tune-steps", "--parm-tune-margin",
                            "--parm-tune-candidates", "--parm-tune-cache", "--bf16",
-                           "--moe-grouped-gemm"])  # as in training
+                           "--moe-grouped-gemm"], helps={  # as in training, except:
+        "bf16": "parameters and inputs in bfloat16",
+        "moe_grouped_gemm": "grouped experts, as Megatron-LM's flag builds them here: GroupedMLP "
+                            "where the grouped_gemm package, a GPU and --bf16 are there, else "
+                            "TorchGroupedMLP (PyTorch's grouped_mm)"})
     p.add_argument("--dispatchers", default=ALL,
                    help=f"comma-separated, from {', '.join(schedules.names())} (a chunked one "
                         f"also as NAME@C or NAME@C/B: C chunks forward, B backward); default "
