@@ -24,7 +24,10 @@ from megatron_parm import cli  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
-from megatron_parm.training.trainer import main  # noqa: E402
+from megatron_parm.training import trainer  # noqa: E402
+
+# main(argv=None): all but the model is shared (training.trainer.main)
+main = functools.partial(trainer.main, "gpt")
 
 if __name__ == "__main__":
-    cli.run(functools.partial(main, "gpt"))  # all but the model is shared: training.trainer.main
+    cli.run(main)
