@@ -25,7 +25,10 @@ t > 1); without pipelining the stage is the whole model:
                   the real model
 Pipeline (p > 1): stage i runs its own layers (layout_rules.pipeline_stage_layers), the first
 also the embedding (its TP collectives), the last the output layer, loss and their TP
-collectives; every stage pays microbatch_overhead once per model chunk (v per micro-batch).
+collectives; every stage pays 1/p of microbatch_overhead per micro-batch (the whole model's
+framework time per micro-batch, fitted without pipelining, split over the stages: measured,
+a stage of the tiny model took ~85 ms per pipeline slot against 215 ms for a micro-batch of
+the whole model, docs/planner.md).
 Between neighbouring stages each micro-batch sends its activations forward and their gradient
 backward, [s / t, b, h] elements of p bytes per rank with sequence parallelism (Megatron's p2p
 tensor shape), v times each way with interleaving. Megatron pairs each send with the receive
@@ -212,11 +215,12 @@ def _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_opt
 
 
 def framework_seconds(spec: ModelSpec, profile: Profile, num_layers: Optional[int] = None,
-                      num_chunks: int = 1) -> float:
+                      num_stages: int = 1) -> float:
     """The profile's framework time of one micro-batch (forward + backward) through num_layers
-    layers (default: all) in num_chunks model chunks."""
+    layers (default: all) on one of num_stages pipeline stages: microbatch_overhead is the
+    whole model's (fitted without pipelining), so a stage pays its 1 / num_stages share."""
     num_layers = spec.num_layers if num_layers is None else num_layers
-    return num_chunks * profile.microbatch_overhead + num_layers * profile.layer_overhead
+    return profile.microbatch_overhead / num_stages + num_layers * profile.layer_overhead
 
 
 def pipeline_link(layout: Layout) -> Optional[str]:
@@ -266,7 +270,7 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: 
                                                      num_layers, head=last),
             "tp_comm_s": tp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
                                          num_layers, embedding=first, head=last),
-            "framework_s": framework_seconds(spec, profile, num_layers, chunks),
+            "framework_s": framework_seconds(spec, profile, num_layers, layout.pp),
             "p2p_s": chunks * neighbours * send,
         })
     return times
