@@ -11,29 +11,12 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from megatron_parm.backward_hook import on_backward
 from megatron_parm.comm.collectives import record_bytes
-
-
-class _OnBackward(torch.autograd.Function):
-    """Identity whose backward calls a hook with the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor, hook):
-        ctx.hook = hook
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.hook(grad)
-        return grad, None
-
-
-def _tap(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> torch.Tensor:
-    return _OnBackward.apply(tensor, hook) if tensor.requires_grad else tensor
 
 
 def _sizes(split_sizes: Optional[Sequence[int]], rows: int, size: int):
@@ -75,7 +58,7 @@ def account_native_dispatchers():
         record_bytes("all_to_all", name, group, [s * _row(input_) for s in sent])
         out = orig_a2a(group, input_, output_split_sizes_, input_split_sizes)
         back = _sizes(output_split_sizes_, out.shape[0], size)
-        return _tap(out, lambda g: record_bytes("all_to_all", name, group, [s * _row(g) for s in back]))
+        return on_backward(out, lambda g: record_bytes("all_to_all", name, group, [s * _row(g) for s in back]))
 
     def gather(input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None,
                use_global_buffer=False):
@@ -85,14 +68,14 @@ def account_native_dispatchers():
         if not tensor_parallel_output_grad:  # backward is a local split
             return out
         chunks = _sizes(output_split_sizes, out.shape[0], size)
-        return _tap(out, lambda g: record_bytes("reduce_scatter", name, group, [c * _row(g) for c in chunks]))
+        return on_backward(out, lambda g: record_bytes("reduce_scatter", name, group, [c * _row(g) for c in chunks]))
 
     def scatter(input_, group=None, input_split_sizes=None, use_global_buffer=False):
         name, size = names.get(group, "other"), group.size()
         chunks = _sizes(input_split_sizes, input_.shape[0], size)
         record_bytes("reduce_scatter", name, group, [c * _row(input_) for c in chunks])
         out = orig_scatter(input_, group, input_split_sizes, use_global_buffer)
-        return _tap(out, lambda g: record_bytes("all_gather", name, group, [g.shape[0] * _row(g)] * size))
+        return on_backward(out, lambda g: record_bytes("all_gather", name, group, [g.shape[0] * _row(g)] * size))
 
     td.all_to_all, td.gather_from_sequence_parallel_region = a2a, gather
     td.reduce_scatter_to_sequence_parallel_region = scatter

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from megatron_parm import device
+from megatron_parm.backward_hook import on_backward
 
 CATEGORIES = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
               "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
@@ -55,27 +56,11 @@ SHORT_NAMES = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combin
                "optimizer": "optimizer", "rest": "rest"}
 
 
-class _Boundary(torch.autograd.Function):
-    """Identity; its backward calls `callback` when the gradient passes."""
-
-    @staticmethod
-    def forward(ctx, tensor, callback):
-        ctx.callback = callback
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.callback()
-        return grad, None
-
-
 def _mark(value, callback):
     """value (a tensor, or a tuple / list whose first item is one) with a backward boundary
     on its tensor; unchanged where no gradient flows."""
     if torch.is_tensor(value):
-        if value.requires_grad and torch.is_grad_enabled():
-            return _Boundary.apply(value, callback)
-        return value
+        return on_backward(value, lambda grad: callback())
     if isinstance(value, (tuple, list)) and value and torch.is_tensor(value[0]):
         return type(value)([_mark(value[0], callback), *value[1:]])
     return value
