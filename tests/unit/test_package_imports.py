@@ -58,3 +58,43 @@ def test_checkpointing_has_no_import_circle():
     assert "megatron_parm.checkpointing.errors" in graph
     assert circles(graph) == []
     assert not any("megatron_parm.checkpointing" in targets for targets in graph.values())
+
+
+DESIGN = REPO / "docs" / "design.md"
+
+
+def layer_table() -> dict:
+    """{unit: layer} from docs/design.md's table of the packages by layer (a unit is a module or
+    package of megatron_parm, named without the package's prefix)."""
+    import re
+
+    text = DESIGN.read_text()
+    table = text[text.index("<!-- package-layers: begin"):text.index("<!-- package-layers: end")]
+    layers = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0].isdigit():
+            for unit in re.findall(r"`([\w.]+)`", cells[1]):
+                layers[unit] = int(cells[0])
+    return layers
+
+
+def unit_of(module: str, layers: dict) -> str:
+    """The most specific unit of the table that holds a module (``data.vocab`` before ``data``)."""
+    name = module.removeprefix("megatron_parm").lstrip(".")
+    units = [u for u in layers if name == u or name.startswith(u + ".")]
+    return max(units, key=len) if units else name
+
+
+def test_every_import_goes_to_its_own_layer_or_below():
+    layers = layer_table()
+    assert len(layers) >= 20 and layers["schedules"] == 1 and layers["bench"] == max(layers.values())
+    graph = package_imports("megatron_parm")
+    graph.pop("megatron_parm")  # the package's __init__ (imports nothing of it)
+    unplaced = sorted({unit_of(m, layers) for m in graph} - set(layers))
+    assert not unplaced, f"modules in no layer of docs/design.md's table: {unplaced}"
+    upward = sorted((source, target) for source, targets in graph.items() for target in targets
+                    if target != "megatron_parm"
+                    and layers[unit_of(target, layers)] > layers[unit_of(source, layers)])
+    assert not upward, f"imports of a higher layer (docs/design.md, the packages by layer): {upward}"
+    assert circles(graph) == []
