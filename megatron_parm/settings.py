@@ -150,14 +150,12 @@ def _chunk_candidates_help() -> str:
                         for s in schedules.candidates() if s.chunked) + ")")
 
 
-def _declare() -> List[Flag]:
-    model, moe, par, train, ckpt = ("model", "mixture of experts", "parallelism", "training",
-                                    "checkpoints and logging")
-    mp, data, tok, cluster = "mixed precision", "data", "tokenizer", "cluster"
+def _model_flags() -> List[Flag]:
+    """The config file and the model flags."""
+    model = "model"
     return [
         Flag("--config", "config", str, help="YAML (or JSON) file of flag values (keys: flag "
              "names with underscores); command-line flags override it."),
-        # model
         Flag("--num-layers", model, int, check=positive_int),
         Flag("--hidden-size", model, int, check=positive_int),
         Flag("--ffn-hidden-size", model, int, help="Default: 4 x --hidden-size.",
@@ -183,7 +181,13 @@ def _declare() -> List[Flag]:
         Flag("--transformer-impl", model, str, "local", choices=TRANSFORMER_IMPLS,
              help="Layer modules: Megatron-Core's own (local, the default here) or Transformer "
                   "Engine's (needs transformer-engine and a GPU)."),
-        # mixture of experts
+    ]
+
+
+def _moe_flags() -> List[Flag]:
+    """The mixture of experts flags."""
+    moe = "mixture of experts"
+    return [
         Flag("--num-experts", moe, int, check=positive_int),
         Flag("--moe-ffn-hidden-size", moe, int, help="Default: --ffn-hidden-size.",
              check=positive_int),
@@ -229,7 +233,13 @@ def _declare() -> List[Flag]:
              help="Run a layer's local experts as one grouped GEMM (TEGroupedMLP with "
                   "--transformer-impl transformer_engine, else GroupedMLP: needs the "
                   "grouped_gemm package, a GPU and --bf16)."),
-        # parallelism
+    ]
+
+
+def _parallel_flags() -> List[Flag]:
+    """The parallelism flags."""
+    par = "parallelism"
+    return [
         Flag("--tensor-model-parallel-size", par, int, 1, check=positive_int),
         Flag("--expert-model-parallel-size", par, int, 1, check=positive_int),
         Flag("--expert-tensor-parallel-size", par, int, help="Default: "
@@ -257,12 +267,24 @@ def _declare() -> List[Flag]:
              help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "
                   "waits longer on a hung or vanished peer fails and the job ends (default: "
                   "%(default)s)."),
-        # cluster (the planners and the emulator)
+    ]
+
+
+def _cluster_flags() -> List[Flag]:
+    """The cluster flags (the planners and the emulator)."""
+    cluster = "cluster"
+    return [
         Flag("--nnodes", cluster, int, 1, check=positive_int),
         Flag("--nproc-per-node", cluster, int, check=positive_int),
         Flag("--gpu-memory-gb", cluster, float, 80.0, check=positive_number,
              help="memory per rank the plan may use, GiB (default 80)"),
-        # training
+    ]
+
+
+def _training_flags() -> List[Flag]:
+    """The training flags."""
+    train = "training"
+    return [
         Flag("--micro-batch-size", train, int, check=positive_int),
         Flag("--global-batch-size", train, int, help="Default: micro-batch size x "
              "data-parallel size.", check=positive_int),
@@ -295,7 +317,13 @@ def _declare() -> List[Flag]:
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),
         Flag("--seed", train, int, 1234),
-        # checkpoints and logging
+    ]
+
+
+def _checkpoint_flags() -> List[Flag]:
+    """The checkpoints and logging flags."""
+    ckpt = "checkpoints and logging"
+    return [
         Flag("--save", ckpt, str, help="Checkpoint folder (torch_dist format)."),
         Flag("--load", ckpt, str, help="Checkpoint folder to start from."),
         Flag("--save-interval", ckpt, int, check=positive_int,
@@ -326,7 +354,13 @@ def _declare() -> List[Flag]:
         Flag("--parm-timing-file", ckpt, str,
              help="Also append the breakdown as JSON lines to this file (rank 0); implies "
                   "--parm-timing-breakdown."),
-        # mixed precision
+    ]
+
+
+def _precision_flags() -> List[Flag]:
+    """The mixed precision flags."""
+    mp = "mixed precision"
+    return [
         Flag("--bf16", mp, kind="switch",
              help="Run the model in bfloat16 (fp32 main parameters in the optimizer)."),
         Flag("--fp16", mp, kind="switch",
@@ -349,7 +383,13 @@ def _declare() -> List[Flag]:
         Flag("--accumulate-allreduce-grads-in-fp32", mp, kind="switch",
              help="Accumulate and all-reduce gradients in fp32 (always so with --bf16 and in "
                   "fp32 runs; with --fp16 they are fp16 without it)."),
-        # data
+    ]
+
+
+def _data_flags() -> List[Flag]:
+    """The data flags."""
+    data = "data"
+    return [
         Flag("--data-path", data, str, nargs="*",
              help="Indexed dataset prefix, or 'weight prefix weight prefix ...'."),
         Flag("--split", data, str, "969,30,1", help="Comma-separated train,valid,test weights."),
@@ -367,7 +407,13 @@ def _declare() -> List[Flag]:
              help="BERT: probability of a shorter-than-maximum sample."),
         Flag("--bert-no-binary-head", data, kind="switch", inverted=True,
              dest="bert_binary_head", help="BERT: no next-sentence-prediction pairs."),
-        # tokenizer
+    ]
+
+
+def _tokenizer_flags() -> List[Flag]:
+    """The tokenizer flags."""
+    tok = "tokenizer"
+    return [
         Flag("--tokenizer-type", tok, str, choices=TOKENIZER_TYPES),
         Flag("--tokenizer-model", tok, str,
              help="SentencePiece .model file (SentencePieceTokenizer)."),
@@ -376,6 +422,13 @@ def _declare() -> List[Flag]:
         Flag("--merge-file", tok, str, help="merges.txt (GPT2BPETokenizer).",
              check=existing_file),
     ]
+
+
+def _declare() -> List[Flag]:
+    """Every flag, by group (the order of --help)."""
+    return [*_model_flags(), *_moe_flags(), *_parallel_flags(),
+            *_cluster_flags(), *_training_flags(), *_checkpoint_flags(),
+            *_precision_flags(), *_data_flags(), *_tokenizer_flags()]
 
 
 FLAGS: Dict[str, Flag] = {flag.name: flag for flag in _declare()}
