@@ -230,9 +230,10 @@ def _moe_flags() -> List[Flag]:
              help=f"JSON file of measured choices, read before tuning and written after "
                   f"(default: {tuning.CACHE_NAME} in --save; none without --save)."),
         Flag("--moe-grouped-gemm", moe, kind="switch",
-             help="Run a layer's local experts as one grouped GEMM (TEGroupedMLP with "
-                  "--transformer-impl transformer_engine, else GroupedMLP: needs the "
-                  "grouped_gemm package, a GPU and --bf16)."),
+             help="Run a layer's local experts as grouped GEMMs: TEGroupedMLP with "
+                  "--transformer-impl transformer_engine, GroupedMLP with the grouped_gemm "
+                  "package on a GPU in --bf16 (Megatron-LM's meaning), else TorchGroupedMLP "
+                  "(PyTorch's grouped_mm, no extra package; the start-up line names it)."),
     ]
 
 
