@@ -188,8 +188,9 @@ def build_layer(spec: MoELayerSpec, dispatcher: str) -> ParmMoELayer:
     name, forward, backward = parse_variant(dispatcher)
     if forward is not None:
         spec = dataclasses.replace(spec, num_chunks=forward, bwd_num_chunks=backward)
-    if tune_mode(dispatcher) is not None:
-        spec = dataclasses.replace(spec, extra={**spec.extra, "parm_tune": tune_mode(dispatcher)})
+    tune = tune_mode(dispatcher)
+    if tune is not None:
+        spec = dataclasses.replace(spec, extra={**spec.extra, "parm_tune": tune})
     problem = spec.expert_problem()
     if problem is not None:
         raise ValueError(f"expert_impl {spec.expert_impl}: {problem}")
