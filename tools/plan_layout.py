@@ -2,7 +2,8 @@
 """Which TP / EP / ETP / PP / DP, dispatcher and chunk count to run a model with on a cluster.
 
 Pure Python (no torch, no cluster): for every layout Megatron can run (sequence parallel where
-TP > 1), every dispatcher that runs there and Parm S2's chunk counts, the performance model
+TP > 1; pipelines plain and interleaved, --num-layers-per-virtual-pipeline-stage), every
+dispatcher that runs there and Parm S2's chunk counts, the performance model
 (megatron_parm.perf_model) predicts the step time and the memory per rank; the table ranks the
 candidates that fit in --gpu-memory-gb, fastest first, then those that do not (and by how much),
 and ends with the exact flags of the best ones.
@@ -20,7 +21,8 @@ layout and dispatcher, which it chooses, are listed in a note on stderr) and/or 
 flags, which override it. The vocabulary size is --vocab-size or is read from the tokenizer
 files of the config (--tokenizer-model, --vocab-file). --tensor-model-parallel-size,
 --expert-model-parallel-size, --expert-tensor-parallel-size, --pipeline-model-parallel-size and
---moe-token-dispatcher-type on the command line restrict the search. Bad input prints one line `error: ...` and exits 2.
+--moe-token-dispatcher-type on the command line restrict the search. Bad input prints one
+line `error: ...` and exits 2.
 """
 
 import json
@@ -87,7 +89,8 @@ def render(result, spec, cluster, profile, precision, args):
     ]
     shown = result.candidates if args.top == 0 else result.candidates[:args.top]
     width = max(len("dispatcher"), *(len(c.schedule_label()) for c in shown)) + 2
-    header = (f"{'#':>3} {'tp':>3} {'ep':>3} {'etp':>3} {'pp':>3} {'dp':>3}  {'dispatcher':<{width}}"
+    header = (f"{'#':>3} {'tp':>3} {'ep':>3} {'etp':>3} {'pp':>3} {'vpp':>3} {'dp':>3}  "
+              f"{'dispatcher':<{width}}"
               f"{'mb':>3} {'step ms':>10} {'tokens/s':>10} {'MoE ms':>9} {'dense ms':>9}"
               f" {'TP ms':>8} {'bubble':>7} {'grad ms':>8} {'memory/rank':>12}  fits")
     lines += [header, "-" * len(header)]
@@ -97,7 +100,7 @@ def render(result, spec, cluster, profile, precision, args):
         fits = "yes" if candidate.fits else f"no, over by {_size(-candidate.spare_bytes)}"
         lines.append(
             f"{index:>3} {layout.tp:>3} {layout.ep:>3} {layout.etp:>3} {layout.pp:>3} "
-            f"{candidate.dp:>3}  "
+            f"{candidate.vpp or '-':>3} {candidate.dp:>3}  "
             f"{candidate.schedule_label():<{width}}{m:>3} {step.step_s * 1e3:>10.1f} "
             f"{step.tokens_per_s:>10.0f} {m * step.moe_s * 1e3:>9.1f} "
             f"{m * step.dense_compute_s * 1e3:>9.1f} {m * step.tp_comm_s * 1e3:>8.1f} "
@@ -106,15 +109,17 @@ def render(result, spec, cluster, profile, precision, args):
     if len(shown) < len(result.candidates):
         lines.append(f"... {len(result.candidates) - len(shown)} more (--top 0 shows all)")
     lines.append("")
-    lines.append("mb: micro-batches per step; MoE / dense / TP ms: their share of the step "
-                 "(all micro-batches; with pp, the slowest stage's); bubble: the pipeline "
-                 "bubble's share of the micro-batches' time; grad ms: the data-parallel "
+    lines.append("vpp: virtual pipeline stages per rank (interleaved 1F1B; -: not "
+                 "interleaved); mb: micro-batches per step; MoE / dense / TP ms: their share "
+                 "of the step (all micro-batches; with pp, the slowest stage's); bubble: the "
+                 "pipeline bubble's share of the micro-batches' time; grad ms: the data-parallel "
                  "gradient reduction")
     script = f"pretrain_scripts/pretrain_{'gpt2' if spec.model_type == 'gpt' else 'bert'}_moe.py"
     for index, candidate in enumerate(result.fitting[:args.show_flags], start=1):
         memory = candidate.memory
         lines.append("")
-        lines.append(f"#{index}: {candidate.step.step_s * 1e3:.1f} ms per step, "
+        lines.append(f"#{index} {candidate.describe()}: "
+                     f"{candidate.step.step_s * 1e3:.1f} ms per step, "
                      f"{candidate.step.tokens_per_s:.0f} tokens/s; per rank "
                      f"{_size(memory.weights)} weights, {_size(memory.gradients)} gradients, "
                      f"{_size(memory.optimizer)} optimizer state, {_size(memory.activations)} "

@@ -9,10 +9,12 @@ For a model (transformer.ModelSpec) on a cluster it enumerates every layout Mega
 with sequence parallelism where tp > 1 (pp divides the world and the layers, into W / pp ranks
 per stage; tp divides the stage, the heads and the sequence; ep divides the experts; ep * etp
 divides the stage; the global batch splits into micro-batches on dp = W / (tp pp) ranks, at
-least pp of them) and every dispatcher of the schedule catalog that runs there (chunked
-schedules at each of their chunk counts), and estimates per rank the memory (memory.py) and
-the step time (step_time.py). Candidates that fit in memory come first, fastest first; those
-that do not follow, with by how much.
+least pp of them; at pp > 1 also interleaved, at each count of virtual stages per rank
+that splits the stage's layers evenly and whose micro-batches fill groups of pp) and every
+dispatcher of the schedule catalog that runs there (chunked schedules at each of their chunk
+counts), and estimates per rank the memory (memory.py) and the step time (step_time.py).
+Candidates that fit in memory come first, fastest first; those that do not follow, with by
+how much.
 
 Bad input raises PlanError (a ValueError) with one line naming what to change.
 """
@@ -92,10 +94,18 @@ class Candidate:
     # here instead of as rows of their own: alltoall and parm_s1 share a cost plan, and at
     # tp = 1 ds_baseline moves what S1 moves)
     equivalents: Tuple[str, ...] = ()
+    # interleaving: the transformer layers of one virtual stage (None: the plain 1F1B
+    # schedule); the virtual stages per rank are step.vpp
+    layers_per_virtual_stage: Optional[int] = None
 
     @property
     def dp(self) -> int:
         return self.layout.group_size("dp")
+
+    @property
+    def vpp(self) -> Optional[int]:
+        """Virtual stages per pipeline rank (None: not interleaved)."""
+        return self.step.vpp
 
     @property
     def fits(self) -> bool:
@@ -110,6 +120,19 @@ class Candidate:
         return self.dispatcher + (f"(c={self.num_chunks})" if self.num_chunks else "") + \
             "".join(f"={name}" for name in self.equivalents)
 
+    def layout_label(self) -> str:
+        """`tp=1 ep=4 etp=1`, with ` pp=2` and ` vpp=3` where pipelined and interleaved."""
+        layout = self.layout
+        return (f"tp={layout.tp} ep={layout.ep} etp={layout.etp}"
+                + (f" pp={layout.pp}" if layout.pp > 1 else "")
+                + (f" vpp={self.vpp}" if self.vpp else ""))
+
+    def describe(self) -> str:
+        """The layout and the schedule this candidate runs, e.g. `tp=1 ep=4 etp=1 pp=2 vpp=2
+        parm_s2(c=2)` (the dispatcher of its flags, without its equivalents)."""
+        return (f"{self.layout_label()} {self.dispatcher}"
+                + (f"(c={self.num_chunks})" if self.num_chunks else ""))
+
     def flags(self) -> List[str]:
         """The command-line flags (Megatron-LM's names) that run this candidate."""
         layout = self.layout
@@ -118,6 +141,9 @@ class Candidate:
                  "--expert-tensor-parallel-size", str(layout.etp)]
         if layout.pp > 1:
             flags += ["--pipeline-model-parallel-size", str(layout.pp)]
+        if self.layers_per_virtual_stage:
+            flags += ["--num-layers-per-virtual-pipeline-stage",
+                      str(self.layers_per_virtual_stage)]
         if layout.tp > 1:
             flags.append("--sequence-parallel")
         flags += ["--moe-token-dispatcher-type", self.dispatcher]
@@ -133,8 +159,10 @@ class Candidate:
 
     def as_dict(self) -> dict:
         return {"tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp,
-                "pp": self.layout.pp, "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
-                "equivalent_dispatchers": list(self.equivalents),
+                "pp": self.layout.pp, "vpp": self.vpp,
+                "num_layers_per_virtual_pipeline_stage": self.layers_per_virtual_stage,
+                "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
+                "equivalent_dispatchers": list(self.equivalents), "label": self.describe(),
                 "step": self.step.as_dict(), "memory_bytes": self.memory.as_dict(),
                 "fits": self.fits, "spare_bytes": self.spare_bytes, "flags": self.flags()}
 
@@ -231,24 +259,12 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
                                          fixed)
     candidates = []
     for layout in layouts:
-        tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
         allowed, refused = _dispatchers_for(layout)
         for schedule in allowed:
-            if dispatchers is not None and schedule.name not in dispatchers:
-                continue
-            num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
-            memory = memory_per_rank(spec, layout, micro_batch_size, precision,
-                                     distributed_optimizer, schedule.name, num_microbatches)
-            counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
-            chunk_counts = (sorted({count for count in counts if count <= tokens_per_rank})
-                            if schedule.chunked else [None])
-            for count in chunk_counts:
-                step = step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
-                                 global_batch_size, precision, distributed_optimizer)
-                candidates.append(Candidate(layout, schedule.name, count, micro_batch_size,
-                                            global_batch_size, precision,
-                                            distributed_optimizer, memory, step,
-                                            cluster.gpu_memory_bytes))
+            if dispatchers is None or schedule.name in dispatchers:
+                candidates += _schedule_candidates(
+                    spec, layout, schedule, profile, cluster, micro_batch_size,
+                    global_batch_size, precision, distributed_optimizer, chunk_candidates)
         if dispatchers is not None and not any(s.name in dispatchers for s in allowed):
             skipped[(layout.tp, layout.ep, layout.etp, layout.pp)] = "; ".join(
                 refused.get(name, f"--moe-token-dispatcher-type {name} is not planned")
@@ -265,14 +281,58 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
     return PlanResult(tuple(candidates), skipped)
 
 
+def virtual_stage_counts(spec: ModelSpec, pp: int, num_microbatches: int
+                         ) -> List[Optional[int]]:
+    """The schedules the planner tries at pipeline size pp: None (plain 1F1B), and at pp > 1
+    each v >= 2 virtual stages per rank (interleaving) that Megatron-Core 0.16.1 accepts for
+    this model and batch (layout_rules: the layers split evenly into pp x v virtual stages, the
+    micro-batches fill groups of pp); v at most the layers of a stage (one layer a virtual
+    stage)."""
+    counts: List[Optional[int]] = [None]
+    if pp == 1:
+        return counts
+    for vpp in range(2, spec.num_layers // pp + 1):
+        if isinstance(pipeline_stage_layers(spec.num_layers, pp, vpp), str):
+            continue
+        if microbatch_problem(num_microbatches, pp, vpp) is None:
+            counts.append(vpp)
+    return counts
+
+
+def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_size,
+                         global_batch_size, precision, distributed_optimizer,
+                         chunk_candidates) -> List[Candidate]:
+    """One schedule's candidates on a layout: at each of its chunk counts (chunked schedules)
+    and each virtual-stage count (virtual_stage_counts)."""
+    tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
+    num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
+    counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
+    chunk_counts = (sorted({count for count in counts if count <= tokens_per_rank})
+                    if schedule.chunked else [None])
+    candidates = []
+    for vpp in virtual_stage_counts(spec, layout.pp, num_microbatches):
+        memory = memory_per_rank(spec, layout, micro_batch_size, precision,
+                                 distributed_optimizer, schedule.name, num_microbatches, vpp)
+        virtual_stage = spec.num_layers // (layout.pp * vpp) if vpp else None
+        for count in chunk_counts:
+            step = step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
+                             global_batch_size, precision, distributed_optimizer, vpp)
+            candidates.append(Candidate(layout, schedule.name, count, micro_batch_size,
+                                        global_batch_size, precision, distributed_optimizer,
+                                        memory, step, cluster.gpu_memory_bytes,
+                                        layers_per_virtual_stage=virtual_stage))
+    return candidates
+
+
 def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
-    """One candidate per (layout, predicted step, memory): the first dispatcher in catalog
-    order (Megatron's own first) keeps the row, the others are named."""
+    """One candidate per (layout, virtual stages, predicted step, memory): the first
+    dispatcher in catalog order (Megatron's own first) keeps the row, the others are named."""
     merged: Dict[tuple, Candidate] = {}
     for candidate in candidates:
         layout = candidate.layout
-        key = (layout.tp, layout.ep, layout.etp, layout.pp, candidate.num_chunks,
-               round(candidate.step.step_s, 12), round(candidate.memory.total))
+        key = (layout.tp, layout.ep, layout.etp, layout.pp, candidate.vpp,
+               candidate.num_chunks, round(candidate.step.step_s, 12),
+               round(candidate.memory.total))
         if key in merged:
             kept = merged[key]
             merged[key] = replace(kept, equivalents=kept.equivalents + (candidate.dispatcher,))
@@ -287,14 +347,12 @@ def _nothing_fits(spec: ModelSpec, cluster: Cluster, candidates: Sequence[Candid
     smallest = min(candidates, key=lambda c: c.memory.total)
     need = smallest.memory.total / GIB
     text = (f"no layout fits in --gpu-memory-gb {cluster.gpu_memory_bytes / GIB:g} on "
-            f"{cluster.describe()}: the smallest (tp={smallest.layout.tp} "
-            f"ep={smallest.layout.ep} etp={smallest.layout.etp}"
-            + (f" pp={smallest.layout.pp}" if smallest.layout.pp > 1 else "")
-            + f") needs {need:.3g} GiB per rank; ")
+            f"{cluster.describe()}: the smallest ({smallest.layout_label()}) needs "
+            f"{need:.3g} GiB per rank; ")
     remedies = []
     if not distributed_optimizer:
         sharded = min(memory_per_rank(spec, c.layout, micro_batch_size, precision, True,
-                                      c.dispatcher, c.step.num_microbatches).total
+                                      c.dispatcher, c.step.num_microbatches, c.vpp).total
                       for c in candidates)
         if sharded < smallest.memory.total:
             remedies.append(f"--use-distributed-optimizer (then {sharded / GIB:.3g} GiB)")
