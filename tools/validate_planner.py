@@ -151,16 +151,13 @@ def validate_config(config, args, profile):
     rows = []
     for index in picked:
         candidate = ranking[index]
-        label = (f"tp={candidate['tp']} ep={candidate['ep']} etp={candidate['etp']} "
-                 + (f"pp={candidate['pp']} " if candidate.get("pp", 1) > 1 else "")
-                 + f"{candidate['dispatcher']}"
-                 + (f"(c={candidate['num_chunks']})" if candidate["num_chunks"] else ""))
+        label = candidate["label"]  # the planner's describe(): layout, vpp, schedule
         print(f"[{config}] #{index + 1} {label} ...", flush=True)
         load_before = os.getloadavg()[0]
         started = time.time()
         times, error = train(config, candidate["flags"], args)
         row = {"rank": index + 1, "label": label, "flags": candidate["flags"],
-               "pp": candidate.get("pp", 1),
+               "pp": candidate.get("pp", 1), "vpp": candidate.get("vpp"),
                "predicted_bubble_share": candidate["step"].get("bubble_share", 0.0),
                "predicted_step_s": candidate["step"]["step_s"],
                "predicted_tokens_per_s": candidate["step"]["tokens_per_s"],

@@ -18,7 +18,8 @@ from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, l
                                              memory_per_rank, microbatches_in_flight,
                                              stage_activation_bytes, stage_parameter_counts)
 from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_for,
-                                              enumerate_layouts, plan)
+                                              _merge_equivalents, enumerate_layouts, plan,
+                                              virtual_stage_counts)
 from megatron_parm.perf_model.step_time import (collective_seconds, pipeline_link, stage_times,
                                                 step_time)
 from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
@@ -113,6 +114,11 @@ def test_activations_shrink_with_tp_and_grow_with_the_batch():
         activation_bytes(spec, layout(2, 2, 1), 4, fp32, "parm_s1")
     assert activation_bytes(tiny(hidden_dropout=0.1, attention_dropout=0.1), layout(1, 1, 1),
                             4, fp32) > one
+    # BERT's pooler all-gathers the sequence-parallel shards for its first token: s b h p more
+    bert = tiny(model_type="bert")
+    for tp, extra in ((1, 0), (2, 64 * 4 * 64 * 4)):
+        assert activation_bytes(bert, layout(tp, 1, 1), 4, fp32) - activation_bytes(
+            dataclasses.replace(bert, bert_binary_head=False), layout(tp, 1, 1), 4, fp32) == extra
 
 
 # ---------------------------------------------------------------- step time
@@ -183,10 +189,13 @@ def test_stage_memory():
     bytes0, held0 = stage_activation_bytes(spec, lay, 4, fp32, stage=0, num_microbatches=8)
     bytes1, held1 = stage_activation_bytes(spec, lay, 4, fp32, stage=1, num_microbatches=8)
     assert (held0, held1) == (2, 1)
-    assert bytes0 - 4 * one_layer == pytest.approx(
-        2 * (activation_bytes(spec, lay, 4, fp32) - 4 * one_layer - (bytes1 - 2 * one_layer)))
+    # the model-level terms once per micro-batch held, the attention mask (b s^2) on each stage
+    mask = 4 * 64 * 64
+    ends = activation_bytes(spec, lay, 4, fp32) - 4 * one_layer
+    assert (bytes0 - 4 * one_layer) / 2 + bytes1 - 2 * one_layer == pytest.approx(ends + mask)
     interleaved, _ = stage_activation_bytes(spec, lay, 4, fp32, 0, 8, vpp=2)
-    assert interleaved == pytest.approx(bytes0 + one_layer)  # (1 + 1/4) of 4 layers
+    # (1 + 1/4) of 4 layers, a mask for each of the 5 (micro-batch, chunk) pairs (2 before)
+    assert interleaved == pytest.approx(bytes0 + one_layer + 3 * mask)
     # the layout's memory is its fullest stage's (here the last: the logits)
     memory = memory_per_rank(spec, lay, 4, fp32, num_microbatches=8)
     assert (memory.stage, memory.activations, memory.microbatches_in_flight) == (1, bytes1, 1)
@@ -237,6 +246,79 @@ def test_plan_searches_pipeline_layouts():
     assert "--pipeline-model-parallel-size" not in plan(
         spec, Cluster(2, 2, GIB), PROFILE, 2, 16, Precision("fp32"),
         fixed={"pp": 1}).candidates[0].flags()
+
+
+def _by_schedule(result, **sizes):
+    """{vpp: candidate} of one layout and dispatcher of a plan."""
+    return {c.vpp: c for c in result.candidates
+            if all(getattr(c.layout, key) == value for key, value in sizes.items())
+            and c.dispatcher == "alltoall"}
+
+
+def test_virtual_stage_counts_follow_megatrons_rules():
+    # a stage's layers split evenly into v virtual stages, at most one layer each
+    assert virtual_stage_counts(tiny(num_layers=8), 2, 4) == [None, 2, 4]
+    assert virtual_stage_counts(tiny(num_layers=6), 2, 4) == [None, 3]  # 6 % (2 x 2)
+    assert virtual_stage_counts(tiny(num_layers=4), 4, 4) == [None]  # one layer a stage
+    # the micro-batches run in groups of pp: 3 at pp 2 leave a short group
+    assert virtual_stage_counts(tiny(num_layers=4), 2, 3) == [None]
+    assert virtual_stage_counts(tiny(num_layers=4), 1, 4) == [None]
+
+
+def test_plan_ranks_interleaved_pipelines():
+    spec, fp32 = tiny(num_layers=4), Precision("fp32")
+    result = plan(spec, Cluster(2, 2, GIB), PROFILE, 2, 16, fp32, fixed={"pp": 2})
+    plain, interleaved = (_by_schedule(result, tp=1, ep=2, etp=1)[vpp] for vpp in (None, 2))
+    assert {c.vpp for c in result.candidates} == {None, 2}
+    # the candidate carries its vpp through the step model: (sum - max) / vpp of its stages
+    lay, m = interleaved.layout, interleaved.step.num_microbatches
+    stages = [sum(stage.values()) for stage in stage_times(
+        spec, lay, PROFILE, interleaved.step.moe_layer.total_s, 2, fp32, vpp=2)]
+    assert interleaved.step.bubble_s == pytest.approx((sum(stages) - max(stages)) / 2)
+    assert interleaved.step.bubble_s < plain.step.bubble_s
+    # ... and the memory model: more (micro-batch, model chunk) pairs in flight
+    assert interleaved.memory == memory_per_rank(spec, lay, 2, fp32, False, "alltoall", m, 2)
+    assert microbatches_in_flight(2, 0, m, 2) / 2 > microbatches_in_flight(2, 0, m)
+    assert interleaved.memory.activations > plain.memory.activations
+    # what the user passes and reads
+    flags = interleaved.flags()
+    assert flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1] == "1"
+    assert "--num-layers-per-virtual-pipeline-stage" not in plain.flags()
+    assert (interleaved.as_dict()["vpp"], plain.as_dict()["vpp"]) == (2, None)
+    assert interleaved.describe() == "tp=1 ep=2 etp=1 pp=2 vpp=2 alltoall"
+    # alike but for vpp: two rows, not one
+    twin = dataclasses.replace(plain, dispatcher="parm_s1", layers_per_virtual_stage=1,
+                               step=dataclasses.replace(plain.step, vpp=2))
+    assert len(_merge_equivalents([plain, twin])) == 2
+
+
+@pytest.mark.parametrize("num_layers,global_batch_size,allowed", [
+    (6, 16, {None, 3}),   # 3 layers a stage: not 2 virtual stages, 3 of one layer
+    (4, 12, {None}),      # 3 micro-batches at pp 2: no whole group of pp for interleaving
+])
+def test_plan_interleaves_only_what_megatron_accepts(num_layers, global_batch_size, allowed):
+    result = plan(tiny(num_layers=num_layers), Cluster(2, 2, GIB), PROFILE, 2,
+                  global_batch_size, Precision("fp32"), fixed={"pp": 2, "tp": 1})
+    assert {c.vpp for c in result.candidates} == allowed
+
+
+def test_interleaved_flags_parse_in_training(prepared_data, monkeypatch):
+    from megatron_parm import planner_inputs
+    from megatron_parm.training.arguments import parse_args
+
+    monkeypatch.chdir(REPO)  # the config's data and tokenizer paths
+    config = ["--config", "configs/gpt2_tiny_moe.yaml", "--num-layers", "8"]
+    _, settings, _ = planner_inputs.resolve_settings(
+        planner_inputs.build_parser(), config + ["--nproc-per-node", "2",
+                                                 "--parm-profile", "emulated_pcie_measured"])
+    spec = planner_inputs.build_spec(settings, "gpt")
+    result = plan(spec, Cluster(2, 2, GIB), PROFILE, 4, 32, Precision("fp32"), fixed={"pp": 2})
+    interleaved = [c for c in result.candidates if c.vpp]
+    assert {c.vpp for c in interleaved} == {2, 4}
+    for candidate in interleaved:
+        args = parse_args(config + candidate.flags(), world_size=4)
+        assert args.virtual_pipeline_model_parallel_size == candidate.vpp
+        assert args.num_microbatches == candidate.step.num_microbatches
 
 
 def test_collectives_cost_nothing_on_one_rank_and_more_across_nodes():
@@ -386,6 +468,21 @@ def test_plan_layout_table_and_json_for_a_shipped_config():
     assert first["fits"] and first["memory_bytes"]["total"] > 0
     steps = [c["step"]["step_s"] for c in report["candidates"] if c["fits"]]
     assert steps == sorted(steps)
+
+
+def test_plan_layout_shows_interleaved_pipelines():
+    result = _plan_layout("--config", "configs/gpt2_tiny_moe.yaml", *CLUSTER, "--num-layers", "4",
+                          "--pipeline-model-parallel-size", "2", "--top", "0", "--show-flags", "30")
+    assert result.returncode == 0, result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("#"))
+    assert header.split()[:7] == ["#", "tp", "ep", "etp", "pp", "vpp", "dp"]
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"^ *\d+ ", line)]
+    assert {row[5] for row in rows} == {"-", "2"}
+    launches = [line for line in result.stdout.splitlines() if "pretrain_gpt2_moe.py" in line]
+    titles = [line for line in result.stdout.splitlines() if re.match(r"^#\d+ tp=", line)]
+    assert len(titles) == len(launches) and any(" pp=2 vpp=2 " in line for line in titles)
+    for title, launch in zip(titles, launches):
+        assert (" vpp=2 " in title) == ("--num-layers-per-virtual-pipeline-stage 1" in launch)
 
 
 @pytest.mark.parametrize("args,message", [
