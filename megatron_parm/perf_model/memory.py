@@ -37,7 +37,8 @@ by tensor for Megatron-Core's local layer spec without activation recomputation:
                             probability-scaled activation; the row probabilities in fp32)
     model       token / position (/ token type) ids 8 b s each, attention mask b s^2 (bool),
                 embedding dropout n h m, final LayerNorm n h p + 8 n,
-                head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n,
+                head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n
+                (t > 1: + s b h p, the pooler all-gathers the sequence for its first token),
                 loss: the fp32 softmax of the logits s b V / t * 4 (the vocab-parallel cross
                 entropy keeps it in fp32 in every precision) + 9 s b
 
@@ -52,12 +53,15 @@ layer activations once, L / p layers x p). With interleaving (v virtual stages o
 layers per rank), rank i's warm-up runs 2 (p - 1 - i) + (v - 1) p model chunks, so it holds
 min(2 (p - 1 - i) + (v - 1) p + 1, m v) chunks: on the first stage L (1 + (p - 1) / (p v))
 layers' worth, the interleaving's extra. The model-level terms (ids and embedding on the
-first stage, head and loss on the last) count once per micro-batch in flight, min(p - i, m).
-The memory of a layout is that of its fullest stage.
+first stage, head and loss on the last) count once per micro-batch in flight, min(p - i, m);
+the attention mask b s^2 is on every stage (each model chunk's attention reads its own copy
+of the micro-batch's), once per (micro-batch, chunk) in flight. The memory of a layout is
+that of its fullest stage.
 
 tests/distributed/test_planner_memory.py measures the same quantity on CPU (the storages of
 the tensors saved for backward, through torch.autograd.graph.saved_tensors_hooks) for the
-tiny configs and several layouts and dispatchers.
+tiny configs and several layouts and dispatchers, and at pp = 2 and 4 the peak of those a
+stage holds in one training step of Megatron-Core's 1F1B schedule.
 """
 
 from dataclasses import dataclass, replace
@@ -154,9 +158,10 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
 
 def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                       precision: Precision, dispatcher: str, dropout_mask_bytes: int
-                      ) -> Tuple[float, float, float]:
-    """(one transformer layer, the first stage's model-level terms, the last stage's): bytes
-    saved for backward by one micro-batch on one rank (the module docstring's table)."""
+                      ) -> Tuple[float, float, float, float]:
+    """(one transformer layer, the attention mask every stage holds, the first stage's other
+    model-level terms, the last stage's): bytes saved for backward by one micro-batch on one
+    rank (the module docstring's table)."""
     t, b, s = layout.tp, micro_batch_size, spec.seq_length
     h, p, m = spec.hidden_size, precision.activation_bytes, dropout_mask_bytes
     shape = layer_shape(spec, layout, micro_batch_size, precision)
@@ -176,16 +181,19 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
            + rows * (h + 3 * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
     per_layer = layernorms + attention + dropout + moe
 
+    mask = b * s * s  # bool
     ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
-    first = ids + b * s * s + (n * h * m if spec.hidden_dropout > 0 else 0)
+    first = ids + (n * h * m if spec.hidden_dropout > 0 else 0)
     last = n * h * p + 8 * n  # final LayerNorm
     if spec.model_type == "bert":
         last += 4 * n * h * p + 8 * n
+        if spec.bert_binary_head and t > 1:  # the pooler's gathered sequence
+            last += s * b * h * p
     else:
         last += n * h * p
     vocab = padded_vocab_size(spec.vocab_size, t)
     last += s * b * vocab // t * 4 + 9 * s * b
-    return per_layer, first, last
+    return per_layer, mask, first, last
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
@@ -196,9 +204,9 @@ def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
 
     dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
     """
-    per_layer, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
-                                               dispatcher, dropout_mask_bytes)
-    return spec.num_layers * per_layer + first + last
+    per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
+                                                     precision, dispatcher, dropout_mask_bytes)
+    return spec.num_layers * per_layer + mask + first + last
 
 
 def stage_layers(spec: ModelSpec, pp: int, vpp: Optional[int] = None) -> List[List[int]]:
@@ -249,14 +257,14 @@ def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: in
                            dropout_mask_bytes: int = 1) -> Tuple[float, int]:
     """(bytes, micro-batches in flight): the activations one rank of pipeline stage `stage`
     holds at its peak (module docstring); without pipelining, one micro-batch's."""
-    per_layer, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
-                                               dispatcher, dropout_mask_bytes)
+    per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
+                                                     precision, dispatcher, dropout_mask_bytes)
     chunks = stage_layers(spec, layout.pp, vpp)[stage]
     in_flight = microbatches_in_flight(layout.pp, stage, num_microbatches)
     chunk_pairs = microbatches_in_flight(layout.pp, stage, num_microbatches, vpp)
-    layers = chunk_pairs * sum(chunks) / len(chunks)
+    per_chunk = sum(chunks) / len(chunks) * per_layer + mask
     ends = (first if stage == 0 else 0.0) + (last if stage == layout.pp - 1 else 0.0)
-    return layers * per_layer + in_flight * ends, in_flight
+    return chunk_pairs * per_chunk + in_flight * ends, in_flight
 
 
 def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
