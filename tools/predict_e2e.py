@@ -109,7 +109,8 @@ def limiting_term(step) -> str:
 def layout_text(candidate) -> str:
     tp, ep, etp, pp = (candidate.layout.tp, candidate.layout.ep, candidate.layout.etp,
                        candidate.layout.pp)
-    return f"({tp},{ep},{etp})" + (f" pp{pp}" if pp > 1 else "")
+    return (f"({tp},{ep},{etp})" + (f" pp{pp}" if pp > 1 else "")
+            + (f" vpp{candidate.vpp}" if candidate.vpp else ""))
 
 
 def schedule_text(candidate, name) -> str:
