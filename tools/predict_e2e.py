@@ -171,7 +171,8 @@ def table(args) -> str:
     header = [f"Predicted by `python tools/predict_e2e.py` (profile {profile.name}: "
               f"{profile.provenance}; bf16, {args.gpu_memory_gb:g} GiB per GPU, each config's "
               f"micro- and global batch; tokens/s of the whole step, each dispatcher at its "
-              f"fastest fitting layout; layout (tp,ep,etp)):", "",
+              f"fastest fitting layout; layout (tp,ep,etp), with ppN vppV where pipelined and "
+              f"interleaved):", "",
               "| model | nodes x GPUs | experts | alltoall | ds_baseline | parm (best Parm "
               "schedule) | parm / alltoall | parm / ds_baseline | limits parm's step |",
               "|---|---|---|---|---|---|---:|---:|---|"]
