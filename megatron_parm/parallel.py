@@ -66,25 +66,47 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     --parm-ranks-per-node, None for the launcher's)."""
     global _node_groups
     from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
                     pp=pp)
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
     parallel_state.destroy_model_parallel()
+    _node_groups = None
+    _destroy_groups_made()
+    before = set(distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
     _node_groups = _split_ep_group_by_node(ranks_per_node)
+    _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it
     # is given (torch's default, 30 min), and the tools create the default group with torch's
     # default: set it on every group this rank is in.
-    from torch.distributed import distributed_c10d
-
     for group in list(distributed_c10d._world.pg_map):
         distributed_c10d._set_pg_timeout(group_timeout(), group)
+
+
+# The groups the last initialize_model_parallel made. Megatron-Core 0.16.1's
+# destroy_model_parallel only forgets its groups: they stay registered with torch.distributed,
+# and under gloo each keeps its own I/O threads. A tool that changes layout (the benchmark's
+# grid, calibration, the test workers) made hundreds of them, whose threads took a core's worth
+# of CPU on the emulated cluster; so a new layout destroys the previous one's groups first.
+_groups_made: list = []
+
+
+def _destroy_groups_made() -> None:
+    from torch.distributed import distributed_c10d
+
+    if _groups_made:  # every rank is done with them before any rank closes its connections
+        torch.distributed.barrier()
+    for group in _groups_made:
+        if group in distributed_c10d._world.pg_map:
+            torch.distributed.destroy_process_group(group)
+    _groups_made.clear()
 
 
 @dataclass(frozen=True)
