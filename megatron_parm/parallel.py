@@ -82,7 +82,9 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
     _node_groups = _split_ep_group_by_node(ranks_per_node)
-    _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
+    kept = set(_node_group_cache.values())
+    _groups_made[:] = [group for group in distributed_c10d._world.pg_map
+                       if group not in before and group not in kept]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it
     # is given (torch's default, 30 min), and the tools create the default group with torch's
     # default: set it on every group this rank is in.
@@ -96,6 +98,10 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
 # grid, calibration, the test workers) made hundreds of them, whose threads took a core's worth
 # of CPU on the emulated cluster; so a new layout destroys the previous one's groups first.
 _groups_made: list = []
+# The node groups by their ranks, made once and kept: only their members make them
+# (use_local_synchronization), so torch names them by a hash of the ranks, and a group made
+# again under the same name would meet its destroyed predecessor's addresses in the store.
+_node_group_cache: dict = {}
 
 
 def _destroy_groups_made() -> None:
@@ -164,8 +170,13 @@ def _split_ep_group_by_node(setting: Optional[int]) -> NodeGroups:
     def group(ranks: List[int]):
         if list(ranks) == list(ep_ranks):
             return ep_group
-        return dist.new_group(list(ranks), use_local_synchronization=True,
-                              timeout=group_timeout())
+        from torch.distributed import distributed_c10d
+
+        made = _node_group_cache.get(tuple(ranks))
+        if made is None or made not in distributed_c10d._world.pg_map:  # none in this world
+            _node_group_cache[tuple(ranks)] = dist.new_group(
+                list(ranks), use_local_synchronization=True, timeout=group_timeout())
+        return _node_group_cache[tuple(ranks)]
 
     intra = group(blocks[node])
     inter = group([members[position] for members in blocks])

@@ -318,7 +318,7 @@ def main(argv=None):
     from megatron_parm.bench.moe_layer import (dtype_name, max_output_diff_by_experts, parse_variant,
                                             time_experts)
     from megatron_parm.comm.accounting import launcher_ranks_per_node
-    from megatron_parm.parallel import initialize_model_parallel
+    from megatron_parm.parallel import initialize_model_parallel, validate_layout
 
     configs = load_grid(args.grid) if args.grid else [{}]
     specs = [spec_from_args(args, **overrides) for overrides in configs]
@@ -326,8 +326,9 @@ def main(argv=None):
     for index, spec in enumerate(specs):
         if (spec.tp, spec.ep, spec.etp) != layout:
             for name in dispatchers_for(spec, args.dispatchers, []):
-                initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts,
-                                          dispatcher=parse_variant(name)[0])
+                validate_layout(dist.get_world_size(), spec.tp, spec.ep, spec.etp,
+                                spec.num_experts, parse_variant(name)[0])
+            initialize_model_parallel(spec.tp, spec.ep, spec.etp, num_experts=spec.num_experts)
             model_parallel_cuda_manual_seed(1234)
             layout = (spec.tp, spec.ep, spec.etp)
         names = dispatchers_for(spec, args.dispatchers, args.chunk_variants)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from torch.distributed import distributed_c10d  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
@@ -174,7 +175,7 @@ def pipelined_step(model, args, vocab_size: int) -> SavedStorages:
 
 
 MEASURED = ("parameters", "activation_bytes", "peak_bytes", "stage", "num_microbatches",
-            "peak_microbatches")
+            "peak_microbatches", "process_groups")
 
 
 def measure(args, vocab_size: int, meta: bool) -> dict:
@@ -220,6 +221,7 @@ def main(cases_path: str, out_path: str) -> None:
         get_moe_layer_wise_logging_tracker().clear()  # sized by the previous case's layers
         vocab_size = build_tokenizer(args).vocab_size
         record = measure(args, vocab_size, case.get("meta", False))
+        record["process_groups"] = len(distributed_c10d._world.pg_map)
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, record)
         records.append({**case, "vocab_size": vocab_size,

@@ -142,6 +142,14 @@ def test_parameters_per_rank_are_exact(records):
         assert record["parameters"] == expected, _name(record)
 
 
+def test_a_new_layout_replaces_the_previous_ones_groups(records):
+    """Each case makes its layout's groups; those of the case before are destroyed, so the
+    groups a rank holds stay those of one layout (they grew with every case before: gloo
+    keeps a group's threads until it is destroyed)."""
+    held = [max(record["process_groups"]) for record in records]
+    assert max(held) < 2 * held[0], held
+
+
 def test_tracker_peak_is_the_saved_bytes(records):
     """The live-bytes tracker the pipelined cases are measured with, on one forward: its peak
     is the bytes of the distinct storages saved, less the few autograd drops during the
