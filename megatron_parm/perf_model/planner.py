@@ -116,9 +116,12 @@ class Candidate:
         """Memory left on a rank (negative: by how much it does not fit)."""
         return self.gpu_memory_bytes - self.memory.total
 
+    def schedule(self) -> str:
+        """The dispatcher of its flags with its chunk count, e.g. `parm_s2(c=2)`."""
+        return self.dispatcher + (f"(c={self.num_chunks})" if self.num_chunks else "")
+
     def schedule_label(self) -> str:
-        return self.dispatcher + (f"(c={self.num_chunks})" if self.num_chunks else "") + \
-            "".join(f"={name}" for name in self.equivalents)
+        return self.schedule() + "".join(f"={name}" for name in self.equivalents)
 
     def layout_label(self) -> str:
         """`tp=1 ep=4 etp=1`, with ` pp=2` and ` vpp=3` where pipelined and interleaved."""
@@ -130,8 +133,7 @@ class Candidate:
     def describe(self) -> str:
         """The layout and the schedule this candidate runs, e.g. `tp=1 ep=4 etp=1 pp=2 vpp=2
         parm_s2(c=2)` (the dispatcher of its flags, without its equivalents)."""
-        return (f"{self.layout_label()} {self.dispatcher}"
-                + (f"(c={self.num_chunks})" if self.num_chunks else ""))
+        return f"{self.layout_label()} {self.schedule()}"
 
     def flags(self) -> List[str]:
         """The command-line flags (Megatron-LM's names) that run this candidate."""
