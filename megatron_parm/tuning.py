@@ -15,8 +15,8 @@ the model ranks best on the real layer, with the run's own tokens, and keeps the
         round of warm-up calls, then `steps` timed rounds
     decide(plan, seconds)
         seconds[i] is call i's forward + backward time of the dispatcher's part of the layer
-        (dispatch, experts, combine), the slowest rank's; a candidate's time is its fastest
-        timed call; a failed candidate has FAILED; the fastest wins (ties: the earlier)
+        (dispatch, experts, combine), the slowest rank's; a candidate's time is the median of
+        its timed calls; a failed candidate has FAILED; the fastest wins (ties: the earlier)
     TuningCache(path)
         results keyed by the layer's shape, layout, cluster and profile, in one JSON file
 
@@ -33,12 +33,13 @@ import hashlib
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm.perf_model.predict import ScheduleFields
 
-DEFAULT_STEPS = 3  # timed calls per candidate (after one warm-up call)
+DEFAULT_STEPS = 5  # timed calls per candidate (after one warm-up call)
 DEFAULT_MARGIN = 0.5  # candidates predicted within (1 + margin) x the model's first
 DEFAULT_MAX_CANDIDATES = 4
 CACHE_NAME = "parm_tuning.json"  # the default cache file, inside --save
@@ -138,7 +139,7 @@ class Measured:
     """The outcome of tuning one layer: the winner and every candidate's time."""
 
     winner: object  # a schedule (name, or (name, F, B))
-    seconds: Dict  # schedule -> seconds of its fastest timed call (FAILED: it failed)
+    seconds: Dict  # schedule -> the median seconds of its timed calls (FAILED: it failed)
     cost_s: float  # what tuning cost: the calls' time beyond the winner's time, summed
     num_calls: int
 
@@ -149,8 +150,10 @@ def decide(plan: CallPlan, seconds: Sequence[float]) -> Measured:
     best = {}
     for index, candidate in enumerate(plan.candidates):
         calls = [seconds[i] for i in range(plan.num_calls) if plan.candidate(i) == index]
-        # the fastest timed call: interference from other work only ever adds time
-        best[candidate] = FAILED if max(calls) >= FAILED else min(calls[1:])
+        # The median, not the fastest call: on shared links a schedule's call-to-call spread
+        # is its own (how its messages meet the other ranks'), and one lucky call of a
+        # spread-out schedule must not beat a steady one (docs/benchmark.md, issue 17).
+        best[candidate] = FAILED if max(calls) >= FAILED else statistics.median(calls[1:])
     winner = min(plan.candidates, key=lambda key: (best[key], plan.candidates.index(key)))
     if best[winner] >= FAILED:
         raise RuntimeError("parm: every candidate schedule failed while tuning "
@@ -170,7 +173,7 @@ def describe(how: str, winner, seconds: Dict, cost_s: Optional[float] = None,
     others = ", ".join(f"{label(key)} {shown(value)}"
                        for key, value in sorted(seconds.items(), key=lambda kv: kv[1])
                        if key != winner)
-    source = (f"measured, fastest of {steps} calls, slowest rank, forward+backward"
+    source = (f"measured, median of {steps} calls, slowest rank, forward+backward"
               if how == "measured" else f"cached in {cache}")
     text = f"{label(winner)} ({source}: {label(winner)} {shown(seconds[winner])}"
     text += f"; runners-up {others})" if others else ")"

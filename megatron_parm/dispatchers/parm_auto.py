@@ -112,7 +112,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
          (_Mark), i.e. dispatch, experts and combine, where the schedules differ; CUDA events
          on GPUs, perf_counter on CPU;
       3. at the next call after the last, one all-reduce MAX over the world gives every
-         call's slowest-rank time; the candidate with the fastest timed call wins on every rank
+         call's slowest-rank time; the candidate with the lowest median wins on every rank
          (tuning.decide), rank 0 writes the cache, and the winner runs from then on.
     Every candidate computes the same values, so tuning changes no result. Calls without
     gradients (evaluation) run the current candidate and are not timed. A candidate whose

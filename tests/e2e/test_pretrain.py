@@ -178,7 +178,7 @@ def test_parm_tuning_skips_failures_and_logs_once_then_caches(run):
         "parm: candidate parm_s2(c=2) failed while tuning and is skipped (OutOfMemoryError: "
         "injected: out of memory at 2 chunks)"], results["tune_fail_warnings"]
     cache = run_dir / "tune.json"
-    measured = re.findall(r"^> MoE layer (\d): parm chose parm_s1 \(measured, fastest of 1 "
+    measured = re.findall(r"^> MoE layer (\d): parm chose parm_s1 \(measured, median of 1 "
                           r"calls.*runners-up .*parm_s2\(c=2\) failed.*; kept in "
                           + re.escape(str(cache)) + "$", stdout, re.M)
     assert measured == ["1", "2"], stdout[-4000:]

@@ -28,17 +28,26 @@ def test_shortlist_times_the_fewest_chunks_when_the_model_likes_many():
     assert tuning.shortlist(times, 0.5, 3) == [(S2, 8, 8), "parm_s1", (S2, 2, 2)]
 
 
-def test_plan_takes_turns_and_the_fastest_timed_call_wins_skipping_failures():
-    plan = tuning.CallPlan(("a", "b", "c"), steps=2)
-    assert plan.num_calls == 9 and [plan.candidate(i) for i in range(9)] == [0, 1, 2] * 3
-    assert [plan.timed(i) for i in range(9)] == [False] * 3 + [True] * 6
-    # a: warm-up 5, then 2 and 4; b failed on some rank; c: warm-up 9, then 1.5 and 2
-    measured = tuning.decide(plan, [5, 1, 9, 2, tuning.FAILED, 1.5, 4, 1, 2])
-    assert measured.winner == "c" and measured.seconds == {"a": 2, "b": tuning.FAILED, "c": 1.5}
+def test_plan_takes_turns_and_the_lowest_median_wins_skipping_failures():
+    plan = tuning.CallPlan(("a", "b", "c"), steps=3)
+    assert plan.num_calls == 12 and [plan.candidate(i) for i in range(12)] == [0, 1, 2] * 4
+    assert [plan.timed(i) for i in range(12)] == [False] * 3 + [True] * 9
+    # a: warm-up 5, then 2, 4, 3 (median 3); b failed on some rank;
+    # c: warm-up 9, then 1.5, 2.5, 2 (median 2)
+    measured = tuning.decide(plan, [5, 1, 9, 2, tuning.FAILED, 1.5, 4, 1, 2.5, 3, 1, 2])
+    assert measured.winner == "c" and measured.seconds == {"a": 3, "b": tuning.FAILED, "c": 2}
     # cost: every call's time beyond the winner's (failed calls count no time)
-    assert measured.cost_s == pytest.approx(3.5 + 0 + 7.5 + 0.5 + 0 + 0 + 2.5 + 0 + 0.5)
+    assert measured.cost_s == pytest.approx(3 + 0 + 7 + 0 + 0 + 0 + 2 + 0 + 0.5 + 1 + 0 + 0)
     with pytest.raises(RuntimeError, match="every candidate schedule failed"):
         tuning.decide(tuning.CallPlan(("a",), 1), [tuning.FAILED, tuning.FAILED])
+
+
+def test_one_lucky_call_does_not_beat_a_steady_candidate():
+    """A spread-out candidate's single fast call (its other calls slow) loses to one that is
+    steadily faster: the decision is by the median, not the fastest call."""
+    plan = tuning.CallPlan(("steady", "spread"), steps=3)
+    measured = tuning.decide(plan, [2, 2, 1.0, 0.6, 1.0, 1.4, 1.0, 1.5])
+    assert measured.winner == "steady" and measured.seconds == {"steady": 1.0, "spread": 1.4}
 
 
 @pytest.mark.parametrize("steps,margin,count,cache,message", [
@@ -128,7 +137,7 @@ def test_choice_line_is_whole_and_names_how():
     seconds = {"parm_s1": 0.079, (S2, 2, 4): 0.122, "parm_hier": 0.081, (S2, 2, 2): tuning.FAILED}
     line = tuning.ParmChoice("parm_s1", "measured", seconds=seconds, cost_s=0.2, steps=3,
                              cache="c.json").describe()
-    assert line == ("parm_s1 (measured, fastest of 3 calls, slowest rank, forward+backward: "
+    assert line == ("parm_s1 (measured, median of 3 calls, slowest rank, forward+backward: "
                     "parm_s1 79.0 ms; runners-up parm_hier 81.0 ms, parm_s2(c=2/4) 122.0 ms, "
                     "parm_s2(c=2) failed); tuning cost 200.0 ms; kept in c.json")
     cached = tuning.ParmChoice("parm_s1", "cached", seconds=seconds, cache="c.json").describe()
