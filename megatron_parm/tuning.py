@@ -6,10 +6,10 @@ Without a calibrated profile the performance model can rank a slower schedule fi
 the model ranks best on the real layer, with the run's own tokens, and keeps the fastest:
 
     shortlist(choice, margin, max_candidates)
-        the model's first, then the best-predicted variant of every other schedule within
-        (1 + margin) x the first's predicted time, then the other variants within it, fewest
-        chunks first, at most max_candidates in all (distinct schedules first: the model errs
-        most between them; then chunk counts away from its guess)
+        the model's first, then the others predicted within (1 + margin) x its time, in
+        predicted order but with another schedule's time divided by 1 + SCHEDULE_DOUBT (the
+        model errs more between two schedules than between two chunk counts of one), at most
+        max_candidates in all
     CallPlan(candidates, steps)
         the layer's training calls 0, 1, ...: the candidates take turns (round-robin), a first
         round of warm-up calls, then `steps` timed rounds
@@ -42,6 +42,10 @@ from megatron_parm.perf_model.predict import ScheduleFields
 DEFAULT_STEPS = 5  # timed calls per candidate (after one warm-up call)
 DEFAULT_MARGIN = 0.5  # candidates predicted within (1 + margin) x the model's first
 DEFAULT_MAX_CANDIDATES = 4
+# How far the model may misjudge two distinct schedules against each other (the calibrated
+# layer fits err by up to 22%): another schedule predicted within this of the first is timed
+# before the first's own chunk variants, one predicted further off only after its near ties.
+SCHEDULE_DOUBT = 0.25
 CACHE_NAME = "parm_tuning.json"  # the default cache file, inside --save
 CACHE_FORMAT = "megatron-parm tuning cache"
 CACHE_VERSION = 1
@@ -90,25 +94,20 @@ def shortlist(times: Dict, margin: float, max_candidates: int) -> List:
     """The candidates to time, the model's first first (see the module docstring).
 
     times: {schedule: predicted seconds} (perf_model.Choice.times)."""
-    ranked = sorted(times, key=lambda key: (times[key], list(times).index(key)))
-    limit = times[ranked[0]] * (1.0 + margin)
-    within = [key for key in ranked if times[key] <= limit]
-    picked, seen = [], set()
-    for key in within:  # the best variant of every schedule, in predicted order
-        if _name(key) not in seen:
-            picked.append(key)
-            seen.add(_name(key))
-    # Then the other variants, fewest chunks first: the model's cost of a chunk is its least
-    # certain term (an uncalibrated profile may price chunks as free and rank the most chunks
-    # first), so the variant furthest from that guess is the most informative to time.
-    picked += sorted((key for key in within if key not in picked),
-                     key=lambda key: (_chunks(key), times[key]))
-    return picked[:max_candidates]
+    order = list(times)
+    ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
+    first, limit = ranked[0], times[ranked[0]] * (1.0 + margin)
 
+    def priority(key):
+        # Another schedule is given the benefit of the model's doubt between schedules; a
+        # chunk variant of the first's schedule competes by its predicted time alone (on the
+        # grid, S2's variants predicted within 1% of each other measured up to 14% apart,
+        # while S1 predicted 31% slower measured 37% slower: docs/benchmark.md, issue 17).
+        doubt = 1.0 if _name(key) == _name(first) else 1.0 + SCHEDULE_DOUBT
+        return times[key] / doubt
 
-def _chunks(schedule) -> tuple:
-    """(forward, backward) chunks of a chunked variant; () for a schedule without chunks."""
-    return () if isinstance(schedule, str) else tuple(schedule[1:])
+    others = sorted((key for key in ranked[1:] if times[key] <= limit), key=priority)
+    return [first, *others][:max_candidates]
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
       1. a result of an earlier run in --parm-tune-cache for the same shape, layout, cluster
          and profile, read by every rank and agreed by one MIN/MAX all-reduce, is run as it is;
       2. else the shortlist (tuning.shortlist: the model's first and the best of the others
-         within --parm-tune-margin, at most --parm-tune-candidates) takes turns on the layer's
+         within --parm-tune-margin, other schedules favoured over the first's chunk variants
+         by tuning.SCHEDULE_DOUBT, at most --parm-tune-candidates) takes turns on the layer's
          training calls (round-robin): one warm-up round, then --parm-tune-steps timed rounds.
          A call's time is its forward from dispatch_preprocess to combine_postprocess and its
          backward from the gradient's arrival at the output to its arrival at the inputs
