@@ -22,20 +22,25 @@ rate of the busiest resource. That is the ideal overlap; the cluster may deliver
 (on CPUs the ranks' compute and the collectives' copies share cores), so with the profile's
 overlap_efficiency e the chunks take
     e * T_pipelined(c) + (1 - e) * c * (sum of stage_time(chunk))    (no overlap at all),
-plus (c - 1) times a chunk's own cost (chunk_cost): what cutting the layer into one more
-chunk costs beyond its stages (whose alphas every chunk pays, and whose bytes and flops
-follow the rows per chunk),
-    o + o_x * L_seq    o = chunk_overhead, o_x = chunk_expert_overhead,
+plus what cutting the layer into more chunks costs beyond its stages (whose alphas every
+chunk pays, and whose bytes and flops follow the rows per chunk), half of it in each pass
+(chunk_costs):
+    (c - 1) * o + (c_x - 1) * o_x * L_seq
+                       o = chunk_overhead, o_x = chunk_expert_overhead,
                        L_seq = local experts E / e with SequentialMLP (each local expert's
                        GEMMs run again per chunk), 0 with grouped experts (one grouped GEMM
                        per linear per chunk),
-half of it in each pass. With c = 1 this is exactly the sequential sum of parm_s1. The
-backward pass is modelled the same way with its own stages and chunk count.
+                       c_x = lcm(forward c, backward c): the expert graphs are built per
+                       sub-chunk, the finer cut both passes share (dispatchers/parm_s2.py),
+                       so c = 4 forward and 8 backward runs the experts 8 times each way.
+With c = 1 this is exactly the sequential sum of parm_s1. The backward pass is modelled the
+same way with its own stages and chunk count.
 
 Every dispatcher's stage sum is multiplied by the profile's layer_scale: the stage terms are
 measured one collective at a time, and inside the layer the same work takes longer.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -150,10 +155,16 @@ def stage_time(step: Step, profile: Profile, num_chunks: int) -> StageTime:
                      inter_bytes=step.inter_bytes, flops=0.0)
 
 
-def chunk_cost(shape: LayerShape, layout: Layout, profile: Profile) -> float:
-    """Seconds one extra chunk costs beyond its stages, forward + backward (module docstring)."""
+def chunk_costs(shape: LayerShape, layout: Layout, profile: Profile,
+                chunks: Dict[str, int]) -> Dict[str, float]:
+    """Seconds per pass that its chunks cost beyond their stages (module docstring): chunks
+    {"forward": c, "backward": c'} -> {"forward": s, "backward": s'}."""
     per_expert_gemms = 0 if shape.grouped_experts else shape.num_experts // layout.ep
-    return profile.chunk_overhead + profile.chunk_expert_overhead * per_expert_gemms
+    expert_calls = math.lcm(chunks["forward"], chunks["backward"])  # sub-chunks, both passes
+    expert_part = (expert_calls - 1) * profile.chunk_expert_overhead * per_expert_gemms / 2
+    # a chunk's cost covers forward and backward together: half each
+    return {direction: (count - 1) * profile.chunk_overhead / 2 + expert_part
+            for direction, count in chunks.items()}
 
 
 def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile,
@@ -179,7 +190,7 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
     stages = tuple(stage_time(step, profile, chunks[step.direction])
                    for step in build_plan(dispatcher, shape, layout, sequence_parallel))
     totals, resources = {}, {}
-    per_chunk = chunk_cost(shape, layout, profile)
+    extra = chunk_costs(shape, layout, profile, chunks)
     for direction in ("forward", "backward"):
         count = chunks[direction]
         mine = [stage for stage in stages if stage.direction == direction]
@@ -195,8 +206,7 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
         pipelined = one_chunk + (count - 1) * max(busy.values())
         efficiency = profile.overlap_efficiency
         overlapped = efficiency * pipelined + (1.0 - efficiency) * count * one_chunk
-        # a chunk's cost covers forward and backward together: half each
-        totals[direction] = profile.layer_scale * overlapped + (count - 1) * per_chunk / 2
+        totals[direction] = profile.layer_scale * overlapped + extra[direction]
     return Prediction(dispatcher=dispatcher, num_chunks=chunks["forward"],
                       total_s=totals["forward"] + totals["backward"],
                       forward_s=totals["forward"], backward_s=totals["backward"],

@@ -32,7 +32,7 @@ class LayerShape:
     gated_linear_unit: bool = False  # SwiGLU-style fc1 with 2H outputs
     # Experts as one grouped GEMM per linear (--moe-grouped-gemm: TorchGroupedMLP, GroupedMLP,
     # TEGroupedMLP) rather than SequentialMLP's GEMMs per local expert: a chunk then does not
-    # pay the profile's chunk_expert_overhead per local expert (predict.chunk_cost)
+    # pay the profile's chunk_expert_overhead per local expert (predict.chunk_costs)
     grouped_experts: bool = False
 
     def __post_init__(self):

@@ -564,6 +564,29 @@ def test_chunk_cost_per_local_expert_only_without_grouped_experts():
         sequential, SMALL_LAYOUT, costly).times[("parm_s2", 4, 4)]
 
 
+def test_forward_and_backward_chunk_counts_that_differ_run_the_experts_at_the_finer_cut():
+    """S2 builds its expert graphs per sub-chunk, lcm(forward, backward) of them, in both
+    passes (dispatchers/parm_s2.py): 4 chunks forward and 8 backward call each local expert 8
+    times each way, so the per-expert chunk cost is 8's, while the per-chunk collectives'
+    cost follows each pass's own count."""
+    import dataclasses
+
+    profile = dataclasses.replace(uniform_profile(), chunk_overhead=0.002,
+                                  chunk_expert_overhead=0.001)
+    free = dataclasses.replace(profile, chunk_overhead=0, chunk_expert_overhead=0)
+    shape = small_shape(num_tokens=64)  # 2 local experts
+
+    def extra(forward, backward):
+        return (predict("parm_s2", shape, SMALL_LAYOUT, profile, forward, bwd_num_chunks=backward).total_s
+                - predict("parm_s2", shape, SMALL_LAYOUT, free, forward, bwd_num_chunks=backward).total_s)
+
+    assert extra(4, 8) == pytest.approx((3 + 7) / 2 * 0.002 + 7 * 2 * 0.001)
+    assert extra(2, 4) == pytest.approx((1 + 3) / 2 * 0.002 + 3 * 2 * 0.001)
+    # against 8 both ways, the pair saves only its forward's 4 fewer chunks' collectives
+    assert extra(8, 8) - extra(4, 8) == pytest.approx(4 * 0.002 / 2)
+    assert extra(4, 4) == pytest.approx(3 * (0.002 + 2 * 0.001))
+
+
 def test_fit_layer_terms_over_layouts_recovers_the_chunk_terms():
     """Synthetic points from known terms on (2,2,2), (2,2,1) and (1,4,1): every term back."""
     import dataclasses
