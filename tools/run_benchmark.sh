@@ -28,7 +28,7 @@
 #     (per label: ratios, bounds, spreads, memory, the issue's targets checked with their
 #     margins, the model's accuracy, alltoall's compute : inter : intra per preset, and the
 #     model's for GPT-2-small/medium-MoE on nvlink_ib_estimate).
-# Knobs (environment): PASSES (2), ITERS (4), WORLD1_ITERS (10), CALIBRATE (1), PROFILES,
+# Knobs (environment): PASSES (2), ITERS (6), WORLD1_ITERS (10), CALIBRATE (1), PROFILES,
 # GRID, WORLD1_GRID, MTU_CHECK (1), PY (.venv/bin/python), SMOKE (0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     GRID=${GRID:-configs/bench/emulated.yaml}
     WORLD1_GRID=${WORLD1_GRID:-configs/bench/world1.yaml}
-    PASSES=${PASSES:-2}; ITERS=${ITERS:-4}; WORLD1_ITERS=${WORLD1_ITERS:-10}
+    PASSES=${PASSES:-2}; ITERS=${ITERS:-6}; WORLD1_ITERS=${WORLD1_ITERS:-10}
     PROFILES=${PROFILES:-megatron_parm/perf_model/profiles}
     # in-layer terms fitted on layers like the grid's
     CALIBRATE_FLAGS=(--layer-tokens 1024,4096 --layer-hidden-size 512 --layer-ffn-hidden-size 512
@@ -93,12 +93,15 @@ links() {  # label -> emulator flags
 
 bench() {  # label run extra-flags...: one pass of the grid on the emulated cluster
     local label=$1 run=$2; shift 2
-    local preset=$label
+    local preset=$label dispatchers=all
     [ "$label" = unshaped ] || [ "$label" = memory ] && preset=pcie
+    # on the presets, parm both ways: the model alone (its profile) and measured (--parm-tune)
+    [ "$preset" = "$label" ] && dispatchers=all,parm:measured
     # shellcheck disable=SC2046
     step "$label (run $run)" "${EMULATE[@]}" $(links "$label") -- \
         "$PY" tools/bench_moe_layer.py --grid "$GRID" --chunk-variants 2,4,8 --no-check \
-        --label "$label" --run-id "$run" --output "$OUT/$label.jsonl" --parm-profile "$(profile "$preset")" "$@"
+        --dispatchers "$dispatchers" --label "$label" --run-id "$run" --output "$OUT/$label.jsonl" \
+        --parm-profile "$(profile "$preset")" "$@"
 }
 
 world1() {  # run
