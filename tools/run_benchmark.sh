@@ -8,7 +8,9 @@
 # Duration on this project's 2-core machine when nothing else runs, measured 2026-11-30 with
 # the 8-expert half of the grid (GRID=configs/bench/emulated_8experts.yaml): 48 minutes
 # (calibration 2-3 min per preset; per pass of 6 configurations ~5 min unshaped, ~8 min pcie,
-# ~7 min nvlink, 0.5 min at world size 1; memory ~3 min). The whole grid takes about 1.6 hours.
+# ~7 min nvlink, 0.5 min at world size 1; memory ~3 min). The whole grid took about 1.6 hours
+# then; with 6 timed steps and parm:measured (issue 17) one pass of a preset takes 21-26 min
+# (2026-12-01), so about 2.5 hours.
 # PASSES=1 saves a third (and gives no run-to-run spread); the log (OUT_DIR/run.log) has each
 # step's duration.
 #
