@@ -28,6 +28,7 @@ from megatron_parm.layout_rules import (batch_problem, experts_problem, microbat
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.wording import plural
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
+from megatron_parm.perf_model.predict import schedule_label
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.step_time import StepTime, step_time
 from megatron_parm.perf_model.transformer import ModelSpec, check_layout
@@ -117,8 +118,10 @@ class Candidate:
         return self.gpu_memory_bytes - self.memory.total
 
     def schedule(self) -> str:
-        """The dispatcher of its flags with its chunk count, e.g. `parm_s2(c=2)`."""
-        return self.dispatcher + (f"(c={self.num_chunks})" if self.num_chunks else "")
+        """The dispatcher of its flags with its chunk count, e.g. `parm_s2(c=2)` (the notation
+        of predict.schedule_label, one count both ways)."""
+        count = self.num_chunks
+        return schedule_label((self.dispatcher, count, count) if count else self.dispatcher)
 
     def schedule_label(self) -> str:
         return self.schedule() + "".join(f"={name}" for name in self.equivalents)
