@@ -5,11 +5,13 @@ Without a calibrated profile the performance model can rank a slower schedule fi
 (docs/benchmark.md, "parm's measured choice"). With tuning on, `parm` times the few candidates
 the model ranks best on the real layer, with the run's own tokens, and keeps the fastest:
 
-    shortlist(choice, margin, max_candidates)
+    shortlist(choice, margin, max_candidates, always)
         the model's first, then the others predicted within (1 + margin) x its time, in
         predicted order but with another schedule's time divided by 1 + SCHEDULE_DOUBT (the
         model errs more between two schedules than between two chunk counts of one), at most
-        max_candidates in all
+        max_candidates in all; ``always`` (the unchunked schedule, S1: alltoall's bytes in
+        one pass) in the last place if the others left it out, so that a model that
+        misjudges every chunked variant cannot make parm run slower than S1
     CallPlan(candidates, steps)
         the layer's training calls 0, 1, ...: the candidates take turns (round-robin), a first
         round of warm-up calls, then `steps` timed rounds
@@ -90,10 +92,14 @@ def _name(schedule) -> str:
     return schedule if isinstance(schedule, str) else schedule[0]
 
 
-def shortlist(times: Dict, margin: float, max_candidates: int) -> List:
+def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> List:
     """The candidates to time, the model's first first (see the module docstring).
 
-    times: {schedule: predicted seconds} (perf_model.Choice.times)."""
+    times: {schedule: predicted seconds} (perf_model.Choice.times); always: a schedule timed
+    whatever its prediction (None: none). Without a calibrated profile the shipped estimate
+    can rank every S2 variant far ahead of S1 where S2's chunks cost more than they hide:
+    end to end at (2,2,1), S1 was never timed and parm's MoE layers ran 15% slower than
+    S1's (docs/benchmark.md, issue 19)."""
     order = list(times)
     ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
     first, limit = ranked[0], times[ranked[0]] * (1.0 + margin)
@@ -107,7 +113,10 @@ def shortlist(times: Dict, margin: float, max_candidates: int) -> List:
         return times[key] / doubt
 
     others = sorted((key for key in ranked[1:] if times[key] <= limit), key=priority)
-    return [first, *others][:max_candidates]
+    picked = [first, *others][:max_candidates]
+    if always in times and always not in picked and max_candidates > 1:
+        picked = picked[:max_candidates - 1] + [always]
+    return picked
 
 
 @dataclass(frozen=True)

@@ -106,8 +106,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
          and profile, read by every rank and agreed by one MIN/MAX all-reduce, is run as it is;
       2. else the shortlist (tuning.shortlist: the model's first and the best of the others
          within --parm-tune-margin, other schedules favoured over the first's chunk variants
-         by tuning.SCHEDULE_DOUBT, at most --parm-tune-candidates) takes turns on the layer's
-         training calls (round-robin): one warm-up round, then --parm-tune-steps timed rounds.
+         by tuning.SCHEDULE_DOUBT, at most --parm-tune-candidates, the first unchunked
+         schedule, S1, always among them) takes turns on the layer's training calls
+         (round-robin): one warm-up round, then --parm-tune-steps timed rounds.
          A call's time is its forward from dispatch_preprocess to combine_postprocess and its
          backward from the gradient's arrival at the output to its arrival at the inputs
          (_Mark), i.e. dispatch, experts and combine, where the schedules differ; CUDA events
@@ -327,7 +328,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             return
         if lookup.warning:
             warnings.warn(lookup.warning)
-        candidates = tuning.shortlist(model.times, cfg.parm_tune_margin, cfg.parm_tune_candidates)
+        candidates = tuning.shortlist(model.times, cfg.parm_tune_margin,
+                                      cfg.parm_tune_candidates, always=self.sequential)
         if len(candidates) < 2:  # nothing to compare: the model's first runs
             self.choices[num_tokens] = self._model_choice(model)
             return

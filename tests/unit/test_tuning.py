@@ -34,6 +34,23 @@ def test_shortlist_times_near_ties_before_a_schedule_predicted_far_slower():
     assert tuning.shortlist(times, 0.5, 8)[5:] == ["parm_s1", "parm_hier", (S2, 2, 2)]
 
 
+def test_shortlist_always_times_the_unchunked_schedule():
+    """End to end at (2,2,1) without a profile, the estimate put four S2 variants first and S1
+    outside the margin: parm ran S2 15% slower than S1 would have. S1 now takes the last
+    place (or an empty one), and is not added twice."""
+    times = {(S2, 4, 4): 0.30, (S2, 4, 8): 0.305, (S2, 8, 4): 0.31, (S2, 8, 8): 0.32,
+             "parm_s1": 0.50, "parm_hier": 0.52}
+    assert tuning.shortlist(times, 0.5, 4) == [(S2, 4, 4), (S2, 4, 8), (S2, 8, 4), (S2, 8, 8)]
+    assert tuning.shortlist(times, 0.5, 4, always="parm_s1") == [
+        (S2, 4, 4), (S2, 4, 8), (S2, 8, 4), "parm_s1"]
+    assert tuning.shortlist(times, 0.02, 4, always="parm_s1") == [(S2, 4, 4), (S2, 4, 8),
+                                                                  "parm_s1"]
+    assert tuning.shortlist(TIMES, 0.5, 4, always="parm_s1") == tuning.shortlist(TIMES, 0.5, 4)
+    # one candidate: nothing is compared, so nothing is added
+    assert tuning.shortlist(times, 0.5, 1, always="parm_s1") == [(S2, 4, 4)]
+    assert tuning.shortlist(times, 0.5, 2, always="parm_hier") == [(S2, 4, 4), "parm_hier"]
+
+
 def test_plan_takes_turns_and_the_lowest_median_wins_skipping_failures():
     plan = tuning.CallPlan(("a", "b", "c"), steps=3)
     assert plan.num_calls == 12 and [plan.candidate(i) for i in range(12)] == [0, 1, 2] * 4
