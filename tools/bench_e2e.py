@@ -19,8 +19,11 @@ interrupted benchmark resumes where it stopped (the runs already there are skipp
 file to start afresh). Each launch's output goes to OUTPUT/logs/. Then the report:
 OUTPUT/e2e_table.md, OUTPUT/e2e_summary.json, OUTPUT/e2e_tokens.png.
 
-A config naming an unknown dispatcher, model or preset, or a layout that cannot run, is one
-line and exit status 2, before anything runs; so is an emulated preset without root.
+A config's training_flags (say Megatron-LM's --overlap-grad-reduce) are added to every run;
+the report reads only the runs made with the config's flags. A config naming an unknown
+dispatcher, model or preset, a layout that cannot run, or training flags the trainer refuses
+with a model of the config, is one line and exit status 2, before anything runs; so is an
+emulated preset without root.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def main(argv=None) -> int:
         raise ValueError(f"--output: {results} holds no runs of this config")
     summary = e2e.summarize(records, config)
     summary["config"] = {k: config[k] for k in ("name", "models", "presets", "layouts",
-                                                "dispatchers", "warmup", "iterations", "passes")}
+                                                "dispatchers", "warmup", "iterations", "passes",
+                                                "training_flags")}
     with open(os.path.join(args.output, "e2e_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     table = e2e.markdown(summary)
@@ -92,7 +96,8 @@ def _in_config(record: dict, config: dict) -> bool:
     return (record["model"] in config["models"] and record["preset"] in config["presets"]
             and record["layout"] in config["layouts"]
             and record["dispatcher"] in config["dispatchers"]
-            and record["pass"] <= config["passes"])
+            and record["pass"] <= config["passes"]
+            and record.get("training_flags", []) == config["training_flags"])
 
 
 def run_cells(config: dict, args, results: str) -> bool:
@@ -100,7 +105,7 @@ def run_cells(config: dict, args, results: str) -> bool:
     failed (the runs before it are kept)."""
     subprocess.run(["bash", "pretrain_scripts/prepare_data.sh"], cwd=REPO, check=True,
                    env=dict(os.environ, PYTHON=sys.executable))
-    done = e2e.done_keys(e2e.read_records(results))
+    done = e2e.done_keys([r for r in e2e.read_records(results) if _in_config(r, config)])
     world_size = config["nodes"] * config["ranks_per_node"]
     todo = e2e.cells(config)
     for index, (run, model, preset, layout) in enumerate(todo, start=1):
@@ -111,6 +116,7 @@ def run_cells(config: dict, args, results: str) -> bool:
         cell = {"pass": run, "model": model, "preset": preset, "layout": layout,
                 "dispatchers": missing, "warmup": config["warmup"],
                 "iterations": config["iterations"], "results": os.path.abspath(results),
+                "training_flags": config["training_flags"],
                 "tune_dir": os.path.abspath(os.path.join(args.output, "tuning"))}
         name = f"pass{run}_{model}_{preset}_{layout.replace(',', '')}"
         log = os.path.join(args.output, "logs", f"{name}.log")
@@ -164,7 +170,8 @@ def worker(cell: dict) -> int:
     os.makedirs(cell["tune_dir"], exist_ok=True)
     for dispatcher in cell["dispatchers"]:
         timing_file = f"{cell['results']}.{cell['model']}.{dispatcher}.tmp"
-        flags = ["--moe-token-dispatcher-type", dispatcher, "--parm-timing-file", timing_file]
+        flags = cell["training_flags"] + ["--moe-token-dispatcher-type", dispatcher,
+                                          "--parm-timing-file", timing_file]
         train_iters = length
         if dispatcher == e2e.AUTO:
             cache = os.path.join(cell["tune_dir"], f"{cell['model']}_{cell['preset']}_"
@@ -187,7 +194,7 @@ def worker(cell: dict) -> int:
 
             record = {"pass": cell["pass"], "model": cell["model"], "preset": cell["preset"],
                       "layout": cell["layout"], "dispatcher": dispatcher,
-                      "world_size": world_size,
+                      "world_size": world_size, "training_flags": cell["training_flags"],
                       "tokens_per_iteration": args.global_batch_size * args.seq_length,
                       "losses": summary["losses"],
                       # the schedules parm chose (rank 0's layers), without the reasons

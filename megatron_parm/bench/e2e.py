@@ -2,7 +2,8 @@
 dispatcher, on the emulated cluster's presets and layouts (tools/bench_e2e.py runs it).
 
     MODELS                       name -> Model: the shipped config scaled to fit a CPU machine
-    load_config(path)            a benchmark config, checked (ValueError naming the field)
+    load_config(path)            a benchmark config, checked (ValueError naming the field);
+                                 its training_flags are added to every run
     cells(config)                (pass, model, preset, layout) in run order
     model_flags(model, layout, world_size)   the training flags of one model in one layout
     done_keys(records)           what an output file already holds (the benchmark resumes)
@@ -86,9 +87,13 @@ MODELS: Dict[str, Model] = {
 
 _FIELDS = {"name": str, "description": str, "models": list, "presets": list, "layouts": list,
            "dispatchers": list, "nodes": int, "ranks_per_node": int, "warmup": int,
-           "iterations": int, "passes": int}
+           "iterations": int, "passes": int, "training_flags": list}
 _DEFAULTS = {"name": "e2e", "description": "", "nodes": 2, "ranks_per_node": 2, "warmup": 2,
-             "iterations": 4, "passes": 2}
+             "iterations": 4, "passes": 2, "training_flags": []}
+# The flags the benchmark sets in each run itself (model_flags and the worker's), which a
+# config's training_flags may not set again.
+RUN_FLAGS = ("--moe-token-dispatcher-type", "--parm-timing-file", "--parm-tune-steps",
+             "--parm-tune-cache")
 
 
 def presets() -> List[str]:
@@ -125,7 +130,7 @@ def load_config(path: str) -> dict:
                        f"{'a positive integer' if kind is int else 'a ' + kind.__name__}, "
                        f"got {value!r}")
             raise ValueError(message)
-        if kind is list and not value:
+        if kind is list and not value and key != "training_flags":
             raise ValueError(f"--config: {path}: {key} is empty")
     for key, known in (("models", sorted(MODELS)), ("presets", presets()),
                        ("dispatchers", schedules.names())):
@@ -158,7 +163,37 @@ def load_config(path: str) -> dict:
                            f"{text}: {problem}")
                 raise ValueError(message)
     config["layouts"] = [",".join(map(str, parse_layout(t))) for t in config["layouts"]]
+    _check_training_flags(path, config, world_size)
     return config
+
+
+def _check_training_flags(path: str, config: dict, world_size: int) -> None:
+    """The config's training_flags (added to every run: Megatron-LM's data-parallel flags,
+    say) as the trainer reads them with each model: ValueError naming the flag, where it is
+    unknown, set by the benchmark itself, or refused with its companions (ddp.check_args; the
+    files a run reads are checked when it starts, after the data is prepared)."""
+    flags = [str(flag) for flag in config["training_flags"]]
+    config["training_flags"] = flags
+    if not flags:
+        return
+    from megatron_parm import device, settings
+    from megatron_parm.training import ddp
+    from megatron_parm.training.arguments import build_parser
+
+    for model_name in config["models"]:
+        model, parser = MODELS[model_name], build_parser(MODELS[model_name].model_type)
+        own = model_flags(model, config["layouts"][0], world_size, 1)
+        for flag in (f.split("=")[0] for f in flags if f.startswith("-")):
+            if flag not in parser._option_string_actions:
+                raise ValueError(f"--config: {path}: training_flags: unknown flag {flag!r}")
+            if flag in RUN_FLAGS or flag in own:
+                raise ValueError(f"--config: {path}: training_flags: {flag} is set by the "
+                                 "benchmark itself (the model, layout or run): drop it")
+        try:
+            ddp.check_args(settings.read(parser, own + flags), device.is_cuda())
+        except ValueError as err:
+            raise ValueError(f"--config: {path}: training_flags with {model_name}: "
+                             f"{err}") from None
 
 
 def cells(config: dict) -> List[Tuple[int, str, str, str]]:
@@ -296,6 +331,7 @@ def summarize(records: Sequence[dict], config: dict) -> dict:
             "losses_equal": not loss_problems, "loss_problems": loss_problems,
             "loss_tolerance": LOSS_TOLERANCE, "warmup": warmup,
             "passes": max((r["pass"] for r in records), default=0),
+            "training_flags": config["training_flags"],
             "load": sorted({round(l, 1) for r in records for l in r.get("load", [])[:1]})}
 
 
@@ -348,7 +384,9 @@ _SHORT = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combine": "
 
 def markdown(summary: dict) -> str:
     """Tokens/s with ratios and losses, then the time breakdown, per configuration."""
-    lines = ["| model | preset | layout | dispatcher | tokens/s | spread | vs alltoall | "
+    lines = ([f"Every run with the training flags {' '.join(summary['training_flags'])}", ""]
+             if summary.get("training_flags") else [])
+    lines += ["| model | preset | layout | dispatcher | tokens/s | spread | vs alltoall | "
              "vs ds_baseline | final loss | max abs loss diff vs alltoall | timed iterations |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
