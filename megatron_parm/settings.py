@@ -225,7 +225,8 @@ def _moe_flags() -> List[Flag]:
                   f"(default {tuning.DEFAULT_MARGIN})."),
         Flag("--parm-tune-candidates", moe, int, tuning.DEFAULT_MAX_CANDIDATES,
              check=positive_int, help=f"At most this many candidates are timed (default "
-                                      f"{tuning.DEFAULT_MAX_CANDIDATES})."),
+                                      f"{tuning.DEFAULT_MAX_CANDIDATES}), and S1 besides "
+                                      f"them where they leave it out."),
         Flag("--parm-tune-cache", moe, str,
              help=f"JSON file of measured choices, read before tuning and written after "
                   f"(default: {tuning.CACHE_NAME} in --save; none without --save)."),

@@ -9,9 +9,11 @@ the model ranks best on the real layer, with the run's own tokens, and keeps the
         the model's first, then the others predicted within (1 + margin) x its time, in
         predicted order but with another schedule's time divided by 1 + SCHEDULE_DOUBT (the
         model errs more between two schedules than between two chunk counts of one), at most
-        max_candidates in all; ``always`` (the unchunked schedule, S1: alltoall's bytes in
-        one pass) in the last place if the others left it out, so that a model that
-        misjudges every chunked variant cannot make parm run slower than S1
+        max_candidates in all; then ``always`` (the unchunked schedule, S1: alltoall's bytes
+        in one pass) if they left it out, so that a model that misjudges every chunked
+        variant cannot make parm run slower than S1
+    most_calls(max_candidates, steps)
+        the most training calls tuning one layer takes
     CallPlan(candidates, steps)
         the layer's training calls 0, 1, ...: the candidates take turns (round-robin), a first
         round of warm-up calls, then `steps` timed rounds
@@ -98,8 +100,8 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
     times: {schedule: predicted seconds} (perf_model.Choice.times); always: a schedule timed
     whatever its prediction (None: none). Without a calibrated profile the shipped estimate
     can rank every S2 variant far ahead of S1 where S2's chunks cost more than they hide:
-    end to end at (2,2,1), S1 was never timed and parm's MoE layers ran 15% slower than
-    S1's (docs/benchmark.md, issue 19)."""
+    end to end at (2,2,1), S1 was never timed and parm's MoE layers took up to 1.6x as long
+    as S1's (docs/benchmark.md, issue 19)."""
     order = list(times)
     ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
     first, limit = ranked[0], times[ranked[0]] * (1.0 + margin)
@@ -114,9 +116,15 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
 
     others = sorted((key for key in ranked[1:] if times[key] <= limit), key=priority)
     picked = [first, *others][:max_candidates]
-    if always in times and always not in picked and max_candidates > 1:
-        picked = picked[:max_candidates - 1] + [always]
-    return picked
+    # Besides the others, not instead of the last: S1 in the last place dropped S2 at 4
+    # chunks, which had measured fastest there.
+    return picked + [always] if always in times and always not in picked else picked
+
+
+def most_calls(max_candidates: int, steps: int) -> int:
+    """The most training calls tuning one layer takes: max_candidates and the one always
+    timed, one warm-up call and ``steps`` timed calls each (CallPlan)."""
+    return (max_candidates + 1) * (1 + steps)
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ AUTO = "parm"
 # as tests/e2e/test_pretrain.py's 20-iteration curves).
 LOSS_TOLERANCE = 1e-4
 LOOPBACK = "loopback"  # no emulator: plain torchrun on this machine's loopback (no root)
-# parm's tuning: at most this many candidates x (1 warm-up + steps) calls per layer, one call
-# per iteration here (one micro-batch): the extra iterations it gets where no cache holds its
-# choice yet.
+# parm's timed calls per candidate: tuning.most_calls(candidates, TUNE_STEPS) calls per layer,
+# one call per iteration here (one micro-batch), are the extra iterations it gets where no
+# cache holds its choice yet.
 TUNE_STEPS = 1
 BREAKDOWN = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
              "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
@@ -418,17 +418,26 @@ def _ratio(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+PLOT_COLUMNS = 3
+
+
 def plot(summary: dict, path: str) -> None:
     """Tokens/s per dispatcher (error bars: the passes' medians), one panel per
-    configuration."""
+    configuration, at most PLOT_COLUMNS panels per row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     configs = sorted({(r["model"], r["preset"], r["layout"]) for r in summary["rows"]})
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.6), squeeze=False)
-    for axis, key in zip(axes[0], configs):
+    columns = min(len(configs), PLOT_COLUMNS)
+    rows_of_panels = -(-len(configs) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.2 * columns,
+                                                              3.6 * rows_of_panels),
+                             squeeze=False)
+    for axis in axes.flat[len(configs):]:
+        axis.set_visible(False)
+    for axis, key in zip(axes.flat, configs):
         rows = [r for r in summary["rows"] if (r["model"], r["preset"], r["layout"]) == key]
         values = [r["tokens_per_s"] for r in rows]
         low = [v - min(r["pass_medians"] or [v]) for v, r in zip(values, rows)]

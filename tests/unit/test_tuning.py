@@ -36,19 +36,20 @@ def test_shortlist_times_near_ties_before_a_schedule_predicted_far_slower():
 
 def test_shortlist_always_times_the_unchunked_schedule():
     """End to end at (2,2,1) without a profile, the estimate put four S2 variants first and S1
-    outside the margin: parm ran S2 15% slower than S1 would have. S1 now takes the last
-    place (or an empty one), and is not added twice."""
-    times = {(S2, 4, 4): 0.30, (S2, 4, 8): 0.305, (S2, 8, 4): 0.31, (S2, 8, 8): 0.32,
+    outside the margin: parm ran S2 where S1 was faster. S1 is now timed besides them (in
+    the last place instead, it pushed out S2 at 4 chunks, the fastest there), and is not
+    added twice."""
+    times = {(S2, 8, 8): 0.30, (S2, 4, 8): 0.305, (S2, 8, 4): 0.31, (S2, 4, 4): 0.32,
              "parm_s1": 0.50, "parm_hier": 0.52}
-    assert tuning.shortlist(times, 0.5, 4) == [(S2, 4, 4), (S2, 4, 8), (S2, 8, 4), (S2, 8, 8)]
+    assert tuning.shortlist(times, 0.5, 4) == [(S2, 8, 8), (S2, 4, 8), (S2, 8, 4), (S2, 4, 4)]
     assert tuning.shortlist(times, 0.5, 4, always="parm_s1") == [
-        (S2, 4, 4), (S2, 4, 8), (S2, 8, 4), "parm_s1"]
-    assert tuning.shortlist(times, 0.02, 4, always="parm_s1") == [(S2, 4, 4), (S2, 4, 8),
+        (S2, 8, 8), (S2, 4, 8), (S2, 8, 4), (S2, 4, 4), "parm_s1"]
+    assert tuning.shortlist(times, 0.02, 4, always="parm_s1") == [(S2, 8, 8), (S2, 4, 8),
                                                                   "parm_s1"]
     assert tuning.shortlist(TIMES, 0.5, 4, always="parm_s1") == tuning.shortlist(TIMES, 0.5, 4)
-    # one candidate: nothing is compared, so nothing is added
-    assert tuning.shortlist(times, 0.5, 1, always="parm_s1") == [(S2, 4, 4)]
-    assert tuning.shortlist(times, 0.5, 2, always="parm_hier") == [(S2, 4, 4), "parm_hier"]
+    assert tuning.shortlist(times, 0.5, 1, always="parm_hier") == [(S2, 8, 8), "parm_hier"]
+    plan = tuning.CallPlan(tuple(tuning.shortlist(times, 0.5, 4, always="parm_s1")), steps=1)
+    assert plan.num_calls == tuning.most_calls(4, 1) == 10
 
 
 def test_plan_takes_turns_and_the_lowest_median_wins_skipping_failures():
