@@ -7,6 +7,8 @@ training maps them.
                                      flag, why, and which flag to drop
     ddp_config(args)                 the DistributedDataParallelConfig
     set_sync_funcs(config, model, args)   the schedule's no_sync / grad_sync / param_sync hooks
+    GradReadyCounts(model, args)     --overlap-grad-reduce's hook counts, learnt again where
+                                     S2's chunks or parm's tuning change them
     ParamGather(model, config, args)      --overlap-param-gather's forward pre-hooks, switched off
                                      for the first step, evaluation and checkpoints
 
@@ -87,6 +89,60 @@ def set_sync_funcs(config, model, args) -> None:
         config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in model])
     if args.overlap_param_gather:
         config.param_sync_func = _per_chunk([chunk.start_param_sync for chunk in model])
+
+
+class GradReadyCounts:
+    """--overlap-grad-reduce's per-parameter hook counts, learnt again wherever they may change.
+
+    Megatron-Core 0.16.1 counts in the first step how often each parameter's gradient hook
+    fires, and from the second step on starts a bucket's reduction as soon as every parameter
+    of the bucket has reached its count. parm_s2 runs the experts' backward once per chunk
+    (one autograd call each) and skips an expert in a chunk that routed it no tokens, so with
+    experts that do not defer their weight gradients (SequentialMLP) an expert's weight hooks
+    fire once per chunk that routed it tokens, or never: a count that changes with the
+    routing, from step to step. A count that grows would start the reduction with part of the
+    gradients (the later chunks' added to a buffer already being reduced); one that shrinks
+    never starts it (Megatron's assertion "Communication call has not been issued", seen on the
+    emulated cluster at (2,2,1)); a hook that never fired in the first step fails Megatron's
+    check when the counts are recorded. So:
+      * in a step where a pipelined schedule may run (parm_s2, or parm having chosen it), the
+        expert-parallel bucket groups run as in a first step: their reduction starts after
+        the backward (not overlapped) on the whole buffer; the dense buckets' reduction stays
+        overlapped (their hooks fire once per step);
+      * while parm measures its candidates (another schedule in each step), and in the step
+        after its decision, every bucket group does;
+      * counts that miss a parameter (a hook that never fired) are not recorded: that group
+        stays in first-step mode.
+    Without --overlap-grad-reduce it does nothing."""
+
+    def __init__(self, model, args):
+        self.model = model
+        self.active = args.overlap_grad_reduce
+        self.changing = True  # the first step learns them anyway
+
+    def _groups(self, every: bool):
+        for chunk in self.model:
+            yield from (chunk.bucket_groups if every else [])
+            yield from chunk.expert_parallel_bucket_groups
+
+    def before_step(self, tuning: bool, pipelined: bool) -> None:
+        """Call after the step's zero_grad_buffer (which records the last step's counts).
+        tuning: a dispatcher may run another schedule in this step than in the last;
+        pipelined: a dispatcher runs a pipelined schedule."""
+        if self.active and (tuning or self.changing or pipelined):
+            for group in self._groups(every=tuning or self.changing):
+                group.is_first_batch = True
+                group.golden_per_param_grad_ready_counts = {}
+        self.changing = tuning
+
+    def after_backward(self) -> None:
+        """Call after the step's gradient reduction: drop the counts that miss a parameter,
+        so that the next zero_grad_buffer records none."""
+        if self.active:
+            for group in self._groups(every=True):
+                if group.is_first_batch and \
+                        len(group.per_param_grad_ready_counts) != len(group.params):
+                    group.per_param_grad_ready_counts = {}
 
 
 class ParamGather:

@@ -171,6 +171,18 @@ def moe_layers(model):
             if isinstance(module, MoELayer)]
 
 
+def still_tuning(layers) -> bool:
+    """Whether a dispatcher of these MoE layers is still measuring its candidates (parm's
+    tuning: from one call to the next it may run another schedule)."""
+    return any(getattr(layer.token_dispatcher, "tuning", False) for layer in layers)
+
+
+def runs_pipelined(layers) -> bool:
+    """Whether a dispatcher of these MoE layers runs a pipelined schedule (parm_s2, or parm
+    having chosen it)."""
+    return any(getattr(layer.token_dispatcher, "pipelined", False) for layer in layers)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward steps: (data_iterator, model) -> (output, loss_func), as Megatron's schedules expect
 # ---------------------------------------------------------------------------------------------

@@ -264,7 +264,9 @@ class StepTimer:
     # -- steps and reports ------------------------------------------------------------------
 
     def _tuning(self) -> bool:
-        return any(getattr(layer.token_dispatcher, "tuning", False) for layer in self.moe)
+        from megatron_parm.training.model import still_tuning
+
+        return still_tuning(self.moe)
 
     def step_start(self) -> None:
         self.interval_tuning |= self._tuning()

@@ -62,7 +62,8 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
 )
 from megatron_parm.training import ddp, mixed_precision, timing
 from megatron_parm.training.model import (
-    FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers, unwrap)
+    FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
+    runs_pipelined, still_tuning, unwrap)
 
 
 def initialize_distributed(timeout_minutes: Optional[float] = None) -> None:
@@ -454,6 +455,7 @@ class Run:
         # --overlap-param-gather: no forward pre-hooks in the first step (Megatron-LM's order)
         self.param_gather = ddp.ParamGather(model, config, args)
         self.param_gather.disable(param_sync=False)
+        self.grad_ready = ddp.GradReadyCounts(model, args)
 
     def step(self):
         """One iteration: forward and backward over the micro-batches, the optimizer step and
@@ -463,11 +465,14 @@ class Run:
         self.timer.step_start()
         for chunk in self.model:
             chunk.zero_grad_buffer()
+        layers = self.expert_load.layers
+        self.grad_ready.before_step(still_tuning(layers), runs_pipelined(layers))
         self.optimizer.zero_grad()
         losses_reduced = self.forward_backward(
             forward_step_func=self.forward_step, data_iterator=self.train_iter, model=self.model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
+        self.grad_ready.after_backward()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.param_gather.enable()
         if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
