@@ -176,11 +176,12 @@ def worker(cell: dict) -> int:
         if dispatcher == e2e.AUTO:
             cache = os.path.join(cell["tune_dir"], f"{cell['model']}_{cell['preset']}_"
                                  f"{cell['layout'].replace(',', '')}.json")
-            flags += ["--parm-tune-steps", str(e2e.TUNE_STEPS), "--parm-tune-cache", cache]
+            flags += ["--parm-tune-cache", cache]
             if not os.path.isfile(cache):  # room for the tuning iterations, left out later
                 from megatron_parm import tuning
 
-                train_iters += tuning.most_calls(tuning.DEFAULT_MAX_CANDIDATES, e2e.TUNE_STEPS)
+                train_iters += tuning.most_calls(tuning.DEFAULT_MAX_CANDIDATES,
+                                                 tuning.DEFAULT_STEPS)
         if int(os.environ.get("RANK", "0")) == 0 and os.path.exists(timing_file):
             os.remove(timing_file)  # left by a launch that was stopped
         args = parse_args(e2e.model_flags(model, cell["layout"], world_size, train_iters)

@@ -40,10 +40,11 @@ AUTO = "parm"
 # as tests/e2e/test_pretrain.py's 20-iteration curves).
 LOSS_TOLERANCE = 1e-4
 LOOPBACK = "loopback"  # no emulator: plain torchrun on this machine's loopback (no root)
-# parm's timed calls per candidate: tuning.most_calls(candidates, TUNE_STEPS) calls per layer,
-# one call per iteration here (one micro-batch), are the extra iterations it gets where no
-# cache holds its choice yet.
-TUNE_STEPS = 1
+# parm tunes as users run it (--parm-tune-steps' default): one call per iteration here (one
+# micro-batch), so tuning.most_calls(candidates, steps) calls per layer are the extra
+# iterations it gets where no cache holds its choice yet. At 1 timed call per candidate, parm
+# chose S2 in BERT MoE's (2,2,1) layers on one call 4-53% ahead of S1's, and its MoE layers
+# then took 1.4-1.5x as long as S1's (docs/benchmark.md, issue 19).
 BREAKDOWN = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
              "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
 
