@@ -100,7 +100,7 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
     times: {schedule: predicted seconds} (perf_model.Choice.times); always: a schedule timed
     whatever its prediction (None: none). Without a calibrated profile the shipped estimate
     can rank every S2 variant far ahead of S1 where S2's chunks cost more than they hide:
-    end to end at (2,2,1), S1 was never timed and parm's MoE layers took up to 1.6x as long
+    end to end at (2,2,1), S1 was never timed and parm's MoE layers took up to 1.5x as long
     as S1's (docs/benchmark.md, issue 19)."""
     order = list(times)
     ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
