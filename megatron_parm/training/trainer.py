@@ -206,8 +206,8 @@ def load_balancing_loss(num_steps: int) -> float:
 def dispatcher_choices(model) -> list:
     """The schedule each MoE layer of this rank's chunks chose (dispatchers that choose expose
     `choice`); None for the others, and for one still measuring (`tuning`)."""
-    return [None if getattr(layer.token_dispatcher, "tuning", False)
-            else getattr(layer.token_dispatcher, "choice", None) for layer in moe_layers(model)]
+    return [None if still_tuning([layer]) else getattr(layer.token_dispatcher, "choice", None)
+            for layer in moe_layers(model)]
 
 
 def evaluate(forward_step, data_iterator, model, args) -> dict:
