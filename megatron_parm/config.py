@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,3 +56,16 @@ class ParmTransformerConfig(TransformerConfig):
             check_ranks_per_node(self.parm_ranks_per_node)
         if self.parm_bwd_num_chunks is not None:
             schedules.check_num_chunks(self.parm_bwd_num_chunks, schedules.BWD_CHUNKS_FLAG)
+
+
+_PARM_FIELDS = {field.name: field for field in dataclasses.fields(ParmTransformerConfig)
+                if field.name.startswith("parm_")}
+
+
+def parm_setting(config, name: str):
+    """CONFIG's value of the Parm setting NAME (a ParmTransformerConfig field), or that field's
+    default where CONFIG is a plain TransformerConfig: every Parm dispatcher takes either."""
+    if name not in _PARM_FIELDS:
+        raise KeyError(f"{name} is not a ParmTransformerConfig setting "
+                       f"(the settings: {', '.join(_PARM_FIELDS)})")
+    return getattr(config, name, _PARM_FIELDS[name].default)

@@ -19,7 +19,7 @@ import torch
 from megatron_parm import schedules
 from megatron_parm.comm.accounting import ranks_per_node as node_rule
 from megatron_parm.layout_rules import layout_problem
-from megatron_parm.perf_model.layout import ep_node_blocks
+from megatron_parm.perf_model.layout import ep_node_blocks, node_split_problem
 
 # --distributed-timeout-minutes (Megatron-LM's default): a collective that waits longer (a peer
 # hung, or its node died without closing its connections) fails, and the job ends.
@@ -61,10 +61,13 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                               vpp: Optional[int] = None,
                               ranks_per_node: Optional[int] = None) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
-    each with group_timeout() (timeout_minutes sets it first), and with them the split of this
-    rank's EP group by node that parm_hier runs on (node_groups(); ranks_per_node:
-    --parm-ranks-per-node, None for the launcher's)."""
-    global _node_groups
+    each with group_timeout() (timeout_minutes sets it first), destroying the groups the
+    previous call made.
+
+    A convenience for the project's tools, not a requirement: Parm's dispatchers build and
+    run after Megatron-Core's own parallel_state.initialize_model_parallel alone (parm_hier
+    makes its node groups when its first layer is built: node_groups). ranks_per_node
+    (--parm-ranks-per-node, None for the launcher's) is checked here against the layout."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
@@ -72,8 +75,9 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                     pp=pp)
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
+    if ranks_per_node is not None:
+        node_rule(torch.distributed.get_world_size(), ranks_per_node)  # must divide the world
     parallel_state.destroy_model_parallel()
-    _node_groups = None
     _destroy_groups_made()
     before = set(distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(
@@ -81,10 +85,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
-    _node_groups = _split_ep_group_by_node(ranks_per_node)
-    kept = set(_node_group_cache.values())
-    _groups_made[:] = [group for group in distributed_c10d._world.pg_map
-                       if group not in before and group not in kept]
+    _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it
     # is given (torch's default, 30 min), and the tools create the default group with torch's
     # default: set it on every group this rank is in.
@@ -98,9 +99,11 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
 # grid, calibration, the test workers) made hundreds of them, whose threads took a core's worth
 # of CPU on the emulated cluster; so a new layout destroys the previous one's groups first.
 _groups_made: list = []
-# The node groups by their ranks, made once and kept: only their members make them
-# (use_local_synchronization), so torch names them by a hash of the ranks, and a group made
-# again under the same name would meet its destroyed predecessor's addresses in the store.
+# parm_hier's node groups by their ranks, made when a layer first needs them and kept: only
+# their members make them (use_local_synchronization), so torch names them by a hash of the
+# ranks, and a group made again under the same name would meet its destroyed predecessor's
+# addresses in the store. They are made after the layout's groups, so a new layout does not
+# destroy them, and a layout met again reuses them.
 _node_group_cache: dict = {}
 
 
@@ -129,39 +132,30 @@ class NodeGroups:
     ep_ranks: tuple = ()  # the EP group that was split
 
 
-# The split of this rank's EP group by node, made with Megatron's groups (parm_hier's).
-_node_groups: Optional[NodeGroups] = None
+def node_groups(ep_group, tp_ep_group, etp_rank: int, etp_size: int,
+                setting: Optional[int] = None) -> NodeGroups:
+    """This rank's EP group split by node ("ep_inter", "ep_intra"), cut from a layer's own EP
+    and expert TP x EP groups (Megatron's, however they were made); ranks per node: SETTING
+    (--parm-ranks-per-node) or the launcher's.
 
-
-def node_groups() -> NodeGroups:
-    """This rank's EP group split by node ("ep_inter", "ep_intra"), as initialize_model_parallel
-    made it with Megatron's groups."""
-    if _node_groups is None:
-        raise RuntimeError("parm_hier's node groups are made by "
-                           "megatron_parm.parallel.initialize_model_parallel: call it (not "
-                           "Megatron's parallel_state) before building the layers")
-    return _node_groups
-
-
-def _split_ep_group_by_node(setting: Optional[int]) -> NodeGroups:
-    """Split this rank's EP group by node (ranks per node: SETTING or the launcher's). Only the
-    members of a new group make it (use_local_synchronization), and every rank makes its
-    intra-node group before its inter-node group: each rank belongs to one of each, so no
-    member waits on a rank that waits on another group first. A split equal to the EP group
-    is the EP group itself."""
-    from megatron.core import parallel_state
+    The groups are made the first time a layer of this layout asks, by the members of each
+    group only (use_local_synchronization): every rank building its layers is enough, and
+    every rank makes its intra-node group before its inter-node group (each rank belongs to
+    one of each, so no member waits on a rank that waits on another group first). A split
+    equal to the EP group is the EP group itself. Raises ValueError naming
+    --parm-ranks-per-node where the EP groups do not split evenly by node."""
+    from torch.distributed import distributed_c10d
 
     dist = torch.distributed
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group()
-    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
-    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
     per_node_ranks = node_rule(dist.get_world_size(), setting)
     ep_ranks = dist.get_process_group_ranks(ep_group)
     tp_ep_ranks = dist.get_process_group_ranks(tp_ep_group)
     if list(tp_ep_ranks[etp_rank::etp_size]) != list(ep_ranks):
         raise RuntimeError(f"parm_hier: the expert TP x EP group {tp_ep_ranks} is not ordered "
                            f"EP-major, ESP-minor around this rank's EP group {ep_ranks}")
+    problem = node_split_problem(tp_ep_ranks, etp_size, per_node_ranks)
+    if problem:
+        raise ValueError(f"--parm-ranks-per-node {per_node_ranks}: {problem}")
     blocks = ep_node_blocks(tp_ep_ranks, etp_size, per_node_ranks)[etp_rank]
     me = dist.get_rank()
     node = next(b for b, members in enumerate(blocks) if me in members)
@@ -170,8 +164,6 @@ def _split_ep_group_by_node(setting: Optional[int]) -> NodeGroups:
     def group(ranks: List[int]):
         if list(ranks) == list(ep_ranks):
             return ep_group
-        from torch.distributed import distributed_c10d
-
         made = _node_group_cache.get(tuple(ranks))
         if made is None or made not in distributed_c10d._world.pg_map:  # none in this world
             _node_group_cache[tuple(ranks)] = dist.new_group(

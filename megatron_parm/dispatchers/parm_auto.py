@@ -16,6 +16,7 @@ from megatron.core import utils
 
 from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import ranks_per_node
+from megatron_parm.config import parm_setting
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
 from megatron_parm.parallel import stage_group
 from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
@@ -133,6 +134,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         self.etp_size = utils.get_pg_size(self.etp_group)
         runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size,
                                                   bool(config.sequence_parallel))
+        # Agreement and tuning collectives: this pipeline stage's ranks (the world without
+        # pipelining); the other stages run other layers meanwhile.
+        self.stage_group = stage_group()
         # One dispatcher per candidate schedule that can run this layout.
         self.schedules: Dict[str, ParmTokenDispatcher] = {}
         for schedule in runnable:
@@ -140,7 +144,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                 self.schedules[schedule.name] = build_dispatcher(
                     schedule.name, num_local_experts, local_expert_indices, config, pg_collection)
             except ValueError as err:  # a layout this schedule refuses: not a candidate
-                warnings.warn(f"parm: candidate {schedule.name} skipped: {err}")
+                if dist.get_rank(self.stage_group) == 0:  # the same on every rank: one line
+                    logger.warning(f"parm: candidate {schedule.name} left out: {err}")
         if not self.schedules:
             raise ValueError(f"parm: no candidate schedule could be built for tp="
                              f"{self.attn_tp_size}, ep={self.ep_size}, etp={self.etp_size}")
@@ -152,13 +157,10 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         self.layer_number: Optional[int] = None
         self.choices: Dict[int, tuning.ParmChoice] = {}  # tokens per rank -> final choice
         self.tunings: Dict[int, _Tuning] = {}  # tokens per rank -> tuning under way
-        self.tune = tuning.enabled(getattr(config, "parm_tune", None),
-                                   getattr(config, "parm_profile", None))
-        self.profile = self._load_profile(getattr(config, "parm_profile", None), self.tune)
+        self.tune = tuning.enabled(parm_setting(config, "parm_tune"),
+                                   parm_setting(config, "parm_profile"))
+        self.profile = self._load_profile(parm_setting(config, "parm_profile"), self.tune)
         self._record: Optional[Dict] = None  # the stamps of the timed call under way
-        # Agreement and tuning collectives: this pipeline stage's ranks (the world without
-        # pipelining); the other stages run other layers meanwhile.
-        self.stage_group = stage_group()
 
     @staticmethod
     def _load_profile(path: Optional[str], tune: bool):
@@ -206,7 +208,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         """The layout of this rank's pipeline stage (the whole world without pipelining): the
         ranks its groups are made of, and how they sit on nodes."""
         world = dist.get_world_size()
-        per_node = ranks_per_node(world, getattr(self.config, "parm_ranks_per_node", None))
+        per_node = ranks_per_node(world, parm_setting(self.config, "parm_ranks_per_node"))
         stage = dist.get_world_size(self.stage_group)  # consecutive ranks (Megatron's order)
         nodes, per_node = ((stage // per_node, per_node) if stage % per_node == 0
                            else (1, stage))  # a stage inside one node (or not node-aligned)
@@ -225,7 +227,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     def _profile_text(self) -> str:
         provenance = getattr(self.profile, "provenance", "")
-        given = "--parm-profile" if getattr(self.config, "parm_profile", None) else "default"
+        given = "--parm-profile" if parm_setting(self.config, "parm_profile") else "default"
         return f"profile {self.profile.name} ({provenance}, {given})"
 
     def _model_choice(self, model: Choice) -> tuning.ParmChoice:
@@ -233,8 +235,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     def _predict(self, num_tokens: int, dtype: torch.dtype) -> Choice:
         cfg = self.config
-        requested = getattr(cfg, "parm_num_chunks", None)
-        requested_bwd = getattr(cfg, "parm_bwd_num_chunks", None)
+        requested = parm_setting(cfg, "parm_num_chunks")
+        requested_bwd = parm_setting(cfg, "parm_bwd_num_chunks")
         extra = ()
         if (requested or 0) > 1 or (requested_bwd or 0) > 1:  # the flags' pair is tried too
             pair = (requested or requested_bwd, requested_bwd or requested)
@@ -243,10 +245,12 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
                                  sequence_parallel=bool(cfg.sequence_parallel),
                                  extra_chunks=extra)
         built = {key: t for key, t in choice.times.items() if tuning._name(key) in self.schedules}
-        if tuning._name(choice.schedule) not in self.schedules:  # a candidate that was skipped
-            best = min(built, key=lambda key: (built[key], list(built).index(key)))
-            choice = Choice(best, built, choice.predictions)
-        return choice
+        if len(built) == len(choice.times):
+            return choice
+        # a candidate was left out: neither chosen nor timed
+        best = choice.schedule if choice.schedule in built else \
+            min(built, key=lambda key: (built[key], list(built).index(key)))
+        return Choice(best, built, choice.predictions)
 
     def _choose(self, num_tokens: int, dtype: torch.dtype, where: torch.device,
                 timed: bool) -> None:
@@ -310,7 +314,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         key = tuning.cache_key(self._shape(num_tokens, dtype), self._layout(),
                                bool(cfg.sequence_parallel), self._cluster(),
                                tuning.profile_identity(self.profile), self.layer_number)
-        path = getattr(cfg, "parm_tune_cache", None)
+        path = parm_setting(cfg, "parm_tune_cache")
         cache = tuning.TuningCache(path) if path else None
         lookup = cache.lookup(key) if cache else tuning.Lookup()
         cached = lookup.measured
@@ -328,12 +332,12 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             return
         if lookup.warning:
             warnings.warn(lookup.warning)
-        candidates = tuning.shortlist(model.times, cfg.parm_tune_margin,
-                                      cfg.parm_tune_candidates, always=self.sequential)
+        candidates = tuning.shortlist(model.times, parm_setting(cfg, "parm_tune_margin"),
+                                      parm_setting(cfg, "parm_tune_candidates"), always=self.sequential)
         if len(candidates) < 2:  # nothing to compare: the model's first runs
             self.choices[num_tokens] = self._model_choice(model)
             return
-        plan = tuning.CallPlan(tuple(candidates), cfg.parm_tune_steps)
+        plan = tuning.CallPlan(tuple(candidates), parm_setting(cfg, "parm_tune_steps"))
         self.tunings[num_tokens] = _Tuning(model, plan, key, cache, lookup.writable)
 
     def _tuning_call(self, state: _Tuning, where: torch.device, timed: bool) -> None:

@@ -6,8 +6,9 @@ rank, k top-k, s the ESP size. The rank's EP group spans K nodes with g of its r
 (``perf_model.layout.ep_node_blocks``): the rank at position a of node block b has EP index
 j = b * g + a, and a node holds G = g * L experts. Two process groups are cut out of the EP
 group: "ep_inter", the K ranks at position a of every node, and "ep_intra", the g ranks of
-node b (made with Megatron's groups by megatron_parm.parallel.initialize_model_parallel). The rank of node b at position a is the relay of the rows that the ranks at
-position a of every node send to node b.
+node b (megatron_parm.parallel.node_groups cuts them from the layer's own groups when its
+first layer is built). The rank of node b at position a is the relay of the rows that the
+ranks at position a of every node send to node b.
 
 The rows that cross a node boundary are deduplicated: for each (token, destination node) one
 row, tagged by the first of the token's experts on that node (its "primary" pair) and
@@ -26,28 +27,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import utils
 
-from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
+from megatron_parm.config import parm_setting
 from megatron_parm.parallel import NodeGroups, node_groups
 from megatron_parm import device as devices
-
-
-def checked_node_groups(ep_group, setting=None) -> NodeGroups:
-    """The split of EP_GROUP by node that initialize_model_parallel made with Megatron's groups
-    (megatron_parm.parallel.node_groups), checked against this layer's EP group and its
-    --parm-ranks-per-node."""
-    groups = node_groups()
-    per_node_ranks = ranks_per_node(dist.get_world_size(), setting)
-    if per_node_ranks != groups.ranks_per_node:
-        raise ValueError(f"--parm-ranks-per-node: parm_hier's layer has {per_node_ranks} ranks per "
-                         f"node, its process groups were made with {groups.ranks_per_node} "
-                         f"(pass the same to megatron_parm.parallel.initialize_model_parallel)")
-    if tuple(dist.get_process_group_ranks(ep_group)) != groups.ep_ranks:
-        raise RuntimeError(f"parm_hier: the layer's EP group {dist.get_process_group_ranks(ep_group)} "
-                           f"is not the one initialize_model_parallel split by node {groups.ep_ranks}")
-    return groups
 
 
 class NodePlan:
@@ -157,7 +142,9 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         self.etp_size = utils.get_pg_size(self.etp_group)
-        self.groups = checked_node_groups(self.ep_group, getattr(config, "parm_ranks_per_node", None))
+        # Made here when the first layer of this layout is built, kept for the next ones.
+        self.groups = node_groups(self.ep_group, self.tp_ep_group, self.etp_rank, self.etp_size,
+                                  parm_setting(config, "parm_ranks_per_node"))
         # Whether a token can have several pairs on one node: the same on every rank, so all
         # of them run the secondary pairs' A2A or none does.
         self.has_secondaries = self.topk > 1 or self.drop_and_pad

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_parm import schedules
+from megatron_parm.config import parm_setting
 from megatron_parm.comm.collectives import Pending, start_all_gather, start_all_to_all, start_reduce_scatter
 from megatron_parm.dispatchers import row_order
 from megatron_parm.dispatchers.base import RoutingPlan
@@ -356,8 +357,8 @@ class ParmS2TokenDispatcher(ParmS1TokenDispatcher):
         super().__init__(*args, **kwargs)
         schedule = schedules.get("parm_s2")
         self.num_chunks, self.bwd_num_chunks = schedule.chunk_counts(
-            getattr(self.config, "parm_num_chunks", None),
-            getattr(self.config, "parm_bwd_num_chunks", None))
+            parm_setting(self.config, "parm_num_chunks"),
+            parm_setting(self.config, "parm_bwd_num_chunks"))
 
     def dispatch_compute_combine(self, rows: torch.Tensor, row_probs: torch.Tensor,
                                  expert_fn: Callable) -> torch.Tensor:

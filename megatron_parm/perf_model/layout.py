@@ -47,6 +47,28 @@ def _by_node(ranks: Sequence[int], ranks_per_node: int) -> List[List[int]]:
     return blocks
 
 
+def _node_split(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int):
+    """Each EP group of the block split by node, and why that split is uneven (or None)."""
+    groups = [list(tp_ep_ranks[q::etp]) for q in range(etp)]
+    split = [_by_node(group, ranks_per_node) for group in groups]
+    shapes = {tuple(len(block) for block in blocks) for blocks in split}
+    shape = next(iter(shapes))
+    nodes_once = all(len({block[0] // ranks_per_node for block in blocks}) == len(blocks)
+                     for blocks in split)
+    if len(shapes) == 1 and len(set(shape)) == 1 and nodes_once:
+        return groups, split, None
+    sizes = sorted({len(block) for blocks in split for block in blocks})
+    return groups, split, (f"the EP group {groups[0]} does not split evenly by node at "
+                           f"{ranks_per_node} ranks per node (nodes hold {sizes} of its "
+                           f"ranks): parm_hier needs as many EP ranks on every node it spans")
+
+
+def node_split_problem(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int):
+    """Why parm_hier cannot split the EP groups of this ESP x EP block by node (None if it
+    can): every EP group must span its nodes with as many ranks on each (ep_node_blocks)."""
+    return _node_split(tp_ep_ranks, etp, ranks_per_node)[2]
+
+
 def ep_node_blocks(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int) -> List[List[List[int]]]:
     """The EP groups of one ESP x EP block, each split by node: [ESP index][block][position].
 
@@ -55,16 +77,12 @@ def ep_node_blocks(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int) ->
     one node. parm_hier's inter-node stage joins the ranks at one position of every block,
     its intra-node stage the ranks of one block; that needs every EP group of the ESP x EP
     block cut alike (as many blocks, each node once, as many ranks in each), since ESP peers
-    gather each other's rows in that order. Where they are not, every rank is a block of its
-    own: a single stage, deduplicated per destination rank.
+    gather each other's rows in that order. Where they are not (node_split_problem), every
+    rank is a block of its own: the performance model then prices a single stage,
+    deduplicated per destination rank; the dispatcher refuses such a layout.
     """
-    groups = [list(tp_ep_ranks[q::etp]) for q in range(etp)]
-    split = [_by_node(group, ranks_per_node) for group in groups]
-    shapes = {tuple(len(block) for block in blocks) for blocks in split}
-    shape = next(iter(shapes))
-    nodes_once = all(len({block[0] // ranks_per_node for block in blocks}) == len(blocks)
-                     for blocks in split)
-    if len(shapes) == 1 and len(set(shape)) == 1 and nodes_once:
+    groups, split, problem = _node_split(tp_ep_ranks, etp, ranks_per_node)
+    if problem is None:
         return split
     return [[[rank] for rank in group] for group in groups]
 

@@ -96,7 +96,7 @@ def test_tuning_is_the_default_without_a_profile_and_a_flag_turns_it_either_way(
     assert tuning.default_cache(None, None) is None and tuning.default_cache("c.json", "x") == "c.json"
 
 
-def test_training_flags(tmp_path):
+def test_training_flags(tmp_path, prepared_data):
     from megatron_parm.training.arguments import parse_args
 
     base = ["--config", "configs/gpt2_tiny_moe.yaml", "--moe-token-dispatcher-type", "parm"]
