@@ -161,6 +161,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
             raise ValueError(f"{flag} must be >= {0 if flag == '--warmup' else 1}, got {value}")
     if os.path.splitext(args.output)[1].lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--output must end in .yaml, .yml or .json, got {args.output!r}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ValueError(f"--output: no such directory: {os.path.dirname(args.output)}")
     from megatron_parm.comm.accounting import launcher_ranks_per_node, ranks_per_node as node_rule
 
     if args.parm_ranks_per_node is None and launcher_ranks_per_node() is None:
@@ -207,6 +209,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> Layout:
         raise ValueError(f"--step-layers: layer counts must be positive, got {args.step_layers}")
     if args.step_layers and not os.path.isfile(args.step_config):
         raise ValueError(f"--step-config: file not found: {args.step_config}")
+    from megatron_parm.bench.calibrate import step_args
+
+    for num_layers in args.step_layers:  # the step timing's model, checked before any timing
+        try:
+            step_args(args.step_config, tp, ep, etp, num_layers, world_size, num_microbatches=2)
+        except ValueError as error:
+            raise ValueError(f"--step-config {args.step_config} at --step-layers {num_layers}: "
+                             f"{error}") from None
     if args.base_profile is not None:
         from megatron_parm.perf_model import load_profile
 

@@ -133,6 +133,24 @@ def time_compute(rows_list: Sequence[int], hidden: int, ffn_local: int, *, warmu
     return points
 
 
+def step_args(config: str, tp: int, ep: int, etp: int, num_layers: int, world_size: int,
+              num_microbatches: int = 1):
+    """The trainer's flags for time_model_steps: the config's GPT MoE model cut to num_layers,
+    on the layout, with parm_s1; its data flags are not read (the tokens are random).
+    Raises ValueError naming the flag (tools/calibrate.py checks this before timing)."""
+    from megatron_parm.perf_model.calibrate import layer_fit_schedules
+    from megatron_parm.training.arguments import parse_args
+
+    argv = ["--config", config, "--num-layers", str(num_layers),
+            "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
+            "--expert-tensor-parallel-size", str(etp),
+            "--moe-token-dispatcher-type", layer_fit_schedules()[0]]
+    args = parse_args(argv + (["--sequence-parallel"] if tp > 1 else []),
+                      world_size=world_size, reads_data=False)
+    args.global_batch_size = args.micro_batch_size * (world_size // tp) * num_microbatches
+    return args
+
+
 def time_model_steps(config: str, tp: int, ep: int, etp: int, num_layers: int,
                      num_microbatches: int, *, warmup: int, reps: int, vocab_size: int,
                      device) -> tuple:
@@ -143,18 +161,10 @@ def time_model_steps(config: str, tp: int, ep: int, etp: int, num_layers: int,
     fitted to these (perf_model.calibrate.fit_framework_terms)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_parm.perf_model.calibrate import layer_fit_schedules
-    from megatron_parm.training.arguments import parse_args
     from megatron_parm.training.model import gpt_forward_step
     from megatron_parm.training.trainer import build_model_and_optimizer
 
-    data_parallel = dist.get_world_size() // tp
-    argv = ["--config", config, "--num-layers", str(num_layers),
-            "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
-            "--expert-tensor-parallel-size", str(etp),
-            "--moe-token-dispatcher-type", layer_fit_schedules()[0]]
-    args = parse_args(argv + (["--sequence-parallel"] if tp > 1 else []))
-    args.global_batch_size = args.micro_batch_size * data_parallel * num_microbatches
+    args = step_args(config, tp, ep, etp, num_layers, dist.get_world_size(), num_microbatches)
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()  # sized by the layers of the model before

@@ -35,11 +35,12 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
-               world_size: Optional[int] = None) -> argparse.Namespace:
+               world_size: Optional[int] = None, reads_data: bool = True) -> argparse.Namespace:
     """Parse flags (config file first, command line on top) and validate them.
 
     world_size: the number of ranks; by default $WORLD_SIZE (set by torchrun, srun + torchrun
-    and tools/emulate_cluster.py), else 1.
+    and tools/emulate_cluster.py), else 1. reads_data: False for a caller that feeds random
+    tokens (calibration's step timing): --data-path and --tokenizer-model are not checked.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
@@ -47,14 +48,16 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
     args.model_type = model_type
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(args, world_size)
+    validate(args, world_size, reads_data)
     return args
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
+def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
     own check ran in settings.read)."""
-    _validate_inputs(args)
+    settings.require(args, REQUIRED)
+    if reads_data:
+        _validate_inputs(args)
     _validate_model(args)
     _validate_layout(args, world_size)
     _validate_batch(args, world_size)
@@ -64,8 +67,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _validate_inputs(args) -> None:
-    """The required flags, and the files they name."""
-    settings.require(args, REQUIRED)
+    """The files the data flags name."""
     parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
     if args.tokenizer_type == "SentencePieceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):

@@ -18,14 +18,29 @@ from megatron_parm.perf_model import COLLECTIVE_KINDS, LINKS, load_profile
 TINY = ["--sizes", "64KiB..4MiB:3", "--warmup", "1", "--reps", "3", "--compute-rows", "64,512"]
 
 
+def config_without_corpus(folder, **changes):
+    """The tiny config the framework terms time, with its corpus and tokenizer moved to paths
+    that do not exist (and CHANGES): calibration feeds random tokens, as on a fresh clone."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "configs/gpt2_tiny_moe.yaml").read_text())
+    config.update(data_path=str(folder / "no_corpus_document"),
+                  tokenizer_model=str(folder / "no_tokenizer.model"), **changes)
+    path = folder / "step_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, prepared_data):  # the framework terms time the tiny config's steps
+def run(tmp_path_factory):
     # 2 "nodes" x 2 ranks by the rank rule alone: TP = ETP = {0,1},{2,3} (intra), EP =
     # {0,2},{1,3} (inter), so both link classes are timed on one machine.
-    path = tmp_path_factory.mktemp("calibrate") / "tiny_measured.yaml"
+    folder = tmp_path_factory.mktemp("calibrate")
+    path = folder / "tiny_measured.yaml"
     proc = torchrun("tools/calibrate.py", 4, *TINY, "--ranks-per-node", "2", "--layer-tokens",
                     "16,32", "--layer-num-experts", "4", "--layer-hidden-size", "64",
-                    "--layer-ffn-hidden-size", "64",
+                    "--layer-ffn-hidden-size", "64", "--step-config",
+                    str(config_without_corpus(folder)),
                     "--output", str(path), "--note", "loopback test", timeout=300)
     return path, proc.stdout
 
@@ -135,3 +150,20 @@ def test_bad_flag_names_itself(flags, named):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr, proc.stderr
+
+
+def test_a_bad_step_config_or_output_stops_before_any_timing(tmp_path):
+    """The step timing's model and the output's folder are checked with the flags, in seconds:
+    one line naming the flag, exit 2, nothing written."""
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
+    bad_heads = config_without_corpus(tmp_path, num_attention_heads=3)
+    for flags, named in ((["--step-config", str(bad_heads)], "--num-attention-heads"),
+                         (["--output", str(tmp_path / "missing" / "p.yaml")], "--output")):
+        proc = subprocess.run([sys.executable, "tools/calibrate.py", *flags,
+                               "--output" if "--output" not in flags else "--note",
+                               str(tmp_path / "p.yaml") if "--output" not in flags else "x"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and named in last and "Traceback" not in proc.stderr, \
+            proc.stderr
+        assert not (tmp_path / "p.yaml").exists()
