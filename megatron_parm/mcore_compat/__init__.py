@@ -305,8 +305,9 @@ def _patch_cuda_device_literals() -> None:
     from megatron.core.optimizer import clip_grads, grad_scaler
     from megatron.core.optimizer import optimizer
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
 
-    for module in (optimizer, clip_grads, grad_scaler, schedules):
+    for module in (optimizer, clip_grads, grad_scaler, schedules, transformer_utils):
         module.torch = _HostDeviceTorch()
 
 
@@ -513,9 +514,11 @@ REDIRECTS: Dict[str, Redirect] = {
         _patch_cuda_device_literals, with_cuda=False,
         why=(
             "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
-            'buffers), the loss scalers (grad_scaler), clip_grads and the pipeline schedules '
-            "create small tensors with a literal device='cuda'. Those four modules see a `torch` "
-            "whose tensor factories read 'cuda' as the CPU; every other name is torch's own."
+            'buffers), the loss scalers (grad_scaler), clip_grads, the pipeline schedules and '
+            "transformer.utils (get_default_causal_mask: a causal attention called with "
+            "attention_mask=None, as a GPTModel user may call it) create small tensors with a "
+            "literal device='cuda'. Those five modules see a `torch` whose tensor factories "
+            "read 'cuda' as the CPU; every other name is torch's own."
         )),
     "float16_param_types": Redirect(
         _patch_float16_param_types, with_cuda=False,

@@ -69,6 +69,19 @@ def node_split_problem(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int
     return _node_split(tp_ep_ranks, etp, ranks_per_node)[2]
 
 
+def world_node_split_problem(world_size: int, ep: int, etp: int, pp: int,
+                             ranks_per_node: int):
+    """node_split_problem for every ESP x EP block of a world laid out in Megatron's order
+    (expert layout [pp][edp][ep][etp]), before any process group exists; None if parm_hier
+    can split them all."""
+    stage, block = world_size // pp, ep * etp
+    for first in range(0, world_size, block) if stage % block == 0 else ():
+        problem = node_split_problem(range(first, first + block), etp, ranks_per_node)
+        if problem:
+            return problem
+    return None
+
+
 def ep_node_blocks(tp_ep_ranks: Sequence[int], etp: int, ranks_per_node: int) -> List[List[List[int]]]:
     """The EP groups of one ESP x EP block, each split by node: [ESP index][block][position].
 

@@ -134,10 +134,18 @@ def _validate_schedule(args) -> None:
 
 def _validate_parm(args, world_size: int) -> None:
     """Parm's flags: node size, profile and tuning."""
-    if args.parm_ranks_per_node is not None:
-        from megatron_parm.comm.accounting import ranks_per_node
+    from megatron_parm.comm.accounting import ranks_per_node
 
-        ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
+    per_node = ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
+    if args.moe_token_dispatcher_type == "parm_hier":  # parm leaves it out instead (one line)
+        from megatron_parm.perf_model.layout import world_node_split_problem
+
+        problem = world_node_split_problem(world_size, args.expert_model_parallel_size,
+                                           args.expert_tensor_parallel_size,
+                                           args.pipeline_model_parallel_size, per_node)
+        if problem:
+            raise ValueError(f"--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
+                             f"{per_node}: {problem}")
     if args.parm_profile is not None:
         from megatron_parm.perf_model import load_profile
 

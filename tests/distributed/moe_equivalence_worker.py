@@ -42,6 +42,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,12 +114,15 @@ PARM_PROFILE = {"dropless": None, "drop": "latency-free", "pad": "latency-free",
 
 def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=False, profile=None,
               per_node=None, num_chunks=NUM_CHUNKS, simulate=None, grouped=False, bf16=False,
-              bwd_chunks=None, torch_grouped=False, phases=False, inspect=None):
+              bwd_chunks=None, torch_grouped=False, phases=False, inspect=None, plain=False,
+              prepare=None):
     """Forward + backward on this rank; returns full-size tensors holding this rank's part.
 
     phases: drive the dispatcher through its six phases one by one (drive_phases), as a
     Megatron-Core caller does, instead of calling ParmMoELayer. inspect: a function
     (layer, x) run after the backward; what it returns is in the result's "inspect".
+    plain: a plain TransformerConfig (no parm_* field: each dispatcher takes its defaults).
+    prepare: a function (layer, x) run before the forward (force_parm).
 
     simulate: a device_sim.SimulatedDevice to run the layer call under (forward and backward).
     grouped: Megatron's GroupedMLP experts (--moe-grouped-gemm) on tests/fake_grouped_gemm.py,
@@ -136,8 +140,12 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     from megatron_parm.layer import ParmMoELayer
     from megatron_parm.specs import get_gpt_layer_parm_spec
 
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     topk, capacity, pad, aux = case
-    cfg = ParmTransformerConfig(
+    parm_fields = dict(parm_num_chunks=num_chunks, parm_bwd_num_chunks=bwd_chunks,
+                       parm_profile=profile, parm_ranks_per_node=per_node)
+    cfg = (TransformerConfig if plain else ParmTransformerConfig)(
         num_layers=1, hidden_size=M, num_attention_heads=4, ffn_hidden_size=F, moe_ffn_hidden_size=F,
         num_moe_experts=E, moe_router_topk=topk, moe_token_dispatcher_type=dispatcher,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
@@ -145,10 +153,7 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         moe_pad_expert_input_to_capacity=pad, moe_router_pre_softmax=(topk == 1),
         use_cpu_initialization=True, add_bias_linear=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
-        moe_grouped_gemm=grouped or torch_grouped, parm_num_chunks=num_chunks,
-        parm_bwd_num_chunks=bwd_chunks,
-        parm_profile=profile,
-        parm_ranks_per_node=per_node)
+        moe_grouped_gemm=grouped or torch_grouped, **({} if plain else parm_fields))
     if bf16:
         data = {name: tensor.to(torch.bfloat16) for name, tensor in data.items()}
     spec = get_gpt_layer_parm_spec(num_experts=E, moe_grouped_gemm=grouped or torch_grouped,
@@ -176,6 +181,8 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
         x = data["x"][dp_rank].clone().requires_grad_()
         dy = data["dy"][dp_rank]
 
+    if prepare is not None:
+        prepare(layer, x)
     if simulate is not None:
         from device_sim import covering_backward, mark_device, mark_module, parm_autograd_functions
 
@@ -454,15 +461,34 @@ def shares_a_remote_node(maps, ep, per_node):
     return False
 
 
+# The groups Megatron made for the current layout. Its destroy_model_parallel only forgets
+# them, and under gloo each keeps I/O threads; the launch runs several layouts, so each one's
+# groups are closed before the next (test hygiene only: the layers never depend on it).
+# parm_hier's node groups are kept, as megatron_parm.parallel keeps them for a layout met again.
+_LAYOUT_GROUPS: list = []
+
+
+def _close_groups_of_previous_layout():
+    if _LAYOUT_GROUPS:
+        dist.barrier()
+    for group in _LAYOUT_GROUPS:
+        if group in distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+    _LAYOUT_GROUPS.clear()
+
+
 def check_layout(tp, ep, etp, per_node, records):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_parm.parallel import initialize_model_parallel
-
-    # parm_hier's node groups: as many ranks per node as run_layer's configs say
-    initialize_model_parallel(tp, ep, etp, num_experts=E,
-                              ranks_per_node=per_node or dist.get_world_size())
+    # Megatron-Core's own initialization, as its test utilities make it (nothing of
+    # megatron_parm.parallel): parm_hier makes its node groups when its layers are built.
+    ps.destroy_model_parallel()
+    _close_groups_of_previous_layout()
+    before = set(distributed_c10d._world.pg_map)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
+    _LAYOUT_GROUPS[:] = [g for g in distributed_c10d._world.pg_map if g not in before]
     model_parallel_cuda_manual_seed(1234)
     rank = dist.get_rank()
     num_replicas = dist.get_world_size() // tp
@@ -491,6 +517,10 @@ def check_layout(tp, ep, etp, per_node, records):
         if case_name in PHASE_CASES:
             phases_match(case_name, case, names[1:], tp, ep, etp, per_node, data, results, layout,
                          records)
+        if case_name in FORCED_CASES:
+            parm_forced(case_name, case, tp, ep, etp, per_node, data, results, layout, records)
+        if case_name == "dropless":
+            plain_config(case, names[1:], tp, ep, etp, data, results, layout, records)
         ref = reference(case, data, tp)
         for name in names[1:]:
             for key in ("y", "x", "router", "fc1", "fc2"):
@@ -547,6 +577,55 @@ def phases_match(case_name, case, names, tp, ep, etp, per_node, data, results, l
                 records.append(dict(layout=layout, case=f"{case_name}-phases", dispatcher=name,
                                     against=against, quantity=key,
                                     err=rel_err(full[key], reference[key])))
+
+
+# Routing cases in which parm runs forced onto each of its candidate schedules.
+FORCED_CASES = ("dropless", "drop")
+
+
+def force_parm(schedule):
+    """A prepare function for run_layer: parm runs SCHEDULE (a name, or (name, forward chunks,
+    backward chunks)) at the call's token count, as if it had chosen it."""
+    from megatron_parm import tuning
+    from megatron_parm.perf_model import Choice
+
+    def prepare(layer, x):
+        dispatcher = layer.token_dispatcher
+        dispatcher.choices[x.numel() // x.shape[-1]] = tuning.ParmChoice(
+            schedule, "model", Choice(schedule, {}, {}, reason="forced by the test"))
+    return prepare
+
+
+def parm_forced(case_name, case, tp, ep, etp, per_node, data, results, layout, records):
+    """parm forced onto each of its candidate schedules that run the layout (S2 at NUM_CHUNKS
+    and the case's backward chunks), through ParmMoELayer and phase by phase, against
+    alltoall: output and every gradient."""
+    from megatron_parm import schedules
+
+    bwd = BWD_CHUNKS[case_name] or NUM_CHUNKS
+    for candidate in schedules.supported_candidates(tp, ep, etp, tp > 1):
+        schedule = (candidate.name, NUM_CHUNKS, bwd) if candidate.chunked else candidate.name
+        for phases in (False, True):
+            full, _, _ = run_layer("parm", case, tp, ep, etp, tp > 1, data, per_node=per_node,
+                                   bwd_chunks=bwd, phases=phases, prepare=force_parm(schedule))
+            assert full.pop("choice") == str(schedule), (full, schedule)
+            for key in ("y", "x", "router", "fc1", "fc2"):
+                records.append(dict(layout=layout, case=f"{case_name}-forced", dispatcher="parm",
+                                    schedule=candidate.name, phases=phases, against="alltoall",
+                                    quantity=key,
+                                    err=rel_err(full[key], results["alltoall"][key])))
+
+
+def plain_config(case, names, tp, ep, etp, data, results, layout, records):
+    """Every non-native dispatcher built from a plain TransformerConfig (no parm_* field, so
+    each takes ParmTransformerConfig's defaults), against alltoall."""
+    for name in names:
+        full, _, _ = run_layer(name, case, tp, ep, etp, tp > 1, data, plain=True)
+        full.pop("choice")
+        for key in ("y", "x", "router", "fc1", "fc2"):
+            records.append(dict(layout=layout, case="dropless-plain-config", dispatcher=name,
+                                against="alltoall", quantity=key,
+                                err=rel_err(full[key], results["alltoall"][key])))
 
 
 def phase_order_errors(tp, ep, etp, per_node, layout, records):

@@ -9,7 +9,11 @@ float32, for the layer output, input grad, router grad and every expert weight g
 Every dispatcher runs through ParmMoELayer and, as Megatron-Core's callers drive one, through
 its six phases one by one (dropless, capacity, padded): against itself in the layer and
 against alltoall, with identity experts (and the capacity's row counts), and with its phases
-out of order (one error naming the phase).
+out of order (one error naming the phase). parm also runs forced onto each of its candidate
+schedules (S2 included), in the layer and phase by phase, and every dispatcher runs from a
+plain TransformerConfig. Each layout's process groups are Megatron-Core's own
+(parallel_state.initialize_model_parallel, as its test utilities make them): nothing of
+megatron_parm.parallel is called first.
 
 A launch is one machine; each layout runs with a ranks-per-node setting (RANKS_PER_NODE,
 --parm-ranks-per-node) that gives parm_hier several nodes to split its EP groups by. Its
@@ -29,7 +33,7 @@ import pytest
 from launch import torchrun
 from megatron_parm import schedules
 from moe_equivalence_worker import CASES as CASE_SPECS
-from moe_equivalence_worker import GROUPED_LAYOUTS, PHASE_CASES, TORCH_GROUPED_BF16
+from moe_equivalence_worker import FORCED_CASES, GROUPED_LAYOUTS, PHASE_CASES, TORCH_GROUPED_BF16
 from toy_schedule import TOY
 
 TOL = 1e-5
@@ -118,6 +122,37 @@ def test_phase_by_phase_matches_the_layer_and_alltoall(records, world, layout, c
         {(a, q) for a in ("layer", "alltoall") for q in ("y", "x", "router", "fc1", "fc2")}
     bad = {(r["against"], r["quantity"]): r["err"] for r in rows if not r["err"] <= TOL}
     assert not bad, f"{dispatcher} phase by phase differs: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("case", FORCED_CASES)
+def test_parm_forced_onto_each_schedule_matches_alltoall(records, world, layout, case):
+    """parm made to run each of its candidate schedules that can run the layout (S2 at 3
+    forward chunks), through ParmMoELayer and phase by phase: output and every gradient as
+    alltoall's."""
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    rows = _select(records, world, layout, case=f"{case}-forced")
+    expected = {s.name for s in schedules.supported_candidates(tp, ep, etp, tp > 1)}
+    if world == TOY_WORLD and TOY.unsupported(tp, ep, etp) is None:  # registered there too
+        expected.add(TOY.name)
+    assert {(r["schedule"], r["phases"]) for r in rows} == \
+        {(name, phases) for name in expected for phases in (False, True)}
+    assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
+    bad = {(r["schedule"], r["phases"], r["quantity"]): r["err"] for r in rows
+           if not r["err"] <= TOL}
+    assert not bad, f"parm forced onto a schedule differs from alltoall: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
+@pytest.mark.parametrize("dispatcher", PARM)
+def test_plain_transformer_config_matches_alltoall(records, world, layout, dispatcher):
+    """Built from Megatron's own TransformerConfig (no parm_* field), every dispatcher takes
+    ParmTransformerConfig's defaults and computes what alltoall computes."""
+    _skip_unless_supported(dispatcher, layout)
+    rows = _select(records, world, layout, case="dropless-plain-config", dispatcher=dispatcher)
+    assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
+    bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
+    assert not bad, f"{dispatcher} from a plain TransformerConfig differs: {bad}"
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")

@@ -8,7 +8,9 @@ this test does with it, visibly in the Markdown source:
                                         than a minute, placeholders for the reader's folders)
 
 A block without either, or a command written as an indented block, fails the test: new
-commands cannot be skipped silently. Blocks run with bash -e from a copy of the repository
+commands cannot be skipped silently. A fenced python block marked run is a script the reader
+launches with torchrun: it runs as `torchrun --standalone --nproc-per-node 2 BLOCK.py` (python
+blocks without a marker are excerpts, not run). Blocks run with bash -e from a copy of the repository
 (the virtual environment and the prepared data linked in), with this Python's bin directory
 first on PATH, so `python` and `.venv/bin/python` are the project's.
 """
@@ -51,10 +53,19 @@ def command_blocks(path: Path):
         elif line.startswith("```"):
             if fence in COMMAND_LANGUAGES:
                 blocks.append((start, marker.group(1) if marker else None, "\n".join(body)))
+            elif fence == "python" and marker and marker.group(1) == "run":
+                blocks.append((start, "run", _as_torchrun_script("\n".join(body))))
             fence = None
         else:
             body.append(line)
     return blocks
+
+
+def _as_torchrun_script(source: str) -> str:
+    """A python block as the bash command that writes it to a file and launches it."""
+    assert "PARM_DOC_SCRIPT" not in source
+    return (f"cat > doc_block.py <<'PARM_DOC_SCRIPT'\n{source}\nPARM_DOC_SCRIPT\n"
+            f"python -m torch.distributed.run --standalone --nproc-per-node 2 doc_block.py")
 
 
 def _all_blocks():

@@ -78,6 +78,18 @@ def test_ranks_per_node_must_divide_the_world():
     assert args.parm_ranks_per_node == 2
 
 
+def test_parm_hier_needs_ep_groups_that_split_evenly_by_node():
+    """12 ranks, 3 per node, EP groups of 4: a group holds 3 ranks on one node and 1 on the
+    next. parm_hier is refused naming the flags and the group; parm takes the layout (its
+    layers leave parm_hier out with one line)."""
+    flags = TINY_GPT + ["--parm-ranks-per-node", "3", "--expert-model-parallel-size", "4",
+                        "--global-batch-size", "48", "--moe-token-dispatcher-type"]
+    message = error(flags + ["parm_hier"], world_size=12)
+    assert message.startswith("--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
+                              "3: the EP group [0, 1, 2, 3] does not split evenly by node"), message
+    assert parse_args(flags + ["parm"], world_size=12).moe_token_dispatcher_type == "parm"
+
+
 def test_unknown_config_key_and_dispatcher():
     assert "--config" in error(["--config", "nope.yaml"])
     with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
