@@ -2,7 +2,7 @@
 decision and the cache (torch-free; the dispatcher `parm` runs it, dispatchers/parm_auto.py).
 
 Without a calibrated profile the performance model can rank a slower schedule first
-(docs/benchmark.md, "parm's measured choice"). With tuning on, `parm` times the few candidates
+(docs/benchmark.md, "How well parm chooses"). With tuning on, `parm` times the few candidates
 the model ranks best on the real layer, with the run's own tokens, and keeps the fastest:
 
     shortlist(choice, margin, max_candidates, always)
