@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo layer-demo test clean
 
-$(STAMP): setup.py requirements.txt
+$(STAMP): pyproject.toml requirements.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt

@@ -2,7 +2,7 @@
 decision and the cache (torch-free; the dispatcher `parm` runs it, dispatchers/parm_auto.py).
 
 Without a calibrated profile the performance model can rank a slower schedule first
-(docs/benchmark.md, "parm's measured choice"). With tuning on, `parm` times the few candidates
+(docs/benchmark.md, "How well parm chooses"). With tuning on, `parm` times the few candidates
 the model ranks best on the real layer, with the run's own tokens, and keeps the fastest:
 
     shortlist(choice, margin, max_candidates, always)
@@ -41,6 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_parm import __version__
 from megatron_parm.perf_model.predict import ScheduleFields
 
 DEFAULT_STEPS = 5  # timed calls per candidate (after one warm-up call)
@@ -239,7 +240,9 @@ class Lookup:
 
 @dataclass
 class TuningCache:
-    """One JSON file: {"format", "version", "entries": [{"key": ..., "winner", "seconds"}]}."""
+    """One JSON file: {"format", "version", "megatron_parm_version" (the package that wrote
+    it, for the reader; entries are reused across versions), "entries": [{"key": ...,
+    "winner", "seconds"}]}."""
 
     path: str
     entries: List[Dict] = field(default_factory=list)
@@ -292,7 +295,8 @@ class TuningCache:
             temporary = f"{self.path}.tmp{os.getpid()}"
             with open(temporary, "w") as f:
                 json.dump({"format": CACHE_FORMAT, "version": CACHE_VERSION,
-                           "entries": entries}, f, indent=1)
+                           "megatron_parm_version": __version__, "entries": entries}, f,
+                          indent=1)
             os.replace(temporary, self.path)
         self.entries = entries
 

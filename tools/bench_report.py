@@ -1,8 +1,8 @@
 """Turn benchmark JSON lines into tables, a summary against Parm's targets and a plot.
 
-    python tools/bench_report.py docs/bench/unshaped.jsonl docs/bench/pcie.jsonl \\
-        docs/bench/nvlink.jsonl docs/bench/memory.jsonl docs/bench/ws1.jsonl \\
-        --markdown docs/bench/table.md --plot docs/bench/speedup.png --summary docs/bench/summary.json \\
+    python tools/bench_report.py OUT/unshaped.jsonl OUT/pcie.jsonl \\
+        OUT/nvlink.jsonl OUT/memory.jsonl OUT/ws1.jsonl \\
+        --markdown OUT/table.md --plot OUT/speedup.png --summary OUT/summary.json \\
         --model-config configs/gpt2_small_moe.yaml --model-config configs/gpt2_medium_moe.yaml
 
 No process groups needed: it reads what tools/bench_moe_layer.py wrote (labels: a link

@@ -19,6 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from megatron_parm import __version__
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.paths import missing_files
 
@@ -141,7 +142,7 @@ def _missing_experts(key: str, entry) -> str:
 def manifest_from_metadata(metadata, extra: Optional[dict] = None) -> dict:
     tensors = tensor_entries(metadata)
     manifest = {
-        "format": "megatron-parm manifest", "version": 1,
+        "format": "megatron-parm manifest", "version": 1, "megatron_parm_version": __version__,
         "tensors": {key: {"shape": list(entry.size),
                           "dtype": str(entry.properties.dtype).replace("torch.", "")}
                     for key, entry in sorted(tensors.items())},

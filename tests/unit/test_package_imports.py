@@ -90,11 +90,13 @@ def test_every_import_goes_to_its_own_layer_or_below():
     layers = layer_table()
     assert len(layers) >= 20 and layers["schedules"] == 1 and layers["bench"] == max(layers.values())
     graph = package_imports("megatron_parm")
-    graph.pop("megatron_parm")  # the package's __init__ (imports nothing of it)
+    # the package's __init__ imports nothing of it and holds only __version__, which any
+    # layer may read
+    graph.pop("megatron_parm")
+    graph = {module: targets - {"megatron_parm"} for module, targets in graph.items()}
     unplaced = sorted({unit_of(m, layers) for m in graph} - set(layers))
     assert not unplaced, f"modules in no layer of docs/design.md's table: {unplaced}"
     upward = sorted((source, target) for source, targets in graph.items() for target in targets
-                    if target != "megatron_parm"
-                    and layers[unit_of(target, layers)] > layers[unit_of(source, layers)])
+                    if layers[unit_of(target, layers)] > layers[unit_of(source, layers)])
     assert not upward, f"imports of a higher layer (docs/design.md, the packages by layer): {upward}"
     assert circles(graph) == []

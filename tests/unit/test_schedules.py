@@ -178,7 +178,7 @@ def test_a_non_editable_install_ships_the_default_profiles(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"),

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import megatron_parm
 from megatron_parm import tuning
 from megatron_parm.perf_model import LayerShape, Layout
 
@@ -137,6 +138,7 @@ def test_cache_round_trip_and_misses(tmp_path):
     cache.store(_key(), measured)
     found = tuning.TuningCache(str(path)).lookup(_key()).measured
     assert found.winner == (S2, 2, 4) and found.seconds == measured.seconds
+    assert json.loads(path.read_text())["megatron_parm_version"] == megatron_parm.__version__
     # another shape, another cluster: a warning naming what differs, and tuning again
     other = tuning.TuningCache(str(path)).lookup(_key(num_tokens=256))
     assert other.measured is None and other.writable

@@ -1,0 +1,66 @@
+"""Stage b of tools/gpu_check.py: training on one rank in bf16 (checkpoint saved, loaded and
+resumed) and in fp16 with dynamic loss scaling."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+
+TRAIN_ITERS = 30
+RESUME_ITERS = 5
+FP16_ITERS = 12
+
+
+def worker_train(out: Path, quick: bool) -> dict:
+    """Stage b: bf16 training with parm on one rank, checkpoint saved / loaded / resumed; fp16."""
+    import torch
+
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import describe_choice, initialize_distributed, pretrain
+
+    initialize_distributed()
+    iters = 8 if quick else TRAIN_ITERS
+    checkpoint = tempfile.mkdtemp(prefix="gpu_check_ckpt_")
+    base = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "4",
+            "--global-batch-size", "4", "--eval-iters", "1", "--moe-token-dispatcher-type", "parm",
+            "--log-interval", str(max(iters // 3, 1))]
+    bf16 = base + ["--bf16", "--save", checkpoint]
+    first = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--eval-interval", str(iters)]))
+    loaded = pretrain(parse_args(bf16 + ["--train-iters", str(iters), "--load", checkpoint,
+                                         "--skip-train"]))
+    # Longer than the saved run: the checkpoint's learning-rate schedule carries on.
+    resumed = pretrain(parse_args(bf16 + ["--train-iters", str(iters + RESUME_ITERS), "--load",
+                                          checkpoint, "--eval-interval", "100000",
+                                          "--use-checkpoint-opt_param-scheduler"]))
+    fp16_iters = 6 if quick else FP16_ITERS
+    fp16 = pretrain(parse_args(base + ["--fp16", "--initial-loss-scale", str(2 ** 24),
+                                       "--hysteresis", "1", "--train-iters", str(fp16_iters),
+                                       "--eval-interval", "100000", "--log-interval",
+                                       str(max(fp16_iters // 3, 1))]))
+    losses = first["losses"]
+    eval_trained = first["eval"][-1][1]["lm loss"]
+    eval_loaded = loaded["eval"][-1][1]["lm loss"]
+    checks = {
+        "bf16 loss falls": losses[-1] < losses[0] - (0.2 if quick else 0.5),
+        "checkpoint saved": bool(first["checkpoint"]) and os.path.isdir(first["checkpoint"]),
+        # Scatter-adds on a GPU are not bitwise reproducible: equal to 1e-3 relative.
+        "loaded checkpoint evaluates to the trained loss":
+            abs(eval_loaded - eval_trained) <= 1e-3 * abs(eval_trained),
+        "resumed for the remaining iterations":
+            len(resumed["losses"]) == RESUME_ITERS and resumed["iteration"] == iters + RESUME_ITERS
+            and all(math.isfinite(v) for v in resumed["losses"]),
+        "fp16 trains with dynamic loss scaling": len(fp16["losses"]) == fp16_iters
+            and all(math.isfinite(v) for v in fp16["losses"][-3:]),
+    }
+    return {"status": "passed" if all(checks.values()) else "failed",
+            "reason": None if all(checks.values()) else
+            "failed: " + "; ".join(name for name, ok in checks.items() if not ok),
+            "backend": torch.distributed.get_backend(), "checks": checks,
+            "bf16_losses": losses, "eval_after_training": eval_trained,
+            "eval_after_loading": eval_loaded, "resumed_losses": resumed["losses"],
+            "fp16_losses": fp16["losses"], "fp16_loss_scales": fp16.get("loss_scales"),
+            "fp16_skipped_iterations": fp16.get("skipped_iterations"),
+            "dispatcher_choices": [describe_choice(c) for c in (first.get("dispatcher_choices") or [])]}

@@ -1,0 +1,63 @@
+"""The package's version is in one place and the changelog names it; a built wheel carries
+the package and its data (the performance model's profiles)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import zipfile
+
+import megatron_parm
+from launch import REPO
+
+
+def test_the_changelog_names_the_package_version():
+    headings = re.findall(r"^## (\d+\.\d+\.\d+)\b", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert headings, "CHANGELOG.md has no '## X.Y.Z' entry"
+    assert headings[0] == megatron_parm.__version__, (
+        f"CHANGELOG.md's newest entry is {headings[0]}, megatron_parm.__version__ is "
+        f"{megatron_parm.__version__}: add an entry or move the version")
+    assert headings[-1] == "0.1.0"
+
+
+def test_pyproject_reads_the_version_from_the_package():
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text
+    assert 'version = {attr = "megatron_parm.__version__"}' in text
+    assert not (REPO / "setup.py").exists(), "pyproject.toml is the one build source"
+
+
+def test_a_wheel_holds_the_package_and_its_profiles(tmp_path):
+    """`pip wheel --no-deps .` from a copy of the sources (about 10 s on 2 cores)."""
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "-q", "wheel", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "w"), str(source)],
+                   check=True, capture_output=True)
+    wheel = next((tmp_path / "w").glob("*.whl"))
+    assert wheel.name.startswith(f"megatron_parm-{megatron_parm.__version__}-")
+    names = zipfile.ZipFile(wheel).namelist()
+    profiles = sorted(p.name for p in (REPO / "megatron_parm/perf_model/profiles").glob("*.yaml"))
+    assert profiles and all(f"megatron_parm/perf_model/profiles/{p}" in names for p in profiles)
+    assert "megatron_parm/__init__.py" in names and "megatron_parm/dispatchers/parm_auto.py" in names
+    assert not any(n.startswith(("tests/", "tools/")) for n in names)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "Requires-Dist: megatron-core==0.16.1" in text
+    assert "Provides-Extra: test" in text
+
+
+def test_a_checkpoint_manifest_records_the_package_version():
+    from types import SimpleNamespace
+
+    from megatron_parm.checkpointing.verify import manifest_from_metadata
+
+    manifest = manifest_from_metadata(SimpleNamespace(state_dict_metadata={}), {"iteration": 3})
+    assert manifest["megatron_parm_version"] == megatron_parm.__version__
+    assert manifest["iteration"] == 3
