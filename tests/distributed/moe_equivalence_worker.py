@@ -546,6 +546,7 @@ def check_layout(tp, ep, etp, per_node, records):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
                                     against="reference", quantity=key, err=rel_err(full[key], ref[key])))
     simulated_device(tp, ep, etp, per_node, layout, records)
+    node_groups_kept(tp, ep, etp, per_node, layout, records)
     if layout in GROUPED_LAYOUTS.get(dist.get_world_size(), ()):
         grouped_experts(tp, ep, etp, per_node, layout, records)
         torch_grouped_experts(tp, ep, etp, per_node, layout, records)
@@ -614,6 +615,22 @@ def parm_forced(case_name, case, tp, ep, etp, per_node, data, results, layout, r
                                     schedule=candidate.name, phases=phases, against="alltoall",
                                     quantity=key,
                                     err=rel_err(full[key], results["alltoall"][key])))
+
+
+def node_groups_kept(tp, ep, etp, per_node, layout, records):
+    """Building parm_hier (and parm, which builds it as a candidate) again on a layout whose
+    layers already ran makes no process group: the node groups are kept by their ranks."""
+    from megatron_parm import schedules
+
+    if schedules.get("parm_hier").unsupported(tp, ep, etp) is not None:
+        return
+    before = len(distributed_c10d._world.pg_map)
+    data = global_tensors(3, dist.get_world_size() // tp)
+    for name in ("parm_hier", "parm"):
+        run_layer(name, CASES["dropless"], tp, ep, etp, tp > 1, data, per_node=per_node)
+    records.append(dict(layout=layout, case="node-groups", dispatcher="parm_hier",
+                        against="groups", quantity="made",
+                        made=len(distributed_c10d._world.pg_map) - before))
 
 
 def plain_config(case, names, tp, ep, etp, data, results, layout, records):

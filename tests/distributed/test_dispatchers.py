@@ -144,6 +144,15 @@ def test_parm_forced_onto_each_schedule_matches_alltoall(records, world, layout,
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
+def test_node_groups_are_made_once_per_layout(records, world, layout):
+    """parm_hier's node groups are made when its first layer of a layout is built (after
+    Megatron-Core's own initialization) and kept: more layers make no process group."""
+    _skip_unless_supported("parm_hier", layout)
+    (row,) = _select(records, world, layout, case="node-groups")
+    assert row["made"] == 0, row
+
+
+@pytest.mark.parametrize("world,layout", list(_params()))
 @pytest.mark.parametrize("dispatcher", PARM)
 def test_plain_transformer_config_matches_alltoall(records, world, layout, dispatcher):
     """Built from Megatron's own TransformerConfig (no parm_* field), every dispatcher takes
