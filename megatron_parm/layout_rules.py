@@ -132,6 +132,41 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
     return None
 
 
+def recompute_problem(granularity: Optional[str], method: Optional[str],
+                      num_layers: Optional[int], modules, *, layers_per_stage: int,
+                      grouped_gemm: bool) -> Optional[str]:
+    """Why the activation-recompute flags cannot go together (Megatron-LM's and Megatron-Core
+    0.16.1's rules, and what this project's models have), or None."""
+    if granularity is None:
+        given = [flag for flag, value in (("--recompute-method", method),
+                                          ("--recompute-num-layers", num_layers),
+                                          ("--recompute-modules", modules)) if value]
+        return f"{given[0]} needs --recompute-granularity" if given else None
+    if granularity == "full":
+        if modules:
+            return ("--recompute-modules applies to --recompute-granularity selective "
+                    "(full recomputes whole layers)")
+        if method is None or num_layers is None:
+            return ("--recompute-granularity full needs --recompute-method (uniform or block) "
+                    "and --recompute-num-layers")
+        if num_layers > layers_per_stage:
+            return (f"--recompute-num-layers ({num_layers}) must be at most the layers of a "
+                    f"pipeline stage ({layers_per_stage})")
+        return None
+    if method is not None or num_layers is not None:
+        return ("--recompute-method and --recompute-num-layers apply to --recompute-granularity "
+                "full (selective recomputes the modules of --recompute-modules)")
+    if "moe_act" in (modules or ()) and not grouped_gemm:
+        return "--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core 0.16.1)"
+    if "mla_up_proj" in (modules or ()):
+        return ("--recompute-modules mla_up_proj needs multi-latent attention, which this "
+                "project's models do not have")
+    if "shared_experts" in (modules or ()):
+        return ("--recompute-modules shared_experts needs shared experts, which this project's "
+                "models do not have")
+    return None
+
+
 def expert_split_problem(moe_ffn_hidden_size: Optional[int], etp: int) -> Optional[str]:
     """Why each expert's FFN does not split over the ETP ranks, or None."""
     if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:

@@ -319,6 +319,33 @@ def _training_flags() -> List[Flag]:
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),
         Flag("--seed", train, int, 1234),
+        *_recompute_flags(train),
+    ]
+
+
+# Megatron-Core 0.16.1's selective recompute modules (TransformerConfig.recompute_modules).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+
+
+def _recompute_flags(train: str) -> List[Flag]:
+    """Activation recompute, as Megatron-LM spells it (its rules: training.arguments)."""
+    return [
+        Flag("--recompute-granularity", train, str, choices=("full", "selective"),
+             help="Recompute activations in the backward pass instead of keeping them: 'full' "
+                  "the whole transformer layer (with --recompute-method and "
+                  "--recompute-num-layers), 'selective' the modules of --recompute-modules."),
+        Flag("--recompute-method", train, str, choices=("uniform", "block"),
+             help="With --recompute-granularity full: 'uniform' recomputes every chunk of "
+                  "--recompute-num-layers layers, 'block' the first --recompute-num-layers "
+                  "layers of each pipeline stage."),
+        Flag("--recompute-num-layers", train, int, check=positive_int,
+             help="With --recompute-granularity full: layers per recompute unit (uniform) or "
+                  "recomputed layers per pipeline stage (block)."),
+        Flag("--recompute-modules", train, str, nargs="+", choices=RECOMPUTE_MODULES,
+             help="With --recompute-granularity selective: the submodules to recompute "
+                  "(default: core_attn). moe: the whole MoE layer, its dispatcher's "
+                  "collectives included; moe_act needs --moe-grouped-gemm."),
     ]
 
 

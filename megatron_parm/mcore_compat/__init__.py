@@ -184,6 +184,10 @@ def _patch_rng_tracker() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.manual_seed_all = lambda seed: None
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+    # Activation recompute (CheckpointFunction) saves and restores every RNG state around the
+    # recomputed forward; the "cuda" one is the CPU state, which it restores itself.
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: \
+        torch.get_rng_state()
 
 
 # ----------------------------------------------------------------------------------------
@@ -263,6 +267,18 @@ def _patch_host_split_sizes() -> None:
 # ----------------------------------------------------------------------------------------
 
 
+class _NoFP8:
+    """TE's FP8GlobalStateManager as it answers without TE: fp8 is off."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
 def _patch_missing_te() -> None:
     from megatron.core.transformer.moe import moe_utils
 
@@ -270,6 +286,15 @@ def _patch_missing_te() -> None:
     # bound when TE imports; without TE the router raises NameError.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # CheckpointWithoutOutput (selective recompute of layernorm and moe_act) reads fp8 as
+    # `fp8 is not None`, so always True, and then calls TE's FP8GlobalStateManager and its
+    # recompute and autocast contexts: without TE, fp8 is off and the contexts do nothing.
+    if not hasattr(mrandom, "FP8GlobalStateManager"):
+        mrandom.FP8GlobalStateManager = _NoFP8
+        mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+        mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------
@@ -478,7 +503,7 @@ REDIRECTS: Dict[str, Redirect] = {
         why=(
             'tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the '
             'same tracker keeps CPU generator states instead, so model-parallel init and dropout '
-            'forks stay reproducible.'
+            "forks stay reproducible; activation recompute's saved 'cuda' state is the CPU one."
         )),
     "uneven_collectives": Redirect(
         _patch_uneven_collectives, with_cuda=True,
@@ -507,8 +532,12 @@ REDIRECTS: Dict[str, Redirect] = {
         _patch_missing_te, with_cuda=True,
         why=(
             'moe_utils.RouterGatingLinearFunction reads the name te_general_gemm, which only '
-            'exists when transformer-engine imports; it is bound to None when TE is absent. This '
-            'one is about TE, not CUDA, so setup() applies it wherever TE is missing.'
+            'exists when transformer-engine imports; it is bound to None when TE is absent. '
+            "tensor_parallel.random's CheckpointWithoutOutput (selective recompute of layernorm "
+            "and moe_act) takes any fp8 argument as on and calls TE's FP8GlobalStateManager, "
+            'activation_recompute_forward and fp8_autocast: without TE, fp8 is off and the '
+            'contexts do nothing. This one is about TE, not CUDA, so '
+            'setup() applies it wherever TE is missing.'
         )),
     "cuda_device_literals": Redirect(
         _patch_cuda_device_literals, with_cuda=False,

@@ -18,8 +18,8 @@ from typing import List, Optional
 from megatron_parm import settings, tuning
 from megatron_parm.data.datasets import parse_data_path
 from megatron_parm.layout_rules import (
-    batch_problem, microbatch_problem, model_problem, pipeline_stage_layers, shape_problem,
-    virtual_stages)
+    batch_problem, microbatch_problem, model_problem, pipeline_stage_layers, recompute_problem,
+    shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import ddp, mixed_precision
 from megatron_parm.training.implementation import check_implementation
@@ -160,7 +160,12 @@ def _validate_parm(args, world_size: int) -> None:
 
 def _validate_implementation(args) -> None:
     """What this machine and Megatron-Core 0.16.1 can run: data parallelism, precision,
-    layer modules."""
+    layer modules, activation recompute."""
+    _refuse(recompute_problem(
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+        args.recompute_modules,
+        layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
+        grouped_gemm=bool(args.moe_grouped_gemm)))
     ddp.check_args(args, _cuda_available())
     mixed_precision.validate(args)
     check_implementation(args.transformer_impl, args.moe_grouped_gemm, model_type=args.model_type,

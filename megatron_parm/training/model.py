@@ -56,6 +56,7 @@ def build_config(args) -> ParmTransformerConfig:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         **pipeline_fields(args),
+        **recompute_fields(args),
         use_cpu_initialization=not device.is_cuda(),
         params_dtype=mixed_precision.params_dtype(args),
         bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
@@ -72,6 +73,17 @@ def build_config(args) -> ParmTransformerConfig:
         parm_tune_candidates=getattr(args, "parm_tune_candidates", tuning.DEFAULT_MAX_CANDIDATES),
         parm_tune_cache=getattr(args, "parm_tune_cache", None),
     )
+
+
+def recompute_fields(args) -> dict:
+    """The config's activation-recompute fields from Megatron-LM's flags (none without them)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None:
+        return {}
+    return dict(recompute_granularity=granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers,
+                **({"recompute_modules": list(args.recompute_modules)}
+                   if args.recompute_modules else {}))
 
 
 def pipeline_fields(args) -> dict:

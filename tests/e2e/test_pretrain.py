@@ -7,15 +7,16 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * parm tuning with candidates that fail (S2 at 2 forward chunks out of memory, parm_hier
     refused), kept in a cache file, then a run that finds it there;
   * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS), and with the
-    step's time breakdown written (alltoall, parm_s2).
+    step's time breakdown written (alltoall, parm_s2);
+  * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs).
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
   * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
     warning each); the choice is logged once per layer, measured, then cached;
   * the checkpoint is in Megatron-LM's layout and the console lines are in its format;
-  * each data-parallel flag and the timing breakdown leave the losses as they are, and the
-    breakdown has the parts each run must have.
+  * each data-parallel flag, the timing breakdown and activation recompute leave the losses
+    as they are, and the breakdown has the parts each run must have.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def worker(out_path: str, run_dir: str) -> None:
     results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
     results["ddp"] = {name: pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + flags(
         run_dir)))["losses"] for name, flags in DDP_RUNS.items()}
+    results["recompute"] = recompute_runs()
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -100,6 +102,50 @@ DDP_RUNS = {
                                               "--overlap-grad-reduce", "--ddp-bucket-size",
                                               "20000"],
 }
+
+
+# Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
+# pipelined ones under selective recompute of the MoE layer (with attention and layernorms),
+# on DDP_ITERS: name -> (dispatcher, flags).
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules", "moe", "core_attn",
+             "layernorm"]
+
+
+def recompute_cases():
+    cases = {f"full_{name}": (name, FULL) for name in dispatchers_to_compare()}
+    cases.update({f"selective_{name}": (name, SELECTIVE) for name in ("parm_s2", "parm")})
+    return cases
+
+
+def recompute_runs():
+    """Each recompute case's losses and how many times its MoE layers routed (their router's
+    forward), against the same count without recompute (the recomputed forward routes again)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import pretrain
+
+    calls = [0]
+    forward = TopKRouter.forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    base = TINY_GPT + LAYOUT + SHORT + DDP_ITERS + ["--eval-interval", "100"]
+    TopKRouter.forward = counted
+    try:
+        out = {}
+        for name, (dispatcher, flags) in {"none": ("alltoall", []), **recompute_cases()}.items():
+            calls[0] = 0
+            losses = pretrain(parse_args(base + ["--moe-token-dispatcher-type", dispatcher]
+                                         + flags))["losses"]
+            out[name] = {"losses": losses, "forwards": calls[0]}
+        return out
+    finally:
+        TopKRouter.forward = forward
 
 
 # Tuning at 1 timed call per candidate: the tiny layer's 3 candidates x 2 calls, decided at
@@ -220,6 +266,24 @@ def test_data_parallel_flags_and_timing_leave_the_losses(run):
         reference = results["gpt"][dispatcher]
         assert losses == pytest.approx(reference[:len(losses)], abs=tolerance), name
     assert len(results["ddp"]["overlap_grad_reduce_parm"]) == 10  # past parm's decision
+
+
+def test_activation_recompute_leaves_the_losses(run):
+    """--recompute-granularity full (every dispatcher) and selective with the MoE layer
+    (parm_s2 pipelined, parm): each step routes once more per layer, and the losses are
+    those without recompute (1e-6, fp32; parm within the dispatchers' tolerance, as it tunes)."""
+    results, _, _ = run
+    runs = results["recompute"]
+    assert set(runs) == {"none", *recompute_cases()}
+    # each training step routes again once per layer and micro-batch (the evaluation at the
+    # end runs without gradients: not recomputed)
+    recomputed = 4 * 2 * 1  # DDP_ITERS' iterations x the tiny config's layers x micro-batches
+    for name, (dispatcher, _) in recompute_cases().items():
+        extra = runs[name]["forwards"] - runs["none"]["forwards"]
+        assert extra == recomputed, (name, runs[name], runs["none"])
+        tolerance = 1e-4 if dispatcher == "parm" else 1e-6
+        reference = results["gpt"][dispatcher][:len(runs[name]["losses"])]
+        assert runs[name]["losses"] == pytest.approx(reference, abs=tolerance), name
 
 
 def test_timing_breakdown_has_each_part(run):

@@ -90,6 +90,35 @@ def test_parm_hier_needs_ep_groups_that_split_evenly_by_node():
     assert parse_args(flags + ["parm"], world_size=12).moe_token_dispatcher_type == "parm"
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--recompute-method", "uniform"], "--recompute-method needs --recompute-granularity"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+      "3"], "--recompute-num-layers (3) must be at most the layers of a pipeline stage (2)"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1", "--recompute-modules", "moe"],
+     "--recompute-modules applies to --recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+     "--recompute-modules moe_act needs --moe-grouped-gemm"),
+])
+def test_recompute_flags_follow_megatron_lm_rules(flags, message):
+    assert message in error(TINY_GPT + flags, world_size=1)
+
+
+def test_recompute_flags_reach_the_config():
+    from megatron_parm.training.model import build_config
+
+    config = build_config(parse_args(TINY_GPT + ["--recompute-granularity", "selective",
+                                                 "--recompute-modules", "moe", "layernorm"],
+                                     world_size=1))
+    assert config.recompute_granularity == "selective"
+    assert config.recompute_modules == ["moe", "layernorm"]
+    config = build_config(parse_args(TINY_GPT, world_size=1))
+    assert config.recompute_granularity is None
+
+
 def test_unknown_config_key_and_dispatcher():
     assert "--config" in error(["--config", "nope.yaml"])
     with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
