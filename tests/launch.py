@@ -54,6 +54,22 @@ def convert_checkpoint(*args, timeout: int = 600) -> subprocess.CompletedProcess
                           env=_quiet_env())
 
 
+def build_wheel(folder: Path) -> Path:
+    """`pip wheel --no-deps` of a copy of the package's sources (pyproject.toml, README.md,
+    megatron_parm/) in FOLDER, offline; returns the wheel (about 10 s on 2 cores)."""
+    import shutil
+
+    source = folder / "src"
+    shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "-q", "wheel", "--no-deps",
+                    "--no-build-isolation", "-w", str(folder / "w"), str(source)],
+                   check=True, capture_output=True)
+    return next((folder / "w").glob("*.whl"))
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, env=None) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node nproc script args...` from the repo root; raise with its log on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

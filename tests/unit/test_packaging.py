@@ -4,12 +4,10 @@ the package and its data (the performance model's profiles)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import zipfile
 
 import megatron_parm
-from launch import REPO
+from launch import REPO, build_wheel
 
 
 def test_the_changelog_names_the_package_version():
@@ -29,18 +27,8 @@ def test_pyproject_reads_the_version_from_the_package():
 
 
 def test_a_wheel_holds_the_package_and_its_profiles(tmp_path):
-    """`pip wheel --no-deps .` from a copy of the sources (about 10 s on 2 cores)."""
-    import shutil
-
-    source = tmp_path / "src"
-    shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "-q", "wheel", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path / "w"), str(source)],
-                   check=True, capture_output=True)
-    wheel = next((tmp_path / "w").glob("*.whl"))
+    """`pip wheel --no-deps .` from a copy of the sources (launch.build_wheel)."""
+    wheel = build_wheel(tmp_path)
     assert wheel.name.startswith(f"megatron_parm-{megatron_parm.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     profiles = sorted(p.name for p in (REPO / "megatron_parm/perf_model/profiles").glob("*.yaml"))

@@ -8,7 +8,6 @@ equivalence launch (tests/distributed/test_dispatchers.py) runs it like the buil
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -175,15 +174,10 @@ def test_catalog_and_perf_model_import_no_torch():
 
 def test_a_non_editable_install_ships_the_default_profiles(tmp_path):
     """The automatic dispatcher's default profiles are package data, not files of the repo."""
-    source = tmp_path / "src"
-    shutil.copytree(REPO / "megatron_parm", source / "megatron_parm",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
+    from launch import build_wheel
+
+    wheel = build_wheel(tmp_path)
     pip = [sys.executable, "-m", "pip", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"),
-                          str(source)], check=True, capture_output=True)
-    wheel = next((tmp_path / "w").glob("*.whl"))
     subprocess.run(pip + ["install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)],
                    check=True, capture_output=True)
     code = ("from megatron_parm.dispatchers.parm_auto import DEFAULT_PROFILES; "
