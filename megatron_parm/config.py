@@ -47,7 +47,17 @@ class ParmTransformerConfig(TransformerConfig):
     """--parm-tune-cache: JSON file of measured choices (None: not kept)."""
 
     def __post_init__(self):
-        super().__post_init__()
+        name = self.moe_token_dispatcher_type
+        if name not in schedules.names() or schedules.is_native(name):
+            super().__post_init__()
+        else:
+            # Megatron-Core's checks know its own dispatchers by name: Parm's are checked as the
+            # alltoall one they replace (shared-expert overlap, say, is refused for others).
+            self.moe_token_dispatcher_type = "alltoall"
+            try:
+                super().__post_init__()
+            finally:
+                self.moe_token_dispatcher_type = name
         tuning.check_args(self.parm_tune_steps, self.parm_tune_margin, self.parm_tune_candidates,
                           self.parm_tune_cache)
         if self.parm_num_chunks is not None:

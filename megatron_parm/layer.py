@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_parm import schedules
 from megatron_parm.comm.collectives import gather_replicated, keep_shard
 from megatron_parm.dispatchers import build_dispatcher
+from megatron_parm.layout_rules import shared_expert_overlap_problem
 
 # With a Parm dispatcher, ParmMoELayer.forward is its own copy of MoELayer.forward of this
 # Megatron-Core version (sha256 of that method's dedented source): Megatron's routing,
@@ -70,8 +71,11 @@ class ParmMoELayer(MoELayer):
                                                  self.local_expert_indices, config, pg_collection)
         self.token_dispatcher.layer_number = layer_number
         if self.use_shared_expert and self.shared_expert_overlap:
-            raise ValueError("--moe-shared-expert-overlap is not supported with "
-                             f"--moe-token-dispatcher-type {name}")
+            problem = shared_expert_overlap_problem(pg_collection.tp.size(),
+                                                    config.sequence_parallel)
+            if problem:
+                raise ValueError(problem)
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
         if self.moe_layer_recompute and (config.fp8 or config.fp4):
             raise ValueError("--recompute-modules moe with fp8 / fp4 is not supported with "
                              f"--moe-token-dispatcher-type {name}")
@@ -95,6 +99,11 @@ class ParmMoELayer(MoELayer):
             raise ValueError("partial CUDA-graph capture of the MoE layer is not supported "
                              f"with --moe-token-dispatcher-type {self.config.moe_token_dispatcher_type}")
         replicated = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
+        shared_whole = None
+        if replicated and self.use_shared_expert:
+            # The shared experts take the replicated input whole, as in Megatron's dense MLP;
+            # their output joins the routed experts' once that is gathered again.
+            shared_whole = self.shared_experts_compute(hidden_states)
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
         if replicated:
@@ -106,7 +115,7 @@ class ParmMoELayer(MoELayer):
                 padding_mask = padding_mask[start : start + rows]
 
         def moe(hidden_states, padding_mask):
-            shared_output = self.shared_experts_compute(hidden_states)
+            shared_output = None if replicated else self.shared_experts_compute(hidden_states)
             probs, routing_map = self.route(hidden_states, padding_mask)
             hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
             if self.token_dispatcher.pipelined:
@@ -129,4 +138,6 @@ class ParmMoELayer(MoELayer):
         if replicated:
             # One AG [TP] restores the replicated output (backward: keep this rank's shard).
             output = gather_replicated(output, self.attn_tp_group, "tp")
+            if shared_whole is not None:
+                output = output + shared_whole
         return output, mlp_bias

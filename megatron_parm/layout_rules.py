@@ -36,6 +36,106 @@ def routing_problem(num_experts: Optional[int], topk: int) -> Optional[str]:
     return None
 
 
+def moe_layer_pattern(moe_layer_freq, num_layers: int) -> list:
+    """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads --moe-layer-freq (an int N: every
+    N-th layer from the first; a list: as given)."""
+    if isinstance(moe_layer_freq, list):
+        return list(moe_layer_freq)
+    return [1 if layer % moe_layer_freq == 0 else 0 for layer in range(num_layers)]
+
+
+def architecture_problem(*, model_type: str, num_layers: int, num_attention_heads: int,
+                         tp: int, num_experts: Optional[int], topk: int, moe_layer_freq=1,
+                         group_query_attention: bool = False, num_query_groups: int = 1,
+                         position_embedding_type: str = "learned_absolute",
+                         qk_layernorm: bool = False, multi_latent_attention: bool = False,
+                         shared_expert_size: Optional[int] = None, shared_expert_gate=False,
+                         shared_expert_overlap: bool = False, add_bias_linear: bool = True,
+                         sequence_parallel: bool = False, score_function: str = "softmax",
+                         expert_bias: bool = False, num_groups: Optional[int] = None,
+                         group_topk: Optional[int] = None) -> Optional[str]:
+    """Why the architecture flags (attention, layers, shared experts, router) do not go
+    together under Megatron-Core 0.16.1, or None: what its TransformerConfig, specs and
+    router refuse, said with the flags."""
+    if multi_latent_attention:
+        return ("--multi-latent-attention is not supported: Megatron-Core 0.16.1 runs it only "
+                "with Transformer Engine's attention (its local DotProductAttention takes no "
+                "separate key width), and this project's models use standard attention "
+                "(DeepSeek-style configs here: grouped-query attention instead)")
+    if model_type == "bert":
+        for given, flag in ((position_embedding_type != "learned_absolute",
+                             "--position-embedding-type"), (moe_layer_freq != 1, "--moe-layer-freq"),
+                            (qk_layernorm, "--qk-layernorm")):
+            if given:
+                return f"{flag} applies to GPT models (BERT keeps Megatron-Core's BERT layer)"
+    if group_query_attention:
+        if num_attention_heads % num_query_groups != 0:
+            return (f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                    f"--num-query-groups ({num_query_groups})")
+        if num_query_groups % tp != 0 and tp % num_query_groups != 0:
+            return (f"--num-query-groups ({num_query_groups}) must be a multiple or a divisor of "
+                    f"--tensor-model-parallel-size ({tp})")
+    pattern = moe_layer_pattern(moe_layer_freq, num_layers)
+    if len(pattern) != num_layers:
+        return (f"--moe-layer-freq gives {plural(len(pattern), 'layer')}, the model has "
+                f"--num-layers {num_layers}")
+    if num_experts is None:
+        moe_only = ((shared_expert_size is not None, "--moe-shared-expert-intermediate-size"),
+                    (expert_bias, "--moe-router-enable-expert-bias"),
+                    (num_groups is not None, "--moe-router-num-groups"))
+        for given, flag in moe_only:
+            if given:
+                return f"{flag} needs --num-experts (the model is dense)"
+        return None
+    if not any(pattern):
+        return "--moe-layer-freq makes every layer dense: give at least one 1 (an MoE layer)"
+    if shared_expert_size is None and (shared_expert_gate or shared_expert_overlap):
+        flag = "--moe-shared-expert-gate" if shared_expert_gate else "--moe-shared-expert-overlap"
+        return f"{flag} needs --moe-shared-expert-intermediate-size (the shared experts)"
+    if shared_expert_size is not None and add_bias_linear:
+        return ("--moe-shared-expert-intermediate-size needs --disable-bias-linear (Megatron-Core "
+                "0.16.1's shared experts have no biases)")
+    if shared_expert_overlap:
+        problem = shared_expert_overlap_problem(tp, sequence_parallel)
+        if problem:
+            return problem
+    if expert_bias and score_function != "sigmoid":
+        return ("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                "(Megatron-Core 0.16.1's aux-loss-free balancing)")
+    return router_groups_problem(num_experts, topk, num_groups, group_topk)
+
+
+def shared_expert_overlap_problem(tp: int, sequence_parallel: bool) -> Optional[str]:
+    """Why the shared experts cannot overlap the dispatch at this TP, or None: their overlapped
+    steps take sequence-parallel input, as Megatron-Core's MoE layer has it at TP > 1."""
+    if tp > 1 and not sequence_parallel:
+        return ("--moe-shared-expert-overlap with --tensor-model-parallel-size > 1 needs "
+                "--sequence-parallel (as Megatron-Core's MoE layer)")
+    return None
+
+
+def router_groups_problem(num_experts: int, topk: int, num_groups: Optional[int],
+                          group_topk: Optional[int]) -> Optional[str]:
+    """Why group-limited routing cannot pick topk experts from group_topk of num_groups groups
+    of the experts, or None."""
+    if (num_groups is None) != (group_topk is None):
+        return "--moe-router-num-groups and --moe-router-group-topk go together: give both"
+    if num_groups is None:
+        return None
+    if num_experts % num_groups != 0:
+        return (f"--moe-router-num-groups ({num_groups}) must divide --num-experts "
+                f"({num_experts}) into equal groups")
+    if group_topk > num_groups:
+        return (f"--moe-router-group-topk ({group_topk}) must be at most "
+                f"--moe-router-num-groups ({num_groups})")
+    per_group = num_experts // num_groups
+    if not group_topk <= topk <= group_topk * per_group:
+        return (f"--moe-router-topk ({topk}) must be at least --moe-router-group-topk "
+                f"({group_topk}) (each group is scored by its top topk / group-topk experts) "
+                f"and fit in the chosen groups ({group_topk} x {per_group} experts)")
+    return None
+
+
 def capacity_problem(capacity_factor: Optional[float], pad_to_capacity: bool) -> Optional[str]:
     """Why the capacity flags do not go together, or None."""
     if pad_to_capacity and capacity_factor is None:
@@ -134,7 +234,7 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
 
 def recompute_problem(granularity: Optional[str], method: Optional[str],
                       num_layers: Optional[int], modules, *, layers_per_stage: int,
-                      grouped_gemm: bool) -> Optional[str]:
+                      grouped_gemm: bool, shared_experts: bool = False) -> Optional[str]:
     """Why the activation-recompute flags cannot go together (Megatron-LM's and Megatron-Core
     0.16.1's rules, and what this project's models have), or None."""
     if granularity is None:
@@ -161,9 +261,9 @@ def recompute_problem(granularity: Optional[str], method: Optional[str],
     if "mla_up_proj" in (modules or ()):
         return ("--recompute-modules mla_up_proj needs multi-latent attention, which this "
                 "project's models do not have")
-    if "shared_experts" in (modules or ()):
-        return ("--recompute-modules shared_experts needs shared experts, which this project's "
-                "models do not have")
+    if "shared_experts" in (modules or ()) and not shared_experts:
+        return ("--recompute-modules shared_experts needs shared experts "
+                "(--moe-shared-expert-intermediate-size)")
     return None
 
 

@@ -48,6 +48,8 @@ DEFAULT_TIMEOUT_MINUTES = 10
 DYNAMIC_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
                     "loss_scale_window": 1000, "hysteresis": 2}
 
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 Check = Callable[[str, Any], None]  # (flag, value) -> None; ValueError naming the flag
 _DECLARED = object()  # add_flags: no default of the tool's own, the declared one
 
@@ -70,6 +72,50 @@ def non_negative_int(flag: str, value) -> None:
 def positive_number(flag: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{flag} must be a positive number, got {value!r}")
+
+
+def fraction(flag: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{flag} must be a number in (0, 1], got {value!r}")
+
+
+def moe_layer_freq(text):
+    """--moe-layer-freq's value: an int, or a list of 0/1 per layer from Megatron-LM's list
+    expression ('[0]*3+[1]*9', '([1]*2+[0])*4', '[1,0,1]'; read, never evaluated as code)."""
+    import ast
+
+    if isinstance(text, (int, list)):
+        return text
+    text = str(text).strip()
+    if "[" not in text:
+        return int(text)
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"not a list expression of integers: {text!r}")
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, TypeError) as error:
+        raise ValueError(f"not a list expression of integers: {text!r}") from error
+    if not isinstance(result, list):
+        raise ValueError(f"not a list expression of integers: {text!r}")
+    return result
+
+
+def _moe_layer_freq(flag: str, value) -> None:
+    if isinstance(value, list):
+        if not value or any(type(item) is not int or item not in (0, 1) for item in value):
+            raise ValueError(f"{flag}: a list holds 1 (MoE layer) or 0 (dense layer) per "
+                             f"layer, got {value!r}")
+    else:
+        positive_int(flag, value)
 
 
 def existing_file(flag: str, value) -> None:
@@ -173,9 +219,34 @@ def _model_flags() -> List[Flag]:
                   "--expert-tensor-parallel-size 1 on Megatron-Core 0.16.1)."),
         Flag("--openai-gelu", model, kind="switch",
              help="GELU's tanh approximation, as GPT-2 (Hugging Face 'gelu_new')."),
-        Flag("--swiglu", model, kind="switch", help="SwiGLU expert MLPs (fc1 of 2 x the FFN "
-             "width; the planners)."),
-        Flag("--layernorm-epsilon", model, float, 1e-5),
+        Flag("--swiglu", model, kind="switch", help="SwiGLU MLPs, dense and experts (SiLU-"
+             "gated fc1 of 2 x the FFN width); default --ffn-hidden-size then 8/3 x "
+             "--hidden-size rounded down to a multiple of 64, as Megatron-LM."),
+        Flag("--position-embedding-type", model, str, "learned_absolute",
+             choices=POSITION_EMBEDDINGS,
+             help="GPT: learned absolute positions (GPT-2), rotary (rope: Llama, Mixtral, Qwen, "
+                  "DeepSeek) or none."),
+        Flag("--no-position-embedding", model, kind="switch", inverted=True,
+             dest="add_position_embedding",
+             help="No position embedding (Megatron-LM's older spelling of "
+                  "--position-embedding-type none)."),
+        Flag("--rotary-base", model, int, 10000, check=positive_int,
+             help="With rope: the base of the rotary frequencies (theta)."),
+        Flag("--rotary-percent", model, float, 1.0, check=fraction,
+             help="With rope: the share of each head's channels that rotate."),
+        Flag("--normalization", model, str, "LayerNorm", choices=NORMALIZATIONS),
+        Flag("--norm-epsilon", model, float, 1e-5, help="Epsilon of every LayerNorm / RMSNorm."),
+        Flag("--group-query-attention", model, kind="switch",
+             help="Grouped-query attention: --num-query-groups key/value heads."),
+        Flag("--num-query-groups", model, int, 1, check=positive_int,
+             help="With --group-query-attention: the key/value heads (default %(default)s)."),
+        Flag("--kv-channels", model, int, check=positive_int,
+             help="Channels per attention head (default: --hidden-size / "
+                  "--num-attention-heads)."),
+        Flag("--qk-layernorm", model, kind="switch",
+             help="Normalize queries and keys per head (--normalization's kind), as Qwen3."),
+        Flag("--multi-latent-attention", model, kind="switch",
+             help="DeepSeek's multi-latent attention (refused here: see the error's line)."),
         Flag("--untie-embeddings-and-output-weights", model, kind="switch"),
         Flag("--init-method-std", model, float, 0.02),
         Flag("--transformer-impl", model, str, "local", choices=TRANSFORMER_IMPLS,
@@ -192,8 +263,40 @@ def _moe_flags() -> List[Flag]:
         Flag("--moe-ffn-hidden-size", moe, int, help="Default: --ffn-hidden-size.",
              check=positive_int),
         Flag("--moe-router-topk", moe, int, 2, check=positive_int),
-        Flag("--moe-layer-freq", moe, int, 1, help="Every this many layers is an MoE layer "
-             "(the planners).", check=positive_int),
+        Flag("--moe-layer-freq", moe, moe_layer_freq, 1, check=_moe_layer_freq,
+             help="Which layers are MoE layers: every N-th (an integer), or Megatron-LM's list "
+                  "expression of 1 (MoE) and 0 (dense) per layer, e.g. '[0]*1+[1]*3' for a "
+                  "dense first layer."),
+        Flag("--moe-shared-expert-intermediate-size", moe, int, check=positive_int,
+             help="Shared experts: the FFN width of all of them together (every token goes "
+                  "through them besides its routed experts; needs --disable-bias-linear)."),
+        Flag("--moe-shared-expert-gate", moe, kind="switch",
+             help="Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)."),
+        Flag("--moe-shared-expert-overlap", moe, kind="switch",
+             help="Run the shared experts while the dispatcher's collectives are in flight "
+                  "(on a GPU in a stream of their own, as Megatron's alltoall does)."),
+        Flag("--moe-router-score-function", moe, str, "softmax", choices=("softmax", "sigmoid"),
+             help="The router's scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."),
+        Flag("--moe-router-pre-softmax", moe, kind="switch",
+             help="Softmax over all experts before the top-k (default: after it; always "
+                  "before with --moe-router-topk 1)."),
+        Flag("--moe-router-topk-scaling-factor", moe, float, check=positive_number,
+             help="Scale the top-k scores by this factor (with --moe-router-pre-softmax or "
+                  "sigmoid scores)."),
+        Flag("--moe-router-num-groups", moe, int, check=positive_int,
+             help="Group-limited routing: the experts in this many equal groups, a token's "
+                  "experts taken from its --moe-router-group-topk best groups."),
+        Flag("--moe-router-group-topk", moe, int, check=positive_int,
+             help="Group-limited routing: the groups each token may use."),
+        Flag("--moe-router-enable-expert-bias", moe, kind="switch",
+             help="Aux-loss-free balancing: a per-expert bias in the top-k choice, updated "
+                  "after each step from the tokens each expert got (needs sigmoid scores)."),
+        Flag("--moe-router-bias-update-rate", moe, float, 1e-3, check=positive_number,
+             help="With --moe-router-enable-expert-bias: the bias update per step."),
+        Flag("--moe-router-dtype", moe, str, choices=("fp32", "fp64"),
+             help="The router's logits and scores in this precision (default: the model's)."),
+        Flag("--moe-z-loss-coeff", moe, float, check=positive_number,
+             help="Weight of the router z-loss (off without it)."),
         Flag("--moe-aux-loss-coeff", moe, float, 1e-2),
         Flag("--moe-router-load-balancing-type", moe, str, "aux_loss",
              choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")),
@@ -470,7 +573,7 @@ TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
 TRAINING_GROUPS = ("model", "mixture of experts", "parallelism", "training",
                    "checkpoints and logging", "mixed precision", "data", "tokenizer")
 # Flags of a group that training does not take (the planners' own).
-PLANNER_ONLY = ("--vocab-size", "--swiglu", "--moe-layer-freq", "--parm-chunk-candidates")
+PLANNER_ONLY = ("--vocab-size", "--parm-chunk-candidates")
 
 
 # One MoE layer and its layout, as the performance model takes them (tools/plan_schedule.py,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Optional
@@ -97,6 +98,23 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return with_parm_moe(get_gpt_layer_with_transformer_engine_spec(*args, **kwargs))
+
+
+def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional[int] = None):
+    """Megatron-Core's GPT decoder-block spec for this config and pipeline stage (dense and MoE
+    layers as config.moe_layer_freq says; its normalization, q/k norms), with ParmMoELayer in
+    every MoE layer (and expert_impl's experts: see with_parm_moe)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = config.transformer_impl == "transformer_engine"
+    if expert_impl == "TorchGroupedMLP":
+        # Its experts replace the spec's: skip the legacy GroupedMLP spec and its warning.
+        config = copy.copy(config)
+        config.moe_grouped_gemm = False
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                       normalization=config.normalization, vp_stage=vp_stage)
+    block.layer_specs = [with_parm_moe(spec, expert_impl) for spec in block.layer_specs]
+    return block
 
 
 def layer_spec(model_type: str, num_experts, transformer_impl: str = "local",

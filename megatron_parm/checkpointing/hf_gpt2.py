@@ -134,7 +134,7 @@ def _model_flags(config: dict, path: str) -> dict:
                  seq_length=config["n_positions"], disable_bias_linear=False,
                  untie_embeddings_and_output_weights=False, num_experts=None,
                  openai_gelu=activation in TANH_GELU,
-                 layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5))
+                 norm_epsilon=config.get("layer_norm_epsilon", 1e-5))
     vocab = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
     if all(os.path.isfile(f) for f in vocab):
         flags.update(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab[0], merge_file=vocab[1])

@@ -25,7 +25,10 @@ CHECKPOINT_VERSION = 3.0
 SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "num_attention_heads", "num_experts", "moe_ffn_hidden_size",
                "max_position_embeddings", "disable_bias_linear",
-               "untie_embeddings_and_output_weights", "openai_gelu")
+               "untie_embeddings_and_output_weights", "openai_gelu", "swiglu",
+               "normalization", "position_embedding_type", "group_query_attention",
+               "num_query_groups", "kv_channels", "qk_layernorm", "moe_layer_freq",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

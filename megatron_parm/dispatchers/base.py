@@ -153,7 +153,11 @@ def _in_order(phase: str, method):
         self._check_phase(phase)
         self._phase_running = True
         try:
+            if self.shared_experts is not None:
+                _shared_experts_step(self.shared_experts, phase, args[0])
             out = method(self, *args, **kwargs)
+            if self.shared_experts is not None and phase == "combine_postprocess":
+                out = out + self.shared_experts.get_output()
         except BaseException:
             self._phase_failed = True
             raise
@@ -165,6 +169,21 @@ def _in_order(phase: str, method):
 
     run.phase_checked = True
     return run
+
+
+def _shared_experts_step(shared_experts, phase: str, tensor: torch.Tensor) -> None:
+    """With --moe-shared-expert-overlap: the shared experts' step that starts as PHASE starts,
+    at the points Megatron's alltoall dispatcher takes them (on a GPU each runs in the shared
+    experts' stream, beside the phase's collectives): their input's gather with
+    dispatch_preprocess, fc1 and the activation once the rows have arrived, fc2 and their
+    output's reduction with combine_postprocess, which then adds their output."""
+    if phase == "dispatch_preprocess":
+        shared_experts.pre_forward_comm(tensor)
+    elif phase in ("dispatch_postprocess", PIPELINED_CALL):
+        shared_experts.linear_fc1_forward_and_act(tensor)
+    elif phase == "combine_postprocess":
+        shared_experts.linear_fc2_forward(tensor)
+        shared_experts.post_forward_comm()
 
 
 def _check_phases_of(cls) -> None:

@@ -15,8 +15,8 @@ shape.layer_shape's.
 from typing import Tuple
 
 from megatron_parm import schedules
-from megatron_parm.layout_rules import (capacity_problem, layout_problem, precision_problem,
-                                        routing_problem)
+from megatron_parm.layout_rules import (capacity_problem, layout_problem, moe_layer_pattern,
+                                        precision_problem, routing_problem)
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.predict import predict, schedule_label
 from megatron_parm.wording import plural
@@ -55,7 +55,7 @@ def layer_model(values) -> Tuple[Layout, LayerShape, int]:
         pad_to_capacity=values.moe_pad_expert_input_to_capacity,
         dtype_bytes=2 if (values.bf16 or values.fp16) else 4,
         gated_linear_unit=values.swiglu)
-    num_moe_layers = -(-values.num_layers // values.moe_layer_freq)
+    num_moe_layers = sum(moe_layer_pattern(values.moe_layer_freq, values.num_layers))
     return layout, shape, num_moe_layers
 
 

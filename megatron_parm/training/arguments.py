@@ -18,8 +18,8 @@ from typing import List, Optional
 from megatron_parm import settings, tuning
 from megatron_parm.data.datasets import parse_data_path
 from megatron_parm.layout_rules import (
-    batch_problem, microbatch_problem, model_problem, pipeline_stage_layers, recompute_problem,
-    shape_problem, virtual_stages)
+    architecture_problem, batch_problem, microbatch_problem, model_problem, pipeline_stage_layers,
+    recompute_problem, shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import ddp, mixed_precision
 from megatron_parm.training.implementation import check_implementation
@@ -64,6 +64,19 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_schedule(args)
     _validate_parm(args, world_size)
     _validate_implementation(args)
+    _validate_config(args)
+
+
+def _validate_config(args) -> None:
+    """What Megatron-Core 0.16.1's TransformerConfig refuses of the flags beyond the rules
+    above, as one line (before any process group exists)."""
+    from megatron_parm.training.model import build_config
+
+    try:
+        build_config(args)
+    except (ValueError, AssertionError, TypeError) as error:
+        raise ValueError(f"Megatron-Core 0.16.1 refuses these flags: "
+                         f"{' '.join(str(error).split())}") from error
 
 
 def _validate_inputs(args) -> None:
@@ -76,13 +89,40 @@ def _validate_inputs(args) -> None:
 
 def _validate_model(args) -> None:
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size == 0:
+            raise ValueError(f"--swiglu at --hidden-size {args.hidden_size} needs "
+                             f"--ffn-hidden-size (its default, 8/3 x hidden rounded down to a "
+                             f"multiple of 64, is 0)")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if not args.add_position_embedding:
+        args.position_embedding_type = "none"
     _refuse(shape_problem(args.hidden_size, args.num_attention_heads, args.seq_length,
                           args.max_position_embeddings, args.num_experts, args.moe_router_topk))
     if args.model_type == "bert" and args.untie_embeddings_and_output_weights:
         raise ValueError("--untie-embeddings-and-output-weights is not supported for BERT")
+    _refuse(architecture_problem(
+        model_type=args.model_type, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, tp=args.tensor_model_parallel_size,
+        num_experts=args.num_experts, topk=args.moe_router_topk,
+        moe_layer_freq=args.moe_layer_freq, group_query_attention=args.group_query_attention,
+        num_query_groups=args.num_query_groups,
+        position_embedding_type=args.position_embedding_type, qk_layernorm=args.qk_layernorm,
+        multi_latent_attention=args.multi_latent_attention,
+        shared_expert_size=args.moe_shared_expert_intermediate_size,
+        shared_expert_gate=args.moe_shared_expert_gate,
+        shared_expert_overlap=args.moe_shared_expert_overlap,
+        add_bias_linear=not args.disable_bias_linear, sequence_parallel=args.sequence_parallel,
+        score_function=args.moe_router_score_function,
+        expert_bias=args.moe_router_enable_expert_bias, num_groups=args.moe_router_num_groups,
+        group_topk=args.moe_router_group_topk))
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default FFN width: 4 x hidden, or with SwiGLU 8/3 x hidden rounded down
+    to a multiple of 64 (the same parameters as the GeLU MLP)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
 def _validate_layout(args, world_size: int) -> None:
@@ -165,7 +205,8 @@ def _validate_implementation(args) -> None:
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
         args.recompute_modules,
         layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
-        grouped_gemm=bool(args.moe_grouped_gemm)))
+        grouped_gemm=bool(args.moe_grouped_gemm),
+        shared_experts=args.moe_shared_expert_intermediate_size is not None))
     ddp.check_args(args, _cuda_available())
     mixed_precision.validate(args)
     check_implementation(args.transformer_impl, args.moe_grouped_gemm, model_type=args.model_type,

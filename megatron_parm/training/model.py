@@ -24,7 +24,7 @@ from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwr
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm import device
-from megatron_parm.specs import layer_spec
+from megatron_parm.specs import gpt_block_spec, layer_spec
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import expert_implementation
 
@@ -38,14 +38,12 @@ def build_config(args) -> ParmTransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         add_bias_linear=not args.disable_bias_linear,
-        activation_func=openai_gelu if args.openai_gelu else F.gelu,
-        layernorm_epsilon=args.layernorm_epsilon,
+        **architecture_fields(args),
         init_method_std=args.init_method_std,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
-        # Megatron takes the softmax over all experts before top-1 (it refuses top-1 otherwise).
-        moe_router_pre_softmax=args.moe_router_topk == 1,
+        **router_fields(args),
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
@@ -73,6 +71,38 @@ def build_config(args) -> ParmTransformerConfig:
         parm_tune_candidates=getattr(args, "parm_tune_candidates", tuning.DEFAULT_MAX_CANDIDATES),
         parm_tune_cache=getattr(args, "parm_tune_cache", None),
     )
+
+
+def architecture_fields(args) -> dict:
+    """The config's architecture fields from Megatron-LM's flags: activation, normalization,
+    attention (GQA, head width, q/k norms), dense / MoE layers and shared experts."""
+    fields = dict(
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap)
+    if args.swiglu:
+        fields.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    else:
+        fields.update(activation_func=openai_gelu if args.openai_gelu else F.gelu)
+    return fields
+
+
+def router_fields(args) -> dict:
+    """The config's router fields from Megatron-LM's flags."""
+    return dict(
+        # Megatron takes the softmax over all experts before top-1 (it refuses top-1 otherwise).
+        moe_router_pre_softmax=args.moe_router_pre_softmax or args.moe_router_topk == 1,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_dtype=args.moe_router_dtype, moe_z_loss_coeff=args.moe_z_loss_coeff)
 
 
 def recompute_fields(args) -> dict:
@@ -106,6 +136,12 @@ def pipeline_fields(args) -> dict:
         overlap_p2p_comm=vpp is not None,
         batch_p2p_comm=vpp is None and device.is_cuda(),
     )
+
+
+def position_embedding_type(args) -> str:
+    """GPTModel's position embedding: --position-embedding-type, 'none' with
+    --no-position-embedding (Megatron-LM's older spelling)."""
+    return args.position_embedding_type if args.add_position_embedding else "none"
 
 
 def expert_module_name(config) -> str:
@@ -143,24 +179,26 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
         raise ValueError(f"--load: the checkpoint's padded vocabulary ({vocab}) does not fit "
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                          f"(must be divisible by it) or the tokenizer ({vocab_size} tokens)")
-    spec = layer_spec(args.model_type, args.num_experts, config.transformer_impl,
-                      config.moe_grouped_gemm, expert_module_name(config))
     if args.model_type == "gpt":
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=gpt_block_spec(config, expert_module_name(config), vp_stage),
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute",
+            position_embedding_type=position_embedding_type(args),
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
             **stage,
         )
     else:
         model = BertModel(
             config=config,
             num_tokentypes=2 if args.bert_binary_head else 0,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(args.model_type, args.num_experts,
+                                              config.transformer_impl, config.moe_grouped_gemm,
+                                              expert_module_name(config)),
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
