@@ -253,13 +253,13 @@ class TrainingLog:
         return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
 
     def iteration(self, iteration: int, consumed_samples: int, elapsed: float, optimizer,
-                  grad_norm, load_balancing: float, shares, summary: dict) -> None:
+                  grad_norm, router_losses: dict, shares, summary: dict) -> None:
         """Print the interval's line (ELAPSED: seconds per iteration) and each MoE layer's
         expert load, record the summary's loss scales and skipped iterations, then start the
         next interval."""
         args, interval = self.args, self.interval
         learning_rate = optimizer.param_groups[0]["lr"]
-        logged = {**interval.mean_losses(), "load balancing loss": load_balancing}
+        logged = {**interval.mean_losses(), **router_losses}
         tokens_per_second = args.global_batch_size * args.seq_length / elapsed
         self.progress.clear()
         loss_scale = optimizer.get_loss_scale().item()

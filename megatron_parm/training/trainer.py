@@ -182,25 +182,45 @@ def average_microbatch_losses(losses_reduced) -> dict:
     return {name: total / len(losses_reduced) for name, total in totals.items()}
 
 
-def load_balancing_loss(num_steps: int) -> float:
-    """Mean over MoE layers of the aux loss (before its coefficient) per micro-batch since the
-    last call, reduced as Megatron-LM does: summed over the router's reduce group (the TP
-    ranks that share the token counts), averaged over the others."""
+# The router's logged losses per --moe-router-load-balancing-type (Megatron-Core's tracker
+# names), and the z-loss's.
+BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                        "global_aux_loss": "global_load_balancing_loss"}
+Z_LOSS_NAME = "z_loss"
+
+
+def router_loss_names(args) -> list:
+    """The names Megatron-Core's routers track their losses under for these flags."""
+    names = [BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] \
+        if args.num_experts and args.moe_router_load_balancing_type in BALANCING_LOSS_NAMES else []
+    return names + ([Z_LOSS_NAME] if args.num_experts and args.moe_z_loss_coeff else [])
+
+
+def router_losses(names, num_steps: int, num_layers: int) -> dict:
+    """Per tracked router loss ("load balancing loss", "z loss", ...): its mean over the MoE
+    layers (before its coefficient) per micro-batch since the last call, reduced as Megatron-LM
+    does: summed over the router's reduce group (the TP ranks that share the token counts),
+    averaged over the others. Collective over every rank (a stage without an MoE layer takes
+    part with zeros)."""
     tracker = get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker:
-        return float("nan")
-    entry = tracker["load_balancing_loss"]
-    values = entry["values"].detach().float().clone()  # on the device: NCCL reduces it
-    entry["values"].zero_()
-    if entry.get("reduce_group") is not None:
-        torch.distributed.all_reduce(values, group=entry["reduce_group"])
-    torch.distributed.all_reduce(values)
     # A layer's values are on the ranks of its pipeline stage only.
     ranks_per_stage = (torch.distributed.get_world_size()
                        // parallel_state.get_pipeline_model_parallel_world_size())
-    values = values.cpu() / (ranks_per_stage * max(num_steps, 1))
-    moe = values[values != 0]
-    return moe.mean().item() if moe.numel() else 0.0
+    losses = {}
+    for name in names:
+        entry = tracker.get(name)
+        if entry is None:
+            values = torch.zeros(num_layers, device=device.current())
+        else:
+            values = entry["values"].detach().float().clone()  # on the device: NCCL reduces it
+            entry["values"].zero_()
+            if entry.get("reduce_group") is not None:
+                torch.distributed.all_reduce(values, group=entry["reduce_group"])
+        torch.distributed.all_reduce(values)
+        values = values.cpu() / (ranks_per_stage * max(num_steps, 1))
+        moe = values[values != 0]
+        losses[name.replace("_", " ")] = moe.mean().item() if moe.numel() else 0.0
+    return losses
 
 
 def dispatcher_choices(model) -> list:
@@ -227,8 +247,8 @@ def evaluate(forward_step, data_iterator, model, args) -> dict:
                 totals[name] = totals.get(name, 0.0) + value
             num_batches += 1
     # Evaluation also went through the routers: drop its aux losses from the training log.
-    get_moe_layer_wise_logging_tracker().get("load_balancing_loss", {}).get(
-        "values", torch.zeros(0)).zero_()
+    for entry in get_moe_layer_wise_logging_tracker().values():
+        entry["values"].zero_()
     for chunk in model:
         chunk.train()
     if parallel_state.is_pipeline_last_stage():
@@ -491,9 +511,11 @@ class Run:
         """The iteration line of the interval (with the aux loss and the expert load, reduced
         over the ranks: collective), and the step-time breakdown's."""
         seconds_per_step = self.log.interval.seconds_per_step()
-        load_balancing = load_balancing_loss(self.log.interval.steps * self.args.num_microbatches)
+        losses = router_losses(router_loss_names(self.args),
+                               self.log.interval.steps * self.args.num_microbatches,
+                               self.args.num_layers)
         self.log.iteration(self.iteration, self.consumed_samples, seconds_per_step,
-                           self.optimizer, grad_norm, load_balancing, self.expert_load.shares(),
+                           self.optimizer, grad_norm, losses, self.expert_load.shares(),
                            self.summary)
         self.timer.log(self.iteration)
 
