@@ -70,10 +70,14 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
 def _validate_config(args) -> None:
     """What Megatron-Core 0.16.1's TransformerConfig refuses of the flags beyond the rules
     above, as one line (before any process group exists)."""
+    import warnings
+
     from megatron_parm.training.model import build_config
 
     try:
-        build_config(args)
+        with warnings.catch_warnings():  # its advice comes when the model is built
+            warnings.simplefilter("ignore")
+            build_config(args)
     except (ValueError, AssertionError, TypeError) as error:
         raise ValueError(f"Megatron-Core 0.16.1 refuses these flags: "
                          f"{' '.join(str(error).split())}") from error

@@ -72,6 +72,17 @@ def bad_inputs(run: Path) -> dict:
                            f"error: --data-path: {run}/short_idx.idx: "),
         "truncated .bin": (["--data-path", str(run / "short_bin")],
                            f"error: --data-path: {run}/short_bin.bin: "),
+        # today's MoE architectures (layout_rules.architecture_problem, then Megatron-Core)
+        "router groups that do not divide the experts": (
+            ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+            "error: --moe-router-num-groups (3) must divide --num-experts (4) into equal groups"),
+        "multi-latent attention": (["--multi-latent-attention"],
+                                   "error: --multi-latent-attention is not supported"),
+        "what Megatron-Core's TransformerConfig refuses": (
+            ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap",
+             "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"],
+            "error: Megatron-Core 0.16.1 refuses these flags: shared_experts recompute cannot "
+            "work with --moe-shared-expert-overlap."),
         # Megatron-LM's data-parallel flags that cannot run here (training/ddp.py)
         "param gather without the distributed optimizer": (
             ["--overlap-grad-reduce", "--overlap-param-gather"],

@@ -332,3 +332,102 @@ def test_bad_pipeline_input_is_one_line_and_status_2(flags, fragment):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------
+# today's MoE architectures
+# ---------------------------------------------------------------------------------------------
+
+MODERN = {"mixtral": "configs/mixtral_tiny_moe.yaml", "qwen3": "configs/qwen3_tiny_moe.yaml",
+          "deepseek": "configs/deepseek_v2_lite_tiny_moe.yaml"}
+
+
+@pytest.mark.parametrize("text,pattern", [("[0]*1+[1]*3", [0, 1, 1, 1]),
+                                          ("([1]*2+[0])*2", [1, 1, 0, 1, 1, 0]),
+                                          ("[1,0,1]", [1, 0, 1]), ("2", 2)])
+def test_moe_layer_freq_reads_megatron_lm_list_expressions(text, pattern):
+    from megatron_parm.settings import moe_layer_freq
+
+    assert moe_layer_freq(text) == pattern
+
+
+@pytest.mark.parametrize("text", ["[__import__('os')]", "[0]*x", "[0] - [1]", "[0.5]"])
+def test_moe_layer_freq_evaluates_no_code(text):
+    from megatron_parm.settings import moe_layer_freq
+
+    with pytest.raises(ValueError):
+        moe_layer_freq(text)
+
+
+def test_modern_configs_become_megatron_core_fields():
+    import torch.nn.functional as F
+
+    from megatron_parm.training.model import build_config
+
+    mixtral = build_config(parse_args(["--config", MODERN["mixtral"]], world_size=1))
+    assert (mixtral.gated_linear_unit, mixtral.activation_func, mixtral.normalization,
+            mixtral.num_query_groups, mixtral.add_bias_linear) == (True, F.silu, "RMSNorm", 2,
+                                                                   False)
+    qwen3 = build_config(parse_args(["--config", MODERN["qwen3"]], world_size=1))
+    assert (qwen3.qk_layernorm, qwen3.kv_channels, qwen3.moe_router_topk,
+            qwen3.layernorm_epsilon, qwen3.moe_router_load_balancing_type) == (
+        True, 32, 8, 1e-6, "global_aux_loss")
+    deepseek = build_config(parse_args(["--config", MODERN["deepseek"],
+                                        "--moe-router-score-function", "sigmoid",
+                                        "--moe-router-enable-expert-bias"], world_size=1))
+    assert (deepseek.moe_layer_freq, deepseek.moe_shared_expert_intermediate_size,
+            deepseek.moe_router_pre_softmax, deepseek.moe_router_enable_expert_bias) == (
+        [0, 1, 1], 64, True, True)
+
+
+def test_swiglu_ffn_default_is_megatron_lms():
+    from megatron_parm.training.arguments import default_ffn_hidden_size
+
+    assert default_ffn_hidden_size(768, swiglu=True) == 2048
+    assert default_ffn_hidden_size(4096, swiglu=True) == 10880
+    assert default_ffn_hidden_size(768, swiglu=False) == 3072
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+     "--moe-router-num-groups (3) must divide --num-experts (4) into equal groups"),
+    (["--moe-router-num-groups", "2"], "--moe-router-num-groups and --moe-router-group-topk go"),
+    (["--moe-router-num-groups", "2", "--moe-router-group-topk", "3"],
+     "--moe-router-group-topk (3) must be at most --moe-router-num-groups (2)"),
+    (["--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+     "--moe-router-topk (4) must be at least --moe-router-group-topk (2) (each group is scored "
+     "by its top topk / group-topk experts) and fit in the chosen groups (2 x 1 experts)"),
+    (["--moe-layer-freq", "[0]+[1]*2"], "--moe-layer-freq gives 3 layers, the model has "
+                                        "--num-layers 2"),
+    (["--moe-layer-freq", "[0]*2"], "--moe-layer-freq makes every layer dense"),
+    (["--moe-layer-freq", "[0,2]"], "--moe-layer-freq: a list holds 1 (MoE layer) or 0"),
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias needs "
+                                          "--moe-router-score-function sigmoid"),
+    (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs "
+                                   "--moe-shared-expert-intermediate-size"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    (["--multi-latent-attention"], "--multi-latent-attention is not supported: Megatron-Core "
+                                   "0.16.1 runs it only with Transformer Engine's attention"),
+])
+def test_architecture_mistakes_name_the_flag(flags, message):
+    assert message in error(TINY_GPT + flags, world_size=1)
+
+
+def test_shared_experts_need_no_biases_and_overlap_needs_sp(tmp_path):
+    with_bias = tmp_path / "with_bias.yaml"
+    with_bias.write_text((REPO / "configs/gpt2_tiny_moe.yaml").read_text().replace(
+        "disable_bias_linear: true", "disable_bias_linear: false"))
+    assert "--moe-shared-expert-intermediate-size needs --disable-bias-linear" in error(
+        ["--config", str(with_bias), "--moe-shared-expert-intermediate-size", "64"], world_size=1)
+    shared = TINY_GPT + ["--moe-shared-expert-intermediate-size", "64"]
+    assert parse_args(shared, world_size=1).moe_shared_expert_intermediate_size == 64
+    assert "needs --sequence-parallel" in error(
+        shared + ["--moe-shared-expert-overlap", "--tensor-model-parallel-size", "2",
+                  "--expert-model-parallel-size", "2"])
+
+
+def test_bert_refuses_gpt_only_architecture_flags():
+    bert = ["--config", str(REPO / "configs/bert_tiny_moe.yaml")]
+    assert "--position-embedding-type applies to GPT models" in error(
+        bert + ["--position-embedding-type", "rope"], world_size=1, model_type="bert")
