@@ -5,6 +5,20 @@ for all of Megatron's chained optimizers, so that any layout loads any other's.
     sharded_optimizer_state(optimizer, model_state, is_loading) -> (tensors, step, targets)
     load_optimizer_state(optimizer, loaded, targets, step, scaler_state)
     loss_scaler_state(optimizer)   the fp16 loss scaler's state, or None
+
+With --use-distributed-optimizer the state is Megatron-Core's own:
+DistributedOptimizer.sharded_state_dict in one of its two formats (Megatron-LM's choice,
+--dist-ckpt-optim-fully-reshardable):
+    'dp_reshardable'     (default) each rank writes its shard of the flat buckets, as they are:
+                         no communication, but the buckets' structure is the layout's, so it
+                         loads only at the same (tp, pp, ep, etp), at any data-parallel size;
+    'fully_reshardable'  gathered over the data-parallel group into model-space tensors
+                         ('optimizer.state.exp_avg.<parameter key>', and 'fp32_param'): the
+                         names and shapes of the plain optimizer's, so it loads in any layout,
+                         with or without the distributed optimizer.
+    is_distributed(optimizer), sharding_type(args)
+    distributed_state(optimizer, model_state, is_loading, sharding) -> (state, step)
+    load_distributed_state(optimizer, loaded, sharding, step, scaler_state)
 """
 
 from __future__ import annotations
@@ -19,6 +33,127 @@ from megatron_parm.checkpointing.errors import CheckpointError
 def optimizer_parts(optimizer):
     return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
             if hasattr(part, "get_parameters") and not getattr(part, "is_stub_optimizer", False)]
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether OPTIMIZER (or one of its chained optimizers) is Megatron's DistributedOptimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(part, DistributedOptimizer) for part in optimizer_parts(optimizer))
+
+
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+
+
+def sharding_type(args) -> str:
+    """The distributed optimizer's checkpoint format, as Megatron-LM chooses it."""
+    return FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) \
+        else DP_RESHARDABLE
+
+
+def _metadata(sharding: str) -> dict:
+    # chained_optim_avoid_prefix: Megatron-LM's default; the fully reshardable format's keys
+    # then carry no chained optimizer's index (the dp-reshardable one's always do).
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+
+
+def saved_metadata(optimizer, sharding: str):
+    """The content metadata a save records (dist_checkpointing.save's content_metadata, as
+    Megatron-LM writes it) for the distributed optimizer's format; None for the plain one."""
+    return _metadata(sharding) if optimizer is not None and is_distributed(optimizer) else None
+
+
+def saved_sharding(common: dict):
+    """The distributed optimizer's format a checkpoint was saved in (its common part), or None
+    (the plain optimizer's, or no optimizer state)."""
+    return (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+
+
+def load_sharding(common: dict) -> str:
+    """The format the distributed optimizer asks a checkpoint for: the one it was saved in; a
+    plain optimizer's state is in model space, as the fully reshardable format."""
+    return saved_sharding(common) or FULLY_RESHARDABLE
+
+
+MAIN_PARAM_PREFIX = "optimizer.state.fp32_param."
+
+
+def drop_missing_main_params(request: dict, metadata) -> bool:
+    """Take out of the distributed optimizer's load REQUEST the fp32 main parameters the
+    checkpoint lacks (a plain optimizer's without --bf16 / --fp16, whose weights are its main
+    parameters): they stay as they are, to be copied from the loaded model
+    (reload_model_params). Whether any was."""
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    dropped = False
+
+    def visit(node):
+        nonlocal dropped
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                if value.key.startswith(MAIN_PARAM_PREFIX) \
+                        and value.key not in metadata.state_dict_metadata:
+                    node[key] = LocalNonpersistentObject(value.data)
+                    dropped = True
+            elif isinstance(value, (dict, list)):
+                visit(value)
+
+    visit(request.get("optimizer") or {})
+    return dropped
+
+
+def _optimizer_step(optimizer):
+    for part in optimizer_parts(optimizer):
+        for param_state in part.optimizer.state.values():
+            if "step" in param_state:
+                return param_state["step"]
+    return None
+
+
+def distributed_state(optimizer, model_state, is_loading: bool, sharding: str):
+    """(Megatron-Core's sharded state of the distributed optimizer in format SHARDING, the step)
+    ({index: state} per chained optimizer when there are several). The step is None before the
+    first one (nothing to save) and when loading."""
+    if is_loading:
+        for part in optimizer_parts(optimizer):
+            if not part.optimizer.state:  # sharded_state_dict reads the state's step
+                part.init_state_fn(part.optimizer, part.config)
+                for param_state in part.optimizer.state.values():
+                    param_state.setdefault("step", torch.tensor(0.0))
+        step = None
+    else:
+        step = _optimizer_step(optimizer)
+        if step is None:
+            return None, None
+    return optimizer.sharded_state_dict(model_state, is_loading,
+                                        metadata=_metadata(sharding)), step
+
+
+def load_distributed_state(optimizer, loaded, sharding: str, step, scaler_state=None) -> None:
+    """Load the parameter state LOADED (distributed_state's, read back) into the distributed
+    optimizer. The rest of Megatron's optimizer state dict (param_groups, the step, the loss
+    scaler) is this run's own, with the checkpoint's step and scaler: the learning rate and
+    weight decay come from the schedule, and the number of chained optimizers (dense and
+    expert, or one) may differ from the layout that saved it."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = optimizer_parts(optimizer)
+    for index, part in enumerate(chained):
+        if part not in parts:
+            continue
+        part_loaded = loaded if len(chained) == 1 else loaded[index]
+        own = part.state_dict()
+        for group in own["optimizer"]["param_groups"]:
+            group["step"] = float(step) if step is not None else group.get("step")
+        if scaler_state is not None and part.grad_scaler is not None:
+            own["grad_scaler"] = scaler_state
+        with torch.no_grad():  # fp32 main parameters are views of the model's
+            part.load_state_dict({**own, "param_state": part_loaded["param_state"],
+                                  "param_state_sharding_type": sharding})
+    set_step(optimizer, step)
 
 
 def sharded_optimizer_state(optimizer, model_state, is_loading: bool):
@@ -59,9 +194,7 @@ def sharded_optimizer_state(optimizer, model_state, is_loading: bool):
         targets[entry] = value
 
     for part in optimizer_parts(optimizer):
-        if hasattr(part, "shard_fp32_from_float16_groups"):
-            raise CheckpointError("checkpoints of the distributed optimizer "
-                                  "(--use-distributed-optimizer) are not supported yet")
+        assert not is_distributed(part), "distributed_state() saves the distributed optimizer"
         if is_loading:
             part.init_state_fn(part.optimizer, part.config)  # creates the moments to load into
         params = part.get_parameters()  # what the optimizer steps on: fp32 main params, if any
@@ -101,6 +234,12 @@ def load_optimizer_state(optimizer, loaded: dict, targets: dict, step, scaler_st
                 part._copy_main_params_to_model_params()
             if scaler_state and getattr(part, "grad_scaler", None) is not None:
                 part.grad_scaler.load_state_dict(scaler_state)
+    set_step(optimizer, step)
+
+
+def set_step(optimizer, step) -> None:
+    """Every parameter's Adam step, each its own tensor (Megatron's DistributedOptimizer loads
+    one tensor shared by all, and its parameter state then copies the request's into it)."""
     if step is None:
         return
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -20,7 +20,16 @@ from megatron_parm import mcore_compat
 from megatron_parm.checkpointing import rng
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.fault_hook import fault_point
-from megatron_parm.checkpointing.optimizer_state import load_optimizer_state, loss_scaler_state
+from megatron_parm.checkpointing.optimizer_state import (
+    drop_missing_main_params,
+    is_distributed,
+    load_distributed_state,
+    load_optimizer_state,
+    load_sharding,
+    loss_scaler_state,
+    saved_metadata,
+    sharding_type,
+)
 from megatron_parm.checkpointing.paths import (
     checkpoint_dir,
     partial_dir,
@@ -32,6 +41,7 @@ from megatron_parm.checkpointing.safe_load import load_torch_file, read_sharded_
 from megatron_parm.checkpointing.scheduler import check_schedule, schedule_differences
 from megatron_parm.checkpointing.state import (
     check_model_flags,
+    check_optimizer_format,
     describe_layout,
     layout_of,
     model_chunks,
@@ -77,10 +87,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         os.makedirs(staged)
     torch.distributed.barrier()
     fault_point("staged", iteration)
-    state, _ = sharded_state_dict(model, optimizer, is_loading=False)
+    sharding = sharding_type(args)
+    state, _ = sharded_state_dict(model, optimizer, is_loading=False, sharding=sharding)
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
-        state.pop("optimizer_state", None)
-        state.pop("optimizer_step", None)
+        for key in ("optimizer_state", "optimizer_step", "optimizer"):
+            state.pop(key, None)
     elif loss_scaler_state(optimizer) is not None:
         state["loss_scaler"] = loss_scaler_state(optimizer)
     state["iteration"] = iteration
@@ -97,7 +108,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         state["rng_state"] = {"layout": layout, "per_rank": rng.gather()}
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1))
+    # Megatron-LM's record of the distributed optimizer's format (read back on loading).
+    content_metadata = saved_metadata(optimizer, sharding) if "optimizer_step" in state else None
+    dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1),
+                            content_metadata=content_metadata)
     fault_point("written", iteration)
     torch.distributed.barrier()
     if rank == 0:
@@ -146,15 +160,20 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     """
     from megatron.core import dist_checkpointing
 
-    common = _check_before_loading(path, scheduler, args)
+    common = _check_before_loading(path, optimizer, scheduler, args)
     notes = []
     has_optimizer = common.get("optimizer_step") is not None
     if optimizer is not None and not has_optimizer:
         notes.append("the checkpoint holds no optimizer state: the optimizer and the "
                      "learning-rate schedule start fresh")
+    sharding = load_sharding(common)
     request, targets = sharded_state_dict(model, optimizer if has_optimizer else None,
-                                          is_loading=True)
-    problems = _agree(check_request(sharded_tensors(request), read_metadata(path)))
+                                          is_loading=True, sharding=sharding)
+    metadata = read_metadata(path)
+    # A plain optimizer's checkpoint without --bf16 / --fp16 holds no fp32 main parameters:
+    # the distributed optimizer's come from the loaded weights.
+    main_params_missing = drop_missing_main_params(request, metadata)
+    problems = _agree(check_request(sharded_tensors(request), metadata))
     if problems:
         # The first tensor on the error's own line, any others below it.
         shown = "\n  ".join(problems[:8])
@@ -173,7 +192,12 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
         # optimizer's fp32 copies start from the loaded weights. (Saved ones were loaded in
         # place above, into the main params themselves: reloading would overwrite them.)
         optimizer.reload_model_params()
-    if optimizer is not None and has_optimizer:
+    if optimizer is not None and has_optimizer and is_distributed(optimizer):
+        load_distributed_state(optimizer, state["optimizer"], sharding, common["optimizer_step"],
+                               common.get("loss_scaler"))
+        if main_params_missing:
+            optimizer.reload_model_params()
+    elif optimizer is not None and has_optimizer:
         load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],
                              common.get("loss_scaler"))
     if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
@@ -185,7 +209,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
             "rng_restored": rng_restored, "notes": notes, "layout": common.get("layout")}
 
 
-def _check_before_loading(path: str, scheduler, args) -> dict:
+def _check_before_loading(path: str, optimizer, scheduler, args) -> dict:
     """The checkpoint's common part, after every rank checked the folder, read its pickles
     safely, and compared its model flags and learning-rate schedule with this run's; one
     CheckpointError on every rank otherwise. Collective."""
@@ -196,6 +220,7 @@ def _check_before_loading(path: str, scheduler, args) -> dict:
         # Megatron-Core's loader unpickles these without restriction: read them safely first.
         read_sharded_objects(path, read_metadata(path))
         check_model_flags(common.get("args"), args, path)
+        check_optimizer_format(path, common, optimizer, layout_of(args))
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
             check_schedule(path, common["opt_param_scheduler"], scheduler,
