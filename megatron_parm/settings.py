@@ -375,6 +375,10 @@ def _checkpoint_flags() -> List[Flag]:
                   "(tp, pp, ep, etp) layout and without the distributed optimizer. Default: "
                   "each rank's shard as it is ('dp_reshardable'), which loads only at the same "
                   "tp, pp, ep and etp (any data-parallel size)."),
+        Flag("--distrib-optim-fully-reshardable-mem-efficient", ckpt, kind="switch",
+             help="With --dist-ckpt-optim-fully-reshardable: gather the state on the first "
+                  "data-parallel rank over gloo, which alone writes it, instead of on every "
+                  "rank over NCCL (less memory; always so without a GPU)."),
         Flag("--skip-train", ckpt, kind="switch",
              help="Load --load, evaluate (--eval-iters batches) and stop."),
         Flag("--eval-interval", ckpt, int, 1000, check=positive_int),

@@ -16,9 +16,10 @@ DistributedOptimizer.sharded_state_dict in one of its two formats (Megatron-LM's
                          ('optimizer.state.exp_avg.<parameter key>', and 'fp32_param'): the
                          names and shapes of the plain optimizer's, so it loads in any layout,
                          with or without the distributed optimizer.
-    is_distributed(optimizer), sharding_type(args)
-    distributed_state(optimizer, model_state, is_loading, sharding) -> (state, step)
-    load_distributed_state(optimizer, loaded, sharding, step, scaler_state)
+    is_distributed(optimizer), save_metadata(optimizer, args), load_metadata(common, args)
+    distributed_state(optimizer, model_state, is_loading, metadata) -> (state, step)
+    load_distributed_state(optimizer, loaded, metadata, step, scaler_state)
+    match_main_params(request, metadata)   fp32 main parameters under the checkpoint's name
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import collections
 
 import torch
 
-from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm import device
 
 
 def optimizer_parts(optimizer):
@@ -45,22 +46,14 @@ def is_distributed(optimizer) -> bool:
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 
 
-def sharding_type(args) -> str:
-    """The distributed optimizer's checkpoint format, as Megatron-LM chooses it."""
-    return FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) \
-        else DP_RESHARDABLE
-
-
-def _metadata(sharding: str) -> dict:
-    # chained_optim_avoid_prefix: Megatron-LM's default; the fully reshardable format's keys
-    # then carry no chained optimizer's index (the dp-reshardable one's always do).
-    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
-
-
-def saved_metadata(optimizer, sharding: str):
-    """The content metadata a save records (dist_checkpointing.save's content_metadata, as
-    Megatron-LM writes it) for the distributed optimizer's format; None for the plain one."""
-    return _metadata(sharding) if optimizer is not None and is_distributed(optimizer) else None
+def save_metadata(optimizer, args):
+    """What a save records of the distributed optimizer's format (dist_checkpointing.save's
+    content_metadata, Megatron-LM's keys) and asks its sharded_state_dict for, as Megatron-LM
+    builds it from --dist-ckpt-optim-fully-reshardable; None for the plain optimizer."""
+    if optimizer is None or not is_distributed(optimizer):
+        return None
+    return _metadata(FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable",
+                                                  False) else DP_RESHARDABLE, args)
 
 
 def saved_sharding(common: dict):
@@ -69,41 +62,67 @@ def saved_sharding(common: dict):
     return (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
 
 
-def load_sharding(common: dict) -> str:
+def load_metadata(common: dict, args) -> dict:
     """The format the distributed optimizer asks a checkpoint for: the one it was saved in; a
-    plain optimizer's state is in model space, as the fully reshardable format."""
-    return saved_sharding(common) or FULLY_RESHARDABLE
+    plain optimizer's state is in model space, as the fully reshardable format's."""
+    return _metadata(saved_sharding(common) or FULLY_RESHARDABLE, args)
 
 
-MAIN_PARAM_PREFIX = "optimizer.state.fp32_param."
+def _metadata(sharding: str, args) -> dict:
+    # chained_optim_avoid_prefix: Megatron-LM's default; the fully reshardable format's keys
+    # then carry no chained optimizer's index (the dp-reshardable one's always do).
+    metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+    if sharding == FULLY_RESHARDABLE:
+        # The gather goes over Megatron's gloo groups with Megatron-LM's
+        # --distrib-optim-fully-reshardable-mem-efficient, and without a GPU: the default
+        # (every rank gathers, over NCCL) moves the shards to CUDA. The files differ, not the
+        # state they hold.
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = not device.is_cuda() or \
+            bool(getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False))
+    return metadata
 
 
-def drop_missing_main_params(request: dict, metadata) -> bool:
-    """Take out of the distributed optimizer's load REQUEST the fp32 main parameters the
-    checkpoint lacks (a plain optimizer's without --bf16 / --fp16, whose weights are its main
-    parameters): they stay as they are, to be copied from the loaded model
-    (reload_model_params). Whether any was."""
+# The fp32 main parameters: the fully reshardable format names them 'param' (Megatron-Core's
+# gathered buffers), the plain optimizer's state 'fp32_param' (Megatron's model-space name).
+MAIN_PARAM_PREFIXES = ("optimizer.state.param.", "optimizer.state.fp32_param.")
+
+
+def match_main_params(request: dict, metadata) -> bool:
+    """Point the fp32 main parameters of a load REQUEST that the checkpoint lacks at its
+    other name for them; where it has neither (a plain optimizer's checkpoint without --bf16 /
+    --fp16, whose weights are its main parameters), leave them as they are, to be copied from
+    the loaded model (reload_model_params). Whether any was left."""
     from megatron.core.dist_checkpointing.mapping import (
         LocalNonpersistentObject,
         ShardedTensor,
         ShardedTensorFactory,
     )
 
-    dropped = False
+    saved = metadata.state_dict_metadata
+    left = False
+
+    def other_name(key: str):
+        for prefix, other in zip(MAIN_PARAM_PREFIXES, reversed(MAIN_PARAM_PREFIXES)):
+            if key.startswith(prefix):
+                return other + key[len(prefix):]
+        return None
 
     def visit(node):
-        nonlocal dropped
+        nonlocal left
         for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
             if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
-                if value.key.startswith(MAIN_PARAM_PREFIX) \
-                        and value.key not in metadata.state_dict_metadata:
-                    node[key] = LocalNonpersistentObject(value.data)
-                    dropped = True
+                other = other_name(value.key)
+                if other is not None and value.key not in saved:
+                    if other in saved:
+                        value.key = other
+                    else:
+                        node[key] = LocalNonpersistentObject(value.data)
+                        left = True
             elif isinstance(value, (dict, list)):
                 visit(value)
 
-    visit(request.get("optimizer") or {})
-    return dropped
+    visit({key: request[key] for key in ("optimizer", "optimizer_state") if key in request})
+    return left
 
 
 def _optimizer_step(optimizer):
@@ -114,8 +133,8 @@ def _optimizer_step(optimizer):
     return None
 
 
-def distributed_state(optimizer, model_state, is_loading: bool, sharding: str):
-    """(Megatron-Core's sharded state of the distributed optimizer in format SHARDING, the step)
+def distributed_state(optimizer, model_state, is_loading: bool, metadata: dict):
+    """(Megatron-Core's sharded state of the distributed optimizer in METADATA's format, the step)
     ({index: state} per chained optimizer when there are several). The step is None before the
     first one (nothing to save) and when loading."""
     if is_loading:
@@ -129,30 +148,38 @@ def distributed_state(optimizer, model_state, is_loading: bool, sharding: str):
         step = _optimizer_step(optimizer)
         if step is None:
             return None, None
-    return optimizer.sharded_state_dict(model_state, is_loading,
-                                        metadata=_metadata(sharding)), step
+    return optimizer.sharded_state_dict(model_state, is_loading, metadata=metadata), step
 
 
-def load_distributed_state(optimizer, loaded, sharding: str, step, scaler_state=None) -> None:
+def load_distributed_state(optimizer, loaded, metadata: dict, step, scaler_state=None) -> None:
     """Load the parameter state LOADED (distributed_state's, read back) into the distributed
     optimizer. The rest of Megatron's optimizer state dict (param_groups, the step, the loss
     scaler) is this run's own, with the checkpoint's step and scaler: the learning rate and
     weight decay come from the schedule, and the number of chained optimizers (dense and
-    expert, or one) may differ from the layout that saved it."""
+    expert, or one) may differ from the layout that saved it.
+
+    In two steps, Megatron's load_state_dict without the parameter state, then its loader of
+    the format: with torch's Adam (no Apex or TE) the parameters' state holds the step, which
+    Megatron-Core 0.16.1's loaders copy from the checkpoint's tensors (the fully reshardable
+    format has none: KeyError; the dp-reshardable one's is the request's, not the saved one)."""
+    sharding = metadata["distrib_optim_sharding_type"]
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     parts = optimizer_parts(optimizer)
     for index, part in enumerate(chained):
         if part not in parts:
             continue
-        part_loaded = loaded if len(chained) == 1 else loaded[index]
         own = part.state_dict()
         for group in own["optimizer"]["param_groups"]:
-            group["step"] = float(step) if step is not None else group.get("step")
+            group["step"] = float(step)
         if scaler_state is not None and part.grad_scaler is not None:
             own["grad_scaler"] = scaler_state
+        load_format = {DP_RESHARDABLE: part.load_parameter_state_from_dp_reshardable,
+                       FULLY_RESHARDABLE: part.load_parameter_state_from_fully_reshardable}
         with torch.no_grad():  # fp32 main parameters are views of the model's
-            part.load_state_dict({**own, "param_state": part_loaded["param_state"],
-                                  "param_state_sharding_type": sharding})
+            part.load_state_dict(own)
+            for param_state in part.optimizer.state.values():
+                param_state.pop("step", None)
+            load_format[sharding]((loaded if len(chained) == 1 else loaded[index])["param_state"])
     set_step(optimizer, step)
 
 

@@ -21,14 +21,13 @@ from megatron_parm.checkpointing import rng
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.fault_hook import fault_point
 from megatron_parm.checkpointing.optimizer_state import (
-    drop_missing_main_params,
     is_distributed,
     load_distributed_state,
     load_optimizer_state,
-    load_sharding,
+    match_main_params,
+    load_metadata,
     loss_scaler_state,
-    saved_metadata,
-    sharding_type,
+    save_metadata,
 )
 from megatron_parm.checkpointing.paths import (
     checkpoint_dir,
@@ -87,8 +86,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         os.makedirs(staged)
     torch.distributed.barrier()
     fault_point("staged", iteration)
-    sharding = sharding_type(args)
-    state, _ = sharded_state_dict(model, optimizer, is_loading=False, sharding=sharding)
+    metadata = save_metadata(optimizer, args)
+    state, _ = sharded_state_dict(model, optimizer, is_loading=False, metadata=metadata)
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
         for key in ("optimizer_state", "optimizer_step", "optimizer"):
             state.pop(key, None)
@@ -109,9 +108,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     from megatron.core import dist_checkpointing
 
     # Megatron-LM's record of the distributed optimizer's format (read back on loading).
-    content_metadata = saved_metadata(optimizer, sharding) if "optimizer_step" in state else None
     dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1),
-                            content_metadata=content_metadata)
+                            content_metadata=metadata if "optimizer_step" in state else None)
     fault_point("written", iteration)
     torch.distributed.barrier()
     if rank == 0:
@@ -166,13 +164,13 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     if optimizer is not None and not has_optimizer:
         notes.append("the checkpoint holds no optimizer state: the optimizer and the "
                      "learning-rate schedule start fresh")
-    sharding = load_sharding(common)
+    optimizer_metadata = load_metadata(common, args)
     request, targets = sharded_state_dict(model, optimizer if has_optimizer else None,
-                                          is_loading=True, sharding=sharding)
+                                          is_loading=True, metadata=optimizer_metadata)
     metadata = read_metadata(path)
-    # A plain optimizer's checkpoint without --bf16 / --fp16 holds no fp32 main parameters:
-    # the distributed optimizer's come from the loaded weights.
-    main_params_missing = drop_missing_main_params(request, metadata)
+    # The fp32 main parameters under the name the checkpoint has for them; none in a plain
+    # optimizer's without --bf16 / --fp16: the distributed optimizer's from the loaded weights.
+    main_params_missing = match_main_params(request, metadata)
     problems = _agree(check_request(sharded_tensors(request), metadata))
     if problems:
         # The first tensor on the error's own line, any others below it.
@@ -187,19 +185,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     chunks = model_chunks(model)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         chunk.load_state_dict(state[key])
-    if optimizer is not None and not has_optimizer:
-        # Mixed precision: without saved main params (a converted or upcycled checkpoint) the
-        # optimizer's fp32 copies start from the loaded weights. (Saved ones were loaded in
-        # place above, into the main params themselves: reloading would overwrite them.)
-        optimizer.reload_model_params()
-    if optimizer is not None and has_optimizer and is_distributed(optimizer):
-        load_distributed_state(optimizer, state["optimizer"], sharding, common["optimizer_step"],
-                               common.get("loss_scaler"))
-        if main_params_missing:
-            optimizer.reload_model_params()
-    elif optimizer is not None and has_optimizer:
-        load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],
-                             common.get("loss_scaler"))
+    if optimizer is not None:
+        _load_optimizer(optimizer, state if has_optimizer else None, targets, common,
+                        optimizer_metadata, main_params_missing)
     if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
         notes += _load_schedule(state["opt_param_scheduler"], scheduler)
     rng_restored = _restore_rng(common.get("rng_state"), layout_of(args), notes)
@@ -207,6 +195,23 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
             "consumed_samples": int(common.get("consumed_samples", 0)),
             "optimizer_loaded": optimizer is not None and has_optimizer,
             "rng_restored": rng_restored, "notes": notes, "layout": common.get("layout")}
+
+
+def _load_optimizer(optimizer, state, targets, common, metadata, main_params_missing) -> None:
+    """The optimizer's part of the loaded STATE (None: the checkpoint holds none), into the
+    plain or the distributed optimizer, whichever format it was saved in."""
+    if state is not None and is_distributed(optimizer):
+        load_distributed_state(optimizer, state["optimizer"], metadata, common["optimizer_step"],
+                               common.get("loss_scaler"))
+    elif state is not None:
+        load_optimizer_state(optimizer, state["optimizer_state"], targets,
+                             common["optimizer_step"], common.get("loss_scaler"))
+    if state is None or main_params_missing:
+        # Mixed precision: without saved main params (a converted or upcycled checkpoint, a
+        # plain fp32 one) the optimizer's fp32 copies start from the loaded weights. (Saved
+        # ones were loaded in place, into the main params themselves: reloading would
+        # overwrite them.)
+        optimizer.reload_model_params()
 
 
 def _check_before_loading(path: str, optimizer, scheduler, args) -> dict:

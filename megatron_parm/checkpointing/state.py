@@ -57,11 +57,11 @@ def model_keys(num_chunks: int) -> list:
     return ["model"] + [f"model{index}" for index in range(1, num_chunks)]
 
 
-def sharded_state_dict(model, optimizer, is_loading: bool, sharding: Optional[str] = None):
+def sharded_state_dict(model, optimizer, is_loading: bool, metadata: Optional[dict] = None):
     """{'model': ..., 'optimizer_state': {key@offset: ShardedTensor}, 'optimizer_step': step},
     and for loading the map from each optimizer entry to the state tensor it fills.
     The distributed optimizer's state is Megatron-Core's, under Megatron-LM's key 'optimizer',
-    in the format SHARDING (optimizer_state.sharding_type); no targets."""
+    in METADATA's format (optimizer_state.save_metadata / load_metadata); no targets."""
     chunks = model_chunks(model)
     model_state = {key: chunk.sharded_state_dict()
                    for key, chunk in zip(model_keys(len(chunks)), chunks)}
@@ -69,7 +69,7 @@ def sharded_state_dict(model, optimizer, is_loading: bool, sharding: Optional[st
     targets = {}
     if optimizer is not None and is_distributed(optimizer):
         state["optimizer"], state["optimizer_step"] = distributed_state(
-            optimizer, model_state, is_loading, sharding)
+            optimizer, model_state, is_loading, metadata)
     elif optimizer is not None:
         tensors, step, targets = sharded_optimizer_state(optimizer, model_state, is_loading)
         state["optimizer_state"] = tensors
