@@ -143,7 +143,7 @@ def reload_and_save(flags, load: str, save: str) -> None:
     from megatron_parm.training.trainer import (
         build_model_and_optimizer, checkpoint_to_resume, initialize, resume)
 
-    args = parse_args(list(BASE) + list(flags) + ["--load", load])
+    args = parse_args(list(BASE) + list(flags) + DIST_RUN + ["--load", load])
     initialize(args)
     checkpoint, padded_vocab = checkpoint_to_resume(args)
     model, optimizer, scheduler = build_model_and_optimizer(
