@@ -472,6 +472,16 @@ def _checkpoint_flags() -> List[Flag]:
                   "the next flag a difference is an error."),
         Flag("--use-checkpoint-opt_param-scheduler", ckpt, kind="switch",
              help="On resume, keep the checkpoint's learning-rate schedule."),
+        Flag("--dist-ckpt-optim-fully-reshardable", ckpt, kind="switch",
+             help="With --use-distributed-optimizer: save its state gathered into model-space "
+                  "tensors (Megatron-Core's 'fully_reshardable' format), which load in any "
+                  "(tp, pp, ep, etp) layout and without the distributed optimizer. Default: "
+                  "each rank's shard as it is ('dp_reshardable'), which loads only at the same "
+                  "tp, pp, ep and etp (any data-parallel size)."),
+        Flag("--distrib-optim-fully-reshardable-mem-efficient", ckpt, kind="switch",
+             help="With --dist-ckpt-optim-fully-reshardable: gather the state on the first "
+                  "data-parallel rank over gloo, which alone writes it, instead of on every "
+                  "rank over NCCL (less memory; always so without a GPU)."),
         Flag("--skip-train", ckpt, kind="switch",
              help="Load --load, evaluate (--eval-iters batches) and stop."),
         Flag("--eval-interval", ckpt, int, 1000, check=positive_int),

@@ -61,7 +61,9 @@ def describe(path: str, show_tensors: bool, verify: bool) -> None:
           f"model {args.get('model_type')} layers={args.get('num_layers')} hidden={args.get('hidden_size')} "
           f"experts={args.get('num_experts')} top-k={args.get('moe_router_topk')}; padded vocabulary "
           f"{(info.get('model_info') or {}).get('padded_vocab_size')}")
-    print(f"  optimizer state: {'yes' if 'optimizer_step' in info else 'no'}; LR schedule: "
+    sharding = (info.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    print(f"  optimizer state: {'yes' if 'optimizer_step' in info else 'no'}"
+          + (f" (distributed optimizer: {sharding})" if sharding else "") + "; LR schedule: "
           f"{'yes' if 'opt_param_scheduler' in info else 'no'}; RNG states: "
           f"{plural(len(info['rng_state']['per_rank']) if 'rng_state' in info else 0, 'rank')}"
           + (f"; upcycled from a dense checkpoint ({info['upcycled_from']})" if "upcycled_from" in info else ""))

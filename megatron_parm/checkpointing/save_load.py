@@ -20,7 +20,15 @@ from megatron_parm import mcore_compat
 from megatron_parm.checkpointing import rng
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.fault_hook import fault_point
-from megatron_parm.checkpointing.optimizer_state import load_optimizer_state, loss_scaler_state
+from megatron_parm.checkpointing.optimizer_state import (
+    is_distributed,
+    load_distributed_state,
+    load_optimizer_state,
+    match_main_params,
+    load_metadata,
+    loss_scaler_state,
+    save_metadata,
+)
 from megatron_parm.checkpointing.paths import (
     checkpoint_dir,
     partial_dir,
@@ -32,6 +40,7 @@ from megatron_parm.checkpointing.safe_load import load_torch_file, read_sharded_
 from megatron_parm.checkpointing.scheduler import check_schedule, schedule_differences
 from megatron_parm.checkpointing.state import (
     check_model_flags,
+    check_optimizer_format,
     describe_layout,
     layout_of,
     model_chunks,
@@ -77,10 +86,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         os.makedirs(staged)
     torch.distributed.barrier()
     fault_point("staged", iteration)
-    state, _ = sharded_state_dict(model, optimizer, is_loading=False)
+    metadata = save_metadata(optimizer, args)
+    state, _ = sharded_state_dict(model, optimizer, is_loading=False, metadata=metadata)
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
-        state.pop("optimizer_state", None)
-        state.pop("optimizer_step", None)
+        for key in ("optimizer_state", "optimizer_step", "optimizer"):
+            state.pop(key, None)
     elif loss_scaler_state(optimizer) is not None:
         state["loss_scaler"] = loss_scaler_state(optimizer)
     state["iteration"] = iteration
@@ -97,7 +107,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         state["rng_state"] = {"layout": layout, "per_rank": rng.gather()}
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1))
+    # Megatron-LM's record of the distributed optimizer's format (read back on loading).
+    dist_checkpointing.save(state, staged, sharded_strategy=("torch_dist", 1),
+                            content_metadata=metadata if "optimizer_step" in state else None)
     fault_point("written", iteration)
     torch.distributed.barrier()
     if rank == 0:
@@ -146,15 +158,20 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     """
     from megatron.core import dist_checkpointing
 
-    common = _check_before_loading(path, scheduler, args)
+    common = _check_before_loading(path, optimizer, scheduler, args)
     notes = []
     has_optimizer = common.get("optimizer_step") is not None
     if optimizer is not None and not has_optimizer:
         notes.append("the checkpoint holds no optimizer state: the optimizer and the "
                      "learning-rate schedule start fresh")
+    optimizer_metadata = load_metadata(common, args)
     request, targets = sharded_state_dict(model, optimizer if has_optimizer else None,
-                                          is_loading=True)
-    problems = _agree(check_request(sharded_tensors(request), read_metadata(path)))
+                                          is_loading=True, metadata=optimizer_metadata)
+    metadata = read_metadata(path)
+    # The fp32 main parameters under the name the checkpoint has for them; none in a plain
+    # optimizer's without --bf16 / --fp16: the distributed optimizer's from the loaded weights.
+    main_params_missing = match_main_params(request, metadata)
+    problems = _agree(check_request(sharded_tensors(request), metadata))
     if problems:
         # The first tensor on the error's own line, any others below it.
         shown = "\n  ".join(problems[:8])
@@ -168,14 +185,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
     chunks = model_chunks(model)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         chunk.load_state_dict(state[key])
-    if optimizer is not None and not has_optimizer:
-        # Mixed precision: without saved main params (a converted or upcycled checkpoint) the
-        # optimizer's fp32 copies start from the loaded weights. (Saved ones were loaded in
-        # place above, into the main params themselves: reloading would overwrite them.)
-        optimizer.reload_model_params()
-    if optimizer is not None and has_optimizer:
-        load_optimizer_state(optimizer, state["optimizer_state"], targets, common["optimizer_step"],
-                             common.get("loss_scaler"))
+    if optimizer is not None:
+        _load_optimizer(optimizer, state if has_optimizer else None, targets, common,
+                        optimizer_metadata, main_params_missing)
     if scheduler is not None and has_optimizer and "opt_param_scheduler" in state:
         notes += _load_schedule(state["opt_param_scheduler"], scheduler)
     rng_restored = _restore_rng(common.get("rng_state"), layout_of(args), notes)
@@ -185,7 +197,24 @@ def load_checkpoint(path: str, model, optimizer, scheduler, args=None) -> dict:
             "rng_restored": rng_restored, "notes": notes, "layout": common.get("layout")}
 
 
-def _check_before_loading(path: str, scheduler, args) -> dict:
+def _load_optimizer(optimizer, state, targets, common, metadata, main_params_missing) -> None:
+    """The optimizer's part of the loaded STATE (None: the checkpoint holds none), into the
+    plain or the distributed optimizer, whichever format it was saved in."""
+    if state is not None and is_distributed(optimizer):
+        load_distributed_state(optimizer, state["optimizer"], metadata, common["optimizer_step"],
+                               common.get("loss_scaler"))
+    elif state is not None:
+        load_optimizer_state(optimizer, state["optimizer_state"], targets,
+                             common["optimizer_step"], common.get("loss_scaler"))
+    if state is None or main_params_missing:
+        # Mixed precision: without saved main params (a converted or upcycled checkpoint, a
+        # plain fp32 one) the optimizer's fp32 copies start from the loaded weights. (Saved
+        # ones were loaded in place, into the main params themselves: reloading would
+        # overwrite them.)
+        optimizer.reload_model_params()
+
+
+def _check_before_loading(path: str, optimizer, scheduler, args) -> dict:
     """The checkpoint's common part, after every rank checked the folder, read its pickles
     safely, and compared its model flags and learning-rate schedule with this run's; one
     CheckpointError on every rank otherwise. Collective."""
@@ -196,6 +225,7 @@ def _check_before_loading(path: str, scheduler, args) -> dict:
         # Megatron-Core's loader unpickles these without restriction: read them safely first.
         read_sharded_objects(path, read_metadata(path))
         check_model_flags(common.get("args"), args, path)
+        check_optimizer_format(path, common, optimizer, layout_of(args))
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
             check_schedule(path, common["opt_param_scheduler"], scheduler,

@@ -16,7 +16,13 @@ from typing import Optional
 import torch
 
 from megatron_parm.checkpointing.errors import CheckpointError
-from megatron_parm.checkpointing.optimizer_state import sharded_optimizer_state
+from megatron_parm.checkpointing.optimizer_state import (
+    DP_RESHARDABLE,
+    distributed_state,
+    is_distributed,
+    saved_sharding,
+    sharded_optimizer_state,
+)
 from megatron_parm.wording import plural
 
 CHECKPOINT_VERSION = 3.0
@@ -54,15 +60,20 @@ def model_keys(num_chunks: int) -> list:
     return ["model"] + [f"model{index}" for index in range(1, num_chunks)]
 
 
-def sharded_state_dict(model, optimizer, is_loading: bool):
+def sharded_state_dict(model, optimizer, is_loading: bool, metadata: Optional[dict] = None):
     """{'model': ..., 'optimizer_state': {key@offset: ShardedTensor}, 'optimizer_step': step},
-    and for loading the map from each optimizer entry to the state tensor it fills."""
+    and for loading the map from each optimizer entry to the state tensor it fills.
+    The distributed optimizer's state is Megatron-Core's, under Megatron-LM's key 'optimizer',
+    in METADATA's format (optimizer_state.save_metadata / load_metadata); no targets."""
     chunks = model_chunks(model)
     model_state = {key: chunk.sharded_state_dict()
                    for key, chunk in zip(model_keys(len(chunks)), chunks)}
     state = {**model_state, "checkpoint_version": CHECKPOINT_VERSION}
     targets = {}
-    if optimizer is not None:
+    if optimizer is not None and is_distributed(optimizer):
+        state["optimizer"], state["optimizer_step"] = distributed_state(
+            optimizer, model_state, is_loading, metadata)
+    elif optimizer is not None:
         tensors, step, targets = sharded_optimizer_state(optimizer, model_state, is_loading)
         state["optimizer_state"] = tensors
         state["optimizer_step"] = step
@@ -116,6 +127,39 @@ def describe_layout(layout: Optional[dict]) -> str:
     return (f"{plural(layout['world_size'], 'rank')}, tp={layout['tensor_model_parallel_size']} "
             f"ep={layout['expert_model_parallel_size']} etp={layout['expert_tensor_parallel_size']}"
             + pipeline)
+
+
+# What the distributed optimizer's dp-reshardable buckets depend on, apart from the DP size.
+BUCKET_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size")
+RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
+
+
+def check_optimizer_format(path: str, common: dict, optimizer, layout: dict) -> None:
+    """Refuse a distributed optimizer's dp-reshardable checkpoint (optimizer_state) that this
+    run cannot read: without --use-distributed-optimizer, or at another (tp, pp, ep, etp);
+    naming the flag that saves a checkpoint which loads there."""
+    if optimizer is None or saved_sharding(common) != DP_RESHARDABLE \
+            or common.get("optimizer_step") is None:
+        return
+    saved = {**NO_PIPELINE, **(common.get("layout") or {})}
+    current = {**NO_PIPELINE, **layout}
+    why = None
+    if not is_distributed(optimizer):
+        why = "this run has no --use-distributed-optimizer"
+    elif any(saved.get(key) != current.get(key) for key in BUCKET_LAYOUT):
+        why = f"this run has {_model_parallel(current)}"
+    if why:
+        raise CheckpointError(
+            f"{path}: the distributed optimizer's state was saved in its dp-reshardable format "
+            f"at {_model_parallel(saved)}, which loads only with --use-distributed-optimizer "
+            f"at the same tp, pp, ep and etp (any data-parallel size); {why}. Save with "
+            f"{RESHARDABLE_FLAG} for a checkpoint that loads in any layout")
+
+
+def _model_parallel(layout: dict) -> str:
+    return describe_layout(layout).split(", ", 1)[1]  # without the number of ranks
 
 
 def plain_args(args) -> dict:

@@ -2,7 +2,9 @@
 training maps them.
 
     (the flags --overlap-grad-reduce, --overlap-param-gather, --use-distributed-optimizer,
-    --ddp-bucket-size and --ddp-average-in-collective are declared in megatron_parm.settings)
+    --ddp-bucket-size and --ddp-average-in-collective are declared in megatron_parm.settings;
+    the distributed optimizer's checkpoints, --dist-ckpt-optim-fully-reshardable:
+    checkpointing/optimizer_state.py)
     check_args(args, cuda)           what Megatron-Core cannot run here: ValueError naming the
                                      flag, why, and which flag to drop
     ddp_config(args)                 the DistributedDataParallelConfig
@@ -54,12 +56,6 @@ def check_args(args, cuda: bool) -> None:
         raise ValueError("--ddp-average-in-collective needs NCCL: gloo (this machine has no "
                          "GPU) has no ReduceOp.AVG; drop the flag (the gradients are then "
                          "scaled by 1/DP before a summing collective, the same average)")
-    if args.use_distributed_optimizer and (args.save or args.load):
-        flag = "--save" if args.save else "--load"
-        raise ValueError(f"--use-distributed-optimizer with {flag}: checkpoints of the "
-                         "distributed optimizer's sharded state are not supported yet "
-                         "(docs/checkpoints.md); drop --use-distributed-optimizer or "
-                         f"{flag}")
 
 
 def ddp_config(args) -> DistributedDataParallelConfig:

@@ -530,8 +530,10 @@ class Run:
 
     def save(self) -> str:
         faults.record_progress(self.iteration, "saving a checkpoint", self.args.save)
-        path = save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                               self.scheduler, self.consumed_samples, self.args)
+        # --overlap-param-gather: the last step's parameters gathered before they are saved
+        with self.param_gather.disabled():
+            path = save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                                   self.scheduler, self.consumed_samples, self.args)
         self.saved_at = self.iteration
         print_rank_0(f"> saved checkpoint at iteration {self.iteration} to {path}")
         self.log.interval.restart_clock()

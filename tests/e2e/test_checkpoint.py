@@ -118,6 +118,92 @@ def grouped_worker(run: Path, train) -> dict:
     return results
 
 
+# ---------------------------------------------------------------------------------------------
+# The distributed optimizer's checkpoints: three launches (4, 2 and 8 ranks), `-k distopt`
+# ---------------------------------------------------------------------------------------------
+
+DIST = ["--use-distributed-optimizer"]
+FULLY = DIST + ["--dist-ckpt-optim-fully-reshardable"]
+# Every run: iterations 1-4, dropout on, a checkpoint every 2.
+DIST_RUN = ["--train-iters", "4", "--save-interval", "2", "--eval-iters", "0"]
+DISPATCHERS = ("alltoall", "parm_s1", "parm_s2", "parm_hier", "parm")
+MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+
+
+def dispatcher_flags(dispatcher: str) -> list:
+    return ["--parm-ranks-per-node", "2"] if dispatcher == "parm_hier" else []
+
+
+def reload_and_save(flags, load: str, save: str) -> None:
+    """Build the model and optimizer FLAGS describe, load LOAD into them and save them to SAVE
+    at once: the saved optimizer state is what the load put in the optimizer."""
+    from megatron_parm.checkpointing import save_checkpoint
+    from megatron_parm.data.tokenizers import build_tokenizer
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import (
+        build_model_and_optimizer, checkpoint_to_resume, initialize, resume)
+
+    args = parse_args(list(BASE) + list(flags) + DIST_RUN + ["--load", load])
+    initialize(args)
+    checkpoint, padded_vocab = checkpoint_to_resume(args)
+    model, optimizer, scheduler = build_model_and_optimizer(
+        args, build_tokenizer(args).vocab_size, padded_vocab)
+    iteration, consumed = resume(checkpoint, model, optimizer, scheduler, args)
+    save_checkpoint(save, iteration, model, optimizer, scheduler, consumed, args)
+
+
+def distopt_worker(mode: str, run: Path, train) -> dict:
+    """The distributed optimizer's runs (see test_distopt_*); returns the results."""
+    results = {}
+    if mode == "distopt":  # 4 ranks
+        for dispatcher in DISPATCHERS:  # dp-reshardable at (2,2,2), fully reshardable (1,4,1)
+            for (tp, ep, etp), optim in (((2, 2, 2), DIST), ((1, 4, 1), FULLY)):
+                flags = [*layout_flags(tp, ep, etp, dispatcher), *dispatcher_flags(dispatcher),
+                         *optim, *DIST_RUN]
+                name = f"{tp},{ep},{etp} {dispatcher}"
+                saved = f"{run}/dist {name.replace(' ', '_')}"
+                results[f"{name} reference"] = train(*flags, "--save", saved)["losses"]
+                results[f"{name} resumed"] = train(*flags, "--load", f"{saved}/iter_0000002",
+                                                   "--save", f"{saved}-resumed")["losses"]
+        # dp=2 (2,1,2), saved dp-reshardable, for the narrow and wide launches; and fully
+        # reshardable, resumed at (4,1,4) and at (1,4,1) without the distributed optimizer
+        base = [*layout_flags(2, 1, 2, "alltoall"), *DIST_RUN]
+        results["dp2"] = train(*base, *DIST, "--save", f"{run}/dp2")["losses"]
+        results["fully"] = train(*base, *FULLY, "--save", f"{run}/fully")["losses"]
+        results["fully at 4,1,4"] = train(*layout_flags(4, 1, 4, "parm_s2"), *DIST_RUN, *DIST,
+                                          "--load", f"{run}/fully/iter_0000002")["losses"]
+        results["fully plain 1,4,1"] = train(*layout_flags(1, 4, 1, "parm"), *DIST_RUN,
+                                             "--load", f"{run}/fully/iter_0000002")["losses"]
+        # the moments through each pair: distributed -> plain -> distributed (both formats)
+        reload_and_save(layout_flags(1, 4, 1, "alltoall"), f"{run}/fully/iter_0000002",
+                        f"{run}/as_plain")
+        reload_and_save([*layout_flags(2, 2, 2, "alltoall"), *DIST], f"{run}/as_plain",
+                        f"{run}/plain_as_dist")
+        reload_and_save([*layout_flags(4, 1, 4, "alltoall"), *FULLY], f"{run}/as_plain",
+                        f"{run}/plain_as_fully")
+        errors = {}
+        for name, flags in (("other tp", [*layout_flags(1, 2, 1, "alltoall"), *DIST]),
+                            ("plain", layout_flags(2, 1, 2, "alltoall"))):
+            try:
+                train(*flags, *DIST_RUN, "--load", f"{run}/dp2/iter_0000002")
+                errors[name] = None
+            except ValueError as err:
+                errors[name] = str(err)
+        results["errors"] = errors
+    elif mode in ("distopt_narrow", "distopt_wide"):  # 2 ranks: dp=1; 8 ranks: dp=4
+        results["dp"] = train(*layout_flags(2, 1, 2, "alltoall"), *DIST_RUN, *DIST,
+                              "--load", f"{run}/dp2/iter_0000002")["losses"]
+    if mode == "distopt_wide":  # pp=2, (2,2,2) and (1,4,1), bitwise resume
+        for (tp, ep, etp), dispatcher in (((2, 2, 2), "parm_s2"), ((1, 4, 1), "parm")):
+            flags = [*layout_flags(tp, ep, etp, dispatcher), "--pipeline-model-parallel-size",
+                     "2", *DIST, *DIST_RUN]
+            saved = f"{run}/pp2 {tp},{ep},{etp}"
+            results[f"pp2 {tp},{ep},{etp} reference"] = train(*flags, "--save", saved)["losses"]
+            results[f"pp2 {tp},{ep},{etp} resumed"] = train(
+                *flags, "--load", f"{saved}/iter_0000002")["losses"]
+    return results
+
+
 def worker(mode: str, run_dir: str) -> None:
     sys.path.insert(0, str(REPO))
     from megatron_parm import cli
@@ -189,6 +275,9 @@ def worker(mode: str, run_dir: str) -> None:
 
     if mode == "grouped":
         results = grouped_worker(run, train)
+
+    if mode.startswith("distopt"):
+        results = distopt_worker(mode, run, train)
 
     if mode == "wide":
         flags = layout_flags(2, 4, 2, "parm_s2")
@@ -477,8 +566,132 @@ def test_grouped_gemm_width_refused_by_the_launcher_in_one_line(grouped_runs):
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-6000:]
 
 
+@pytest.fixture(scope="module")
+def distopt_runs(tmp_path_factory, prepared_data):
+    """The distributed optimizer's launches: 4 ranks (saves every checkpoint the others
+    load), then 2 and 8; then the pretraining script refusing one through the launcher.
+    (run folder, {mode: rank 0's results}, the refused launch, the folder before it)."""
+    run = tmp_path_factory.mktemp("distopt")
+    script = str(Path(__file__).relative_to(REPO))
+    results = {}
+    for mode, nproc in (("distopt", 4), ("distopt_narrow", 2), ("distopt_wide", 8)):
+        torchrun(script, nproc, "worker", mode, str(run), timeout=1500)
+        results[mode] = json.loads((run / f"{mode}.json").read_text())
+    before = _snapshot(run / "dp2")
+    refused = subprocess.run(
+        [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "2", "--master-addr",
+         "127.0.0.1", "--master-port", str(free_port()), "pretrain_scripts/pretrain_gpt2_moe.py",
+         *BASE, *layout_flags(1, 2, 1, "alltoall"), *DIST, *DIST_RUN, "--load", f"{run}/dp2",
+         "--save", f"{run}/dp2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run, results, refused, before
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_distopt_resume_is_bitwise_for_every_dispatcher(distopt_runs):
+    """Each dispatcher at (2,2,2) (dp-reshardable) and (1,4,1) (fully reshardable), and with
+    pp=2 on 8 ranks: the resumed iterations 3-4 print the uninterrupted run's losses."""
+    _, results, _, _ = distopt_runs
+    runs = {**results["distopt"], **results["distopt_wide"]}
+    names = [key[:-len(" reference")] for key in runs if key.endswith(" reference")]
+    assert len(names) == 2 * len(DISPATCHERS) + 2, names
+    for name in names:
+        reference = runs[f"{name} reference"]
+        assert len(reference) == 4 and runs[f"{name} resumed"] == reference[2:], (name, runs)
+
+
+def test_distopt_loads_at_another_data_parallel_size_and_layout(distopt_runs):
+    """Saved at dp=2 (dp-reshardable): dp=1 and dp=4 continue with the same losses (1e-5);
+    fully reshardable: at (4,1,4) with it and at (1,4,1) without it."""
+    _, results, _, _ = distopt_runs
+    main = results["distopt"]
+    for name, losses, reference in (
+            ("dp=1", results["distopt_narrow"]["dp"], main["dp2"]),
+            ("dp=4", results["distopt_wide"]["dp"], main["dp2"]),
+            ("4,1,4", main["fully at 4,1,4"], main["fully"]),
+            ("plain 1,4,1", main["fully plain 1,4,1"], main["fully"])):
+        assert len(losses) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(losses, reference[2:])), \
+            (name, losses, reference)
+
+
+def test_distopt_moments_carry_over_with_and_without_it(distopt_runs):
+    """Fully reshardable -> plain optimizer (1,4,1) -> distributed (2,2,2), dp-reshardable, and
+    (4,1,4), fully reshardable: every Adam moment of every parameter, and the step, arrive
+    bitwise (each checkpoint saved right after its load)."""
+    import torch
+
+    from megatron_parm.checkpointing.full import read_full
+
+    run = distopt_runs[0]
+    source = read_full(str(run / "fully/iter_0000002"))
+    moments = {k: v for k, v in source.tensors.items() if k.startswith(MOMENTS)}
+    assert len(moments) > 20, sorted(source.tensors)
+    as_plain = read_full(str(run / "as_plain/iter_0000002"))
+    for key, tensor in moments.items():
+        assert torch.equal(as_plain.tensors[key], tensor), key
+    assert as_plain.common["optimizer_step"] == source.common["optimizer_step"] == 2
+    back = read_full(str(run / "plain_as_fully/iter_0000002"))
+    for key, tensor in moments.items():
+        assert torch.equal(back.tensors[key], tensor), key
+    # the dp-reshardable copy holds the moments in Megatron's buckets: its resumed losses
+    # (test above) and its byte count of moments tell; here, that it is that format
+    dp = read_full(str(run / "plain_as_dist/iter_0000002"))
+    assert dp.common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert any(".bucket_idx_0.exp_avg_sq" in key for key in dp.tensors), sorted(dp.tensors)
+
+
+def test_distopt_dp_reshardable_elsewhere_refused_naming_the_flag(distopt_runs):
+    run, results, refused, before = distopt_runs
+    errors = results["distopt"]["errors"]
+    for name in ("other tp", "plain"):
+        assert errors[name] is not None and "--dist-ckpt-optim-fully-reshardable" in errors[name], errors
+    assert "this run has tp=1 ep=2 etp=1" in errors["other tp"], errors
+    assert "this run has no --use-distributed-optimizer" in errors["plain"], errors
+    output = refused.stdout + refused.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(lines) == 1, output[-4000:]
+    assert "--dist-ckpt-optim-fully-reshardable" in lines[0] and "Traceback" not in output
+    assert _snapshot(run / "dp2") == before
+
+
+def test_distopt_damaged_shards_named_by_inspect_and_converter(distopt_runs, tmp_path):
+    """A missing or truncated optimizer shard file of a dp-reshardable checkpoint: the tools
+    exit 2 naming the file and the tensor; a whole one verifies, and converts to one file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = distopt_runs[0]
+    good = run / "dp2/iter_0000002"
+    proc = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(good), "--verify",
+                           "--no-tensors"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "distributed optimizer: dp_reshardable" in proc.stdout, \
+        proc.stdout + proc.stderr
+    assert ".bucket_idx_0.exp_avg " in proc.stdout, proc.stdout
+    to_file = convert("--load", str(good), "--to-single-file", str(tmp_path / "x.pt"))
+    assert to_file.returncode == 0, to_file.stdout + to_file.stderr
+    metadata = FileSystemReader(str(good)).read_metadata()
+    index, info = next((i, v) for i, v in metadata.storage_data.items()
+                       if i.fqn.endswith(".exp_avg_sq") and "bucket_idx" in i.fqn)
+    for damage in ("truncated", "missing"):
+        copy = tmp_path / damage / "iter_0000002"
+        shutil.copytree(good, copy)
+        if damage == "truncated":
+            os.truncate(copy / info.relative_path, info.offset + info.length // 2)
+        else:
+            os.remove(copy / info.relative_path)
+        proc = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(copy),
+                               "--verify"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert index.fqn in proc.stderr and info.relative_path in proc.stderr \
+            and damage in proc.stderr, proc.stderr
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "worker":
         sys.exit("usage: torchrun --nproc-per-node N tests/e2e/test_checkpoint.py worker "
-                 "{crash,main,wide,grouped} RUN_DIR")
+                 "{crash,main,wide,grouped,distopt,distopt_narrow,distopt_wide} RUN_DIR")
     worker(sys.argv[2], sys.argv[3])

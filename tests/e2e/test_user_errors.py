@@ -91,10 +91,6 @@ def bad_inputs(run: Path) -> dict:
             ["--ddp-average-in-collective"],
             "error: --ddp-average-in-collective needs NCCL: gloo (this machine has no GPU) has "
             "no ReduceOp.AVG"),
-        "distributed optimizer checkpoint": (
-            ["--use-distributed-optimizer", "--save", str(run / "dist_opt")],
-            "error: --use-distributed-optimizer with --save: checkpoints of the distributed "
-            "optimizer's sharded state are not supported yet"),
         "unknown YAML key": (["--config", str(run / "typo.yaml")],
                              "unknown keys num_layer (keys are flag names"),
         "empty --load": (["--load", str(run / "empty")], "no checkpoint found"),
