@@ -35,6 +35,10 @@ output of every stage goes to OUT_DIR/gpu_check.log.
      layers at stage c's sizes, 4 and 8 experts, SequentialMLP and TorchGroupedMLP: compute, the chunk
      cost (chunk_overhead, chunk_expert_overhead) and the framework terms fitted by
      themselves; the profile in OUT_DIR/g_profile.yaml, its fit error in g.json
+  h  today's MoE models on one rank in bf16 with parm: the Qwen3-like and DeepSeek-V2-Lite-like
+     tiny configs, the latter also with DeepSeek-V3's router (sigmoid, expert bias, groups) and
+     with --moe-shared-expert-overlap (its shared experts in a CUDA stream of their own);
+     the losses fall and the overlap keeps them (2e-2 in bf16)
 
 --allow-cpu runs everything on CPU (gloo), as the tests do for a dry run; there stage d counts
 nothing (nothing synchronises without CUDA) and says so. --quick shrinks shapes and iteration
@@ -63,10 +67,10 @@ sys.path.insert(0, str(REPO))
 
 from megatron_parm import cli  # noqa: E402  (a mistake: one line, exit status 2)
 
-STAGES = ("a", "b", "c", "d", "e", "f", "g")
+STAGES = ("a", "b", "c", "d", "e", "f", "g", "h")
 # Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
 # CPU dry runs get CPU_SLOWDOWN times as long.
-STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150, "g": 150}
+STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150, "g": 150, "h": 120}
 CPU_SLOWDOWN = 4
 TRAIN_ITERS = 30
 RESUME_ITERS = 5
@@ -88,8 +92,9 @@ def parse_args(argv=None):
     parser.add_argument("--pytest-args", default=None,
                         help="stage a: pytest arguments instead of the equivalence tests "
                              "(for dry runs of the stage itself)")
-    parser.add_argument("--worker", choices=("train", "layer", "syncs", "chunks", "experts"),
-                        default=None,
+    from megatron_parm.bench.gpu_check import WORKERS  # torch-free until a worker runs
+
+    parser.add_argument("--worker", choices=tuple(WORKERS), default=None,
                         help=argparse.SUPPRESS)  # the processes stages b-d start
     args = parser.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -251,6 +256,10 @@ class Check:
     def stage_f(self, timeout: float) -> dict:
         return self._worker_stage("experts", "f", timeout)
 
+    def stage_h(self, timeout: float) -> dict:
+        prepare_data()
+        return self._worker_stage("modern", "h", timeout)
+
     def stage_g(self, timeout: float) -> dict:
         profile = self.out / "g_profile.yaml"
         profile.unlink(missing_ok=True)
@@ -273,7 +282,7 @@ class Check:
 
 
 STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d,
-                 "e": Check.stage_e, "f": Check.stage_f, "g": Check.stage_g}
+                 "e": Check.stage_e, "f": Check.stage_f, "g": Check.stage_g, "h": Check.stage_h}
 
 # Stage g's calibration flags (--quick: the dry run's small shapes)
 CALIBRATION_BASE = "nvlink_ib_estimate"

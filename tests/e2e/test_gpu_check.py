@@ -121,7 +121,7 @@ def test_tool_refusals(tmp_path):
 def dry_run(tmp_path_factory, prepared_data):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = run([sys.executable, TOOL, "--out", str(out), "--allow-cpu", "--quick", "--stages",
-                "b,c,d,e,f", "--budget", "1500"], timeout=1600)
+                "b,c,d,e,f,h", "--budget", "1700"], timeout=1800)
     summary = json.loads((out / "summary.json").read_text())
     return proc, summary, out
 
@@ -130,7 +130,8 @@ def test_dry_run_passes_every_stage(dry_run):
     proc, summary, out = dry_run
     assert proc.returncode == 0, (proc.stdout, (out / "gpu_check.log").read_text()[-5000:])
     assert {stage: result["status"] for stage, result in summary["stages"].items()} == \
-        {"b": "passed", "c": "passed", "d": "passed", "e": "passed", "f": "passed"}
+        {"b": "passed", "c": "passed", "d": "passed", "e": "passed", "f": "passed",
+         "h": "passed"}
     assert "stage b: passed" in (out / "gpu_check.log").read_text()
 
 
@@ -139,6 +140,13 @@ def test_dry_run_training_stage(dry_run):
     assert all(stage["checks"].values()), stage["checks"]
     assert stage["eval_after_loading"] == pytest.approx(stage["eval_after_training"], rel=1e-3)
     assert stage["backend"] == "gloo" and stage["fp16_skipped_iterations"] >= 1
+
+
+def test_dry_run_modern_models_stage(dry_run):
+    stage = dry_run[1]["stages"]["h"]
+    assert all(stage["checks"].values()), stage["checks"]
+    assert set(stage["losses"]) == {"qwen3_tiny_moe", "deepseek_v2_lite_tiny_moe", "v3_router",
+                                    "shared_expert_overlap"}
 
 
 def test_dry_run_layer_and_sync_stages(dry_run):

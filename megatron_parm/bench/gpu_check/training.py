@@ -64,3 +64,44 @@ def worker_train(out: Path, quick: bool) -> dict:
             "fp16_losses": fp16["losses"], "fp16_loss_scales": fp16.get("loss_scales"),
             "fp16_skipped_iterations": fp16.get("skipped_iterations"),
             "dispatcher_choices": [describe_choice(c) for c in (first.get("dispatcher_choices") or [])]}
+
+
+MODERN_ITERS = 20
+MODERN_CONFIGS = ("configs/qwen3_tiny_moe.yaml", "configs/deepseek_v2_lite_tiny_moe.yaml")
+
+
+def worker_modern(out: Path, quick: bool) -> dict:
+    """Stage h: today's MoE models on one rank in bf16: the Qwen3-like and DeepSeek-like tiny
+    configs with parm (the DeepSeek-like one also with DeepSeek-V3's router and with
+    --moe-shared-expert-overlap, whose shared experts run in a CUDA stream of their own)."""
+    import torch
+
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import initialize_distributed, pretrain
+
+    initialize_distributed()
+    iters = 6 if quick else MODERN_ITERS
+
+    def train(config, *flags):
+        return pretrain(parse_args([
+            "--config", config, "--bf16", "--micro-batch-size", "4", "--global-batch-size", "4",
+            "--train-iters", str(iters), "--eval-interval", str(iters), "--eval-iters", "1",
+            "--log-interval", str(max(iters // 3, 1)), "--moe-token-dispatcher-type", "parm",
+            *flags]))["losses"]
+
+    losses = {Path(config).stem: train(config) for config in MODERN_CONFIGS}
+    deepseek = MODERN_CONFIGS[1]
+    losses["v3_router"] = train(deepseek, "--moe-router-score-function", "sigmoid",
+                                "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
+                                "--moe-router-group-topk", "2")
+    losses["shared_expert_overlap"] = train(deepseek, "--moe-shared-expert-overlap")
+    without = losses[Path(deepseek).stem]
+    checks = {f"{name} loss falls": values[-1] < values[0] - (0.1 if quick else 0.3)
+              for name, values in losses.items()}
+    # bf16 on a GPU: the overlapped shared experts sum in another order (a stream of their own)
+    checks["shared-expert overlap keeps the losses (2e-2)"] = max(
+        abs(a - b) for a, b in zip(losses["shared_expert_overlap"], without)) <= 2e-2
+    return {"status": "passed" if all(checks.values()) else "failed",
+            "reason": None if all(checks.values()) else
+            "failed: " + "; ".join(name for name, ok in checks.items() if not ok),
+            "backend": torch.distributed.get_backend(), "checks": checks, "losses": losses}
