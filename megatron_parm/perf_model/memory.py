@@ -26,26 +26,32 @@ u: transformer.py; w = a c, the attention's width):
 
     per layer   norms:      inputs 2 n h p + fp32 statistics 2 n y (y = 8 for LayerNorm's
                             mean and rstd, 4 for RMSNorm's rstd, as fused GPU kernels keep them)
-                attention:  QKV input n h p, Q/K/V 3 n w p (the local attention repeats the
-                            g key/value heads to a before its matmuls, so K and V are kept at
-                            the queries' width), softmax output b (a/t) s^2 q, projection
-                            input n w p
+                attention:  QKV input n h p; the Q, K, V the matmuls keep, n w p each
+                            where it is a tensor of its own (Q and K after rope or the q/k
+                            norms, K and V repeated from g to a heads by the local attention
+                            under GQA), and the QKV output t n (a/t + 2 g_t) c p where one of
+                            them is a view of it or the q/k norms keep it (g_t = g / t
+                            key/value heads a rank computes; at g < t Megatron all-gathers the
+                            whole QKV output, t n (a + 2 g) c p); softmax output b (a/t) s^2 q,
+                            projection input n w p
                             (q = 4 in fp32; 6 in bf16/fp16: the softmax runs in fp32 and its
                             fp32 output and the 2-byte copy for the next matmul are both kept)
-                q/k norms:  (--qk-layernorm) their inputs t n (a/t + g_t) c p and statistics
-                            t n (a/t + g_t) y / 2 (g_t = max(g / t, 1) key/value heads a rank
-                            computes); rope keeps nothing of size n (its cos/sin are s c)
+                rope:       the cos and sin of Q and of K, 4 s c p
+                q/k norms:  (--qk-layernorm) their fp32 statistics t n (a/t + g_t) y / 2
                 dropout (when > 0): attention mask and output b (a/t) s^2 (m + p), two
                             residual masks 2 n h m (m: bytes of a dropout mask, 1 on GPUs,
                             whose fused dropout keeps a bool mask; p on CPUs, where
                             torch keeps the scaled noise tensor)
                 MoE layer:  router input n h p, routing tensors n (24 k + 9 E),
-                            experts r (h + (2 u + 1) F / x) p + 4 r (fc1 input, fc1 output,
-                            activation (SwiGLU: SiLU output and product), probability-scaled
-                            activation; the row probabilities in fp32); shared experts
-                            2 u n S p (fc1 output and activation; their input is the router's),
-                            their gate n h p + 2 n p
-                dense layer: MLP fc1 input n h p, fc1 output and activation 2 u n D p
+                            experts r (h + (j + 1) F / x) p + 4 r (fc1 input, fc1 output and
+                            activation j F: j = 2 for GeLU, 5 for SwiGLU (fc1's 2 F, SiLU's
+                            output, the linear half plus Megatron's glu_linear_offset, their
+                            product), probability-scaled activation; the row probabilities in
+                            fp32); shared experts j n S p (their input is the router's), their
+                            gate n h p + 3 n p
+                dense layer: MLP fc1 input n h p, fc1 output and activation j n D p
+    On CPUs (fused_norms False) torch's RMSNorm is not fused and also keeps its normalised
+    input, n h p per norm (t n (a/t + g_t) c p for the q/k norms).
     model       token / position (/ token type) ids 8 b s each, attention mask b s^2 (bool),
                 embedding dropout n h m, final LayerNorm n h p + 8 n,
                 head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n
@@ -170,7 +176,8 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
 
 
 def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
-                      precision: Precision, dispatcher: str, dropout_mask_bytes: int
+                      precision: Precision, dispatcher: str, dropout_mask_bytes: int,
+                      fused_norms: bool = True
                       ) -> Tuple[Tuple[float, float], float, float, float]:
     """((a dense layer, an MoE layer), the attention mask every stage holds, the first stage's
     other model-level terms, the last stage's): bytes saved for backward by one micro-batch on
@@ -184,11 +191,15 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     softmax_bytes = 4 + (2 if precision.mixed else 0)
     statistics = 8 if spec.normalization == "LayerNorm" else 4  # y: fp32 mean and rstd / rstd
 
-    layernorms = 2 * n * h * p + 2 * n * statistics
-    attention = n * h * p + 3 * n * width * p + scores * softmax_bytes + n * width * p
+    unfused_rms = spec.normalization == "RMSNorm" and not fused_norms
+    layernorms = 2 * n * h * p * (2 if unfused_rms else 1) + 2 * n * statistics
+    attention = n * h * p + _qkv_bytes(spec, t, n, p) + scores * softmax_bytes + n * width * p
+    if spec.position_embedding_type == "rope":
+        attention += 4 * s * spec.head_channels * p
     if spec.qk_layernorm:
         rows = t * n * (heads // t + max(spec.query_groups // t, 1))  # (token, head) pairs
-        attention += rows * spec.head_channels * p + rows * statistics // 2
+        attention += rows * statistics // 2
+        attention += rows * spec.head_channels * p if unfused_rms else 0
     dropout = 0.0
     if spec.attention_dropout > 0:
         dropout += scores * (m + p)
@@ -196,17 +207,18 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
         dropout += 2 * n * h * m
     common = layernorms + attention + dropout
     rows = expert_rows(shape, layout, dispatcher)
+    kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
     moe = (n * h * p + n * (24 * k + 9 * num_experts)
-           + rows * (h + (2 * u + 1) * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
+           + rows * (h + (kept + 1) * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
     if spec.shared_expert_size:
-        moe += 2 * u * n * spec.shared_expert_size * p
-        moe += (n * h * p + 2 * n * p) if spec.shared_expert_gate else 0
-    dense_mlp = n * h * p + 2 * u * n * spec.dense_ffn_hidden_size * p
+        moe += kept * n * spec.shared_expert_size * p
+        moe += (n * h * p + 3 * n * p) if spec.shared_expert_gate else 0
+    dense_mlp = n * h * p + kept * n * spec.dense_ffn_hidden_size * p
 
     mask = b * s * s  # bool
     ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
     first = ids + (n * h * m if spec.hidden_dropout > 0 else 0)
-    last = n * h * p + n * statistics  # final norm
+    last = n * h * p * (2 if unfused_rms else 1) + n * statistics  # final norm
     if spec.model_type == "bert":
         last += 4 * n * h * p + 8 * n
         if spec.bert_binary_head and t > 1:  # the pooler's gathered sequence
@@ -218,6 +230,18 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     return (common + dense_mlp, common + moe), mask, first, last
 
 
+def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
+    """The Q, K and V one rank's attention keeps, and the QKV output where they (or the q/k
+    norms) keep it through views (module docstring)."""
+    heads, groups = spec.num_attention_heads // t, max(spec.query_groups // t, 1)
+    repeated = heads != groups  # GQA: K and V repeated to the queries' heads
+    transformed = spec.position_embedding_type == "rope" or spec.qk_layernorm
+    own = (transformed, transformed or repeated, repeated)  # Q, K, V: tensors of their own
+    qkv = spec.qkv_width if spec.query_groups < t else t * (heads + 2 * groups) * spec.head_channels
+    keeps_qkv = spec.qk_layernorm or not all(own)
+    return sum(own) * n * spec.attention_width * p + (n * qkv * p if keeps_qkv else 0)
+
+
 def _layers_bytes(spec: ModelSpec, per_layer: Tuple[float, float],
                   layers: Sequence[int]) -> float:
     """Activations of these transformer layers (indices), dense and MoE layers each theirs."""
@@ -227,14 +251,16 @@ def _layers_bytes(spec: ModelSpec, per_layer: Tuple[float, float],
 
 def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                      precision: Precision, dispatcher: str = "alltoall",
-                     dropout_mask_bytes: int = 1) -> float:
+                     dropout_mask_bytes: int = 1, fused_norms: bool = True) -> float:
     """Bytes saved for backward by one micro-batch of the whole model on one rank (see the
     module docstring; without pipelining, what a rank holds at its peak).
 
-    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
+    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks. fused_norms: GPUs'
+    fused RMSNorm; on CPUs torch's keeps its normalised input too.
     """
     per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
-                                                     precision, dispatcher, dropout_mask_bytes)
+                                                     precision, dispatcher, dropout_mask_bytes,
+                                                     fused_norms)
     return _layers_bytes(spec, per_layer, range(spec.num_layers)) + mask + first + last
 
 
