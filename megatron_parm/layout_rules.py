@@ -36,6 +36,12 @@ def routing_problem(num_experts: Optional[int], topk: int) -> Optional[str]:
     return None
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default FFN width: 4 x hidden, or with SwiGLU 8/3 x hidden rounded down
+    to a multiple of 64 (the same parameters as the GeLU MLP)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 def moe_layer_pattern(moe_layer_freq, num_layers: int) -> list:
     """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads --moe-layer-freq (an int N: every
     N-th layer from the first; a list: as given)."""

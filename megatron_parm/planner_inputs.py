@@ -15,7 +15,7 @@ import os
 import sys
 
 import megatron_parm.settings as declared
-from megatron_parm.layout_rules import precision_problem
+from megatron_parm.layout_rules import default_ffn_hidden_size, precision_problem
 from megatron_parm.perf_model.profile import shipped_profiles
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec
 
@@ -27,7 +27,11 @@ MODEL_FLAGS = (
     "--moe-expert-capacity-factor", "--hidden-dropout", "--attention-dropout",
     "--moe-pad-expert-input-to-capacity", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--bf16", "--fp16", "--use-distributed-optimizer",
-    "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--bert-no-binary-head")
+    "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--bert-no-binary-head",
+    # today's architectures (docs/planner.md, "Today's MoE models")
+    "--swiglu", "--group-query-attention", "--num-query-groups", "--kv-channels",
+    "--qk-layernorm", "--normalization", "--position-embedding-type", "--no-position-embedding",
+    "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
             "micro_batch_size", "global_batch_size")
 # Sizes that restrict the search; the command line's only (a config's are the planner's to
@@ -111,7 +115,10 @@ def vocab_size_of(settings):
 
 
 def build_spec(settings, model_type):
-    ffn = settings.get("ffn_hidden_size") or 4 * settings["hidden_size"]
+    ffn = settings.get("ffn_hidden_size") or default_ffn_hidden_size(settings["hidden_size"],
+                                                                     settings["swiglu"])
+    position = (settings["position_embedding_type"] if settings["add_position_embedding"]
+                else "none")
     return ModelSpec(
         model_type=model_type,
         num_layers=settings["num_layers"],
@@ -130,6 +137,17 @@ def build_spec(settings, model_type):
         hidden_dropout=float(settings["hidden_dropout"]),
         attention_dropout=float(settings["attention_dropout"]),
         bert_binary_head=settings["bert_binary_head"],
+        ffn_hidden_size=ffn,
+        swiglu=settings["swiglu"],
+        num_query_groups=(settings["num_query_groups"] if settings["group_query_attention"]
+                          else None),
+        kv_channels=settings.get("kv_channels"),
+        qk_layernorm=settings["qk_layernorm"],
+        normalization=settings["normalization"],
+        position_embedding_type=position,
+        moe_layer_freq=settings["moe_layer_freq"],
+        shared_expert_size=settings.get("moe_shared_expert_intermediate_size"),
+        shared_expert_gate=settings["moe_shared_expert_gate"],
     )
 
 

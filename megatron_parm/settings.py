@@ -118,11 +118,6 @@ def _moe_layer_freq(flag: str, value) -> None:
         positive_int(flag, value)
 
 
-def existing_file(flag: str, value) -> None:
-    if not os.path.isfile(value):
-        raise ValueError(f"{flag}: file not found: {value}")
-
-
 def _chunks(flag: str, value) -> None:
     schedules.check_num_chunks(value, flag)
 
@@ -559,10 +554,9 @@ def _tokenizer_flags() -> List[Flag]:
         Flag("--tokenizer-type", tok, str, choices=TOKENIZER_TYPES),
         Flag("--tokenizer-model", tok, str,
              help="SentencePiece .model file (SentencePieceTokenizer)."),
-        Flag("--vocab-file", tok, str, check=existing_file,
+        Flag("--vocab-file", tok, str,
              help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)."),
-        Flag("--merge-file", tok, str, help="merges.txt (GPT2BPETokenizer).",
-             check=existing_file),
+        Flag("--merge-file", tok, str, help="merges.txt (GPT2BPETokenizer)."),
     ]
 
 

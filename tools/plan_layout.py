@@ -44,6 +44,7 @@ from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.layer_plan import parse_chunks  # noqa: E402
 from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
+from megatron_parm.wording import plural  # noqa: E402
 from megatron_parm.planner_inputs import (LAYOUT_FLAGS, build_spec, model_overrides,  # noqa: E402
                                           profiles_help, resolve_settings)
 
@@ -74,11 +75,29 @@ def _size(num_bytes):
         f"{num_bytes / 2 ** 20:.1f} MiB"
 
 
+def architecture(spec):
+    """What the model line says of today's architectures (nothing for GPT-2's)."""
+    parts = []
+    if spec.num_moe_layers < spec.num_layers:
+        parts.append(plural(spec.num_layers - spec.num_moe_layers, "dense layer"))
+    if spec.shared_expert_size:
+        parts.append(f"shared experts {spec.shared_expert_size}"
+                     + (" gated" if spec.shared_expert_gate else ""))
+    if spec.query_groups != spec.num_attention_heads:
+        parts.append(f"{spec.query_groups} KV heads")
+    parts += [name for name, on in (("SwiGLU", spec.swiglu), ("qk-norm", spec.qk_layernorm),
+                                    ("RMSNorm", spec.normalization == "RMSNorm"),
+                                    ("rope", spec.position_embedding_type == "rope"),
+                                    ("untied", not spec.tied_output)) if on]
+    return parts
+
+
 def render(result, spec, cluster, profile, precision, args):
     lines = [
         f"model: {spec.model_type.upper()} MoE, {spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, {spec.num_experts} experts top-{spec.topk}, sequence "
-        f"{spec.seq_length}, vocabulary {spec.vocab_size}; {precision.name}"
+        f"{spec.seq_length}, vocabulary {spec.vocab_size}"
+        + "".join(f", {part}" for part in architecture(spec)) + f"; {precision.name}"
         + (", distributed optimizer" if result.candidates[0].distributed_optimizer else ""),
         f"cluster: {cluster.describe()}, {_gib(cluster.gpu_memory_bytes):g} GiB per rank; "
         f"profile {profile.name} ({profile.provenance})",

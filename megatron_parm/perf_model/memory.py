@@ -21,20 +21,37 @@ reduces them: W / t for dense parameters, W / (e * x) for expert parameters. Tha
 table (fp32: 16 -> 8 + 8/d bytes; bf16 with fp32 gradients: 18 -> 6 + 12/d).
 
 Activations: the bytes autograd keeps for the backward pass of one micro-batch, counted tensor
-by tensor for Megatron-Core's local layer spec without activation recomputation:
+by tensor for Megatron-Core's local layer spec without activation recomputation (c, g, D, S,
+u: transformer.py; w = a c, the attention's width):
 
-    per layer   LayerNorms: inputs 2 n h p + fp32 mean/rstd 16 n
-                attention:  QKV input n h p, Q/K/V 3 n h p, softmax output b (a/t) s^2 q,
-                            projection input n h p
+    per layer   norms:      inputs 2 n h p + fp32 statistics 2 n y (y = 8 for LayerNorm's
+                            mean and rstd, 4 for RMSNorm's rstd, as fused GPU kernels keep them)
+                attention:  QKV input n h p; the Q, K, V the matmuls keep, n w p each
+                            where it is a tensor of its own (Q and K after rope or the q/k
+                            norms, K and V repeated from g to a heads by the local attention
+                            under GQA), and the QKV output t n (a/t + 2 g_t) c p where one of
+                            them is a view of it or the q/k norms keep it (g_t = g / t
+                            key/value heads a rank computes; at g < t Megatron all-gathers the
+                            whole QKV output, t n (a + 2 g) c p); softmax output b (a/t) s^2 q,
+                            projection input n w p
                             (q = 4 in fp32; 6 in bf16/fp16: the softmax runs in fp32 and its
                             fp32 output and the 2-byte copy for the next matmul are both kept)
+                rope:       the cos and sin of Q and of K, 4 s c p
+                q/k norms:  (--qk-layernorm) their fp32 statistics t n (a/t + g_t) y / 2
                 dropout (when > 0): attention mask and output b (a/t) s^2 (m + p), two
                             residual masks 2 n h m (m: bytes of a dropout mask, 1 on GPUs,
                             whose fused dropout keeps a bool mask; p on CPUs, where
                             torch keeps the scaled noise tensor)
-                MoE:        router input n h p, routing tensors n (24 k + 9 E),
-                            experts r (h + 3 F / x) p + 4 r (fc1 input, fc1 output, activation,
-                            probability-scaled activation; the row probabilities in fp32)
+                MoE layer:  router input n h p, routing tensors n (24 k + 9 E),
+                            experts r (h + (j + 1) F / x) p + 4 r (fc1 input, fc1 output and
+                            activation j F: j = 2 for GeLU, 5 for SwiGLU (fc1's 2 F, SiLU's
+                            output, the linear half plus Megatron's glu_linear_offset, their
+                            product), probability-scaled activation; the row probabilities in
+                            fp32); shared experts j n S p (their input is the router's), their
+                            gate n h p + 3 n p
+                dense layer: MLP fc1 input n h p, fc1 output and activation j n D p
+    On CPUs (fused_norms False) torch's RMSNorm is not fused and also keeps its normalised
+    input, n h p per norm (t n (a/t + g_t) c p for the q/k norms).
     model       token / position (/ token type) ids 8 b s each, attention mask b s^2 (bool),
                 embedding dropout n h m, final LayerNorm n h p + 8 n,
                 head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n
@@ -55,8 +72,9 @@ min(2 (p - 1 - i) + (v - 1) p + 1, m v) chunks: on the first stage L (1 + (p - 1
 layers' worth, the interleaving's extra. The model-level terms (ids and embedding on the
 first stage, head and loss on the last) count once per micro-batch in flight, min(p - i, m);
 the attention mask b s^2 is on every stage (each model chunk's attention reads its own copy
-of the micro-batch's), once per (micro-batch, chunk) in flight. The memory of a layout is
-that of its fullest stage.
+of the micro-batch's), once per (micro-batch, chunk) in flight. A stage whose layers mix dense
+and MoE layers (--moe-layer-freq) counts each chunk in flight at the mean of its chunks'
+layers. The memory of a layout is that of its fullest stage.
 
 tests/distributed/test_planner_memory.py measures the same quantity on CPU (the storages of
 the tensors saved for backward, through torch.autograd.graph.saved_tensors_hooks) for the
@@ -64,15 +82,16 @@ tiny configs and several layouts and dispatchers, and at pp = 2 and 4 the peak o
 stage holds in one training step of Megatron-Core's 1F1B schedule.
 """
 
-from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.shape import LayerShape
 from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
-from megatron_parm.perf_model.transformer import ModelSpec, ParameterCounts, parameter_counts
+from megatron_parm.perf_model.transformer import (ModelSpec, ParameterCounts,
+                                                  layer_parameter_counts, parameter_counts)
 from megatron_parm.perf_model.volumes import build_plan
 from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
 
@@ -145,7 +164,7 @@ def layer_shape(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                           topk=spec.topk, capacity_factor=spec.capacity_factor,
                           pad_to_capacity=spec.pad_to_capacity,
                           dtype_bytes=precision.activation_bytes,
-                          grouped_experts=spec.moe_grouped_gemm)
+                          gated_linear_unit=spec.swiglu, grouped_experts=spec.moe_grouped_gemm)
 
 
 def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
@@ -157,34 +176,49 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
 
 
 def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
-                      precision: Precision, dispatcher: str, dropout_mask_bytes: int
-                      ) -> Tuple[float, float, float, float]:
-    """(one transformer layer, the attention mask every stage holds, the first stage's other
-    model-level terms, the last stage's): bytes saved for backward by one micro-batch on one
-    rank (the module docstring's table)."""
+                      precision: Precision, dispatcher: str, dropout_mask_bytes: int,
+                      fused_norms: bool = True
+                      ) -> Tuple[Tuple[float, float], float, float, float]:
+    """((a dense layer, an MoE layer), the attention mask every stage holds, the first stage's
+    other model-level terms, the last stage's): bytes saved for backward by one micro-batch on
+    one rank (the module docstring's table)."""
     t, b, s = layout.tp, micro_batch_size, spec.seq_length
     h, p, m = spec.hidden_size, precision.activation_bytes, dropout_mask_bytes
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     n, k, num_experts = shape.num_tokens, spec.topk, spec.num_experts
-    scores = b * (spec.num_attention_heads // t) * s * s
+    u, width, heads = spec.fc1_factor, spec.attention_width, spec.num_attention_heads
+    scores = b * (heads // t) * s * s
     softmax_bytes = 4 + (2 if precision.mixed else 0)
+    statistics = 8 if spec.normalization == "LayerNorm" else 4  # y: fp32 mean and rstd / rstd
 
-    layernorms = 2 * n * h * p + 16 * n
-    attention = n * h * p + 3 * n * h * p + scores * softmax_bytes + n * h * p
+    unfused_rms = spec.normalization == "RMSNorm" and not fused_norms
+    layernorms = 2 * n * h * p * (2 if unfused_rms else 1) + 2 * n * statistics
+    attention = n * h * p + _qkv_bytes(spec, t, n, p) + scores * softmax_bytes + n * width * p
+    if spec.position_embedding_type == "rope":
+        attention += 4 * s * spec.head_channels * p
+    if spec.qk_layernorm:
+        rows = t * n * (heads // t + max(spec.query_groups // t, 1))  # (token, head) pairs
+        attention += rows * statistics // 2
+        attention += rows * spec.head_channels * p if unfused_rms else 0
     dropout = 0.0
     if spec.attention_dropout > 0:
         dropout += scores * (m + p)
     if spec.hidden_dropout > 0:
         dropout += 2 * n * h * m
+    common = layernorms + attention + dropout
     rows = expert_rows(shape, layout, dispatcher)
+    kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
     moe = (n * h * p + n * (24 * k + 9 * num_experts)
-           + rows * (h + 3 * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
-    per_layer = layernorms + attention + dropout + moe
+           + rows * (h + (kept + 1) * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
+    if spec.shared_expert_size:
+        moe += kept * n * spec.shared_expert_size * p
+        moe += (n * h * p + 3 * n * p) if spec.shared_expert_gate else 0
+    dense_mlp = n * h * p + kept * n * spec.dense_ffn_hidden_size * p
 
     mask = b * s * s  # bool
     ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
     first = ids + (n * h * m if spec.hidden_dropout > 0 else 0)
-    last = n * h * p + 8 * n  # final LayerNorm
+    last = n * h * p * (2 if unfused_rms else 1) + n * statistics  # final norm
     if spec.model_type == "bert":
         last += 4 * n * h * p + 8 * n
         if spec.bert_binary_head and t > 1:  # the pooler's gathered sequence
@@ -193,20 +227,41 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
         last += n * h * p
     vocab = padded_vocab_size(spec.vocab_size, t)
     last += s * b * vocab // t * 4 + 9 * s * b
-    return per_layer, mask, first, last
+    return (common + dense_mlp, common + moe), mask, first, last
+
+
+def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
+    """The Q, K and V one rank's attention keeps, and the QKV output where they (or the q/k
+    norms) keep it through views (module docstring)."""
+    heads, groups = spec.num_attention_heads // t, max(spec.query_groups // t, 1)
+    repeated = heads != groups  # GQA: K and V repeated to the queries' heads
+    transformed = spec.position_embedding_type == "rope" or spec.qk_layernorm
+    own = (transformed, transformed or repeated, repeated)  # Q, K, V: tensors of their own
+    qkv = spec.qkv_width if spec.query_groups < t else t * (heads + 2 * groups) * spec.head_channels
+    keeps_qkv = spec.qk_layernorm or not all(own)
+    return sum(own) * n * spec.attention_width * p + (n * qkv * p if keeps_qkv else 0)
+
+
+def _layers_bytes(spec: ModelSpec, per_layer: Tuple[float, float],
+                  layers: Sequence[int]) -> float:
+    """Activations of these transformer layers (indices), dense and MoE layers each theirs."""
+    moe_layers = spec.moe_layers
+    return sum(per_layer[1] if moe_layers[index] else per_layer[0] for index in layers)
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                      precision: Precision, dispatcher: str = "alltoall",
-                     dropout_mask_bytes: int = 1) -> float:
+                     dropout_mask_bytes: int = 1, fused_norms: bool = True) -> float:
     """Bytes saved for backward by one micro-batch of the whole model on one rank (see the
     module docstring; without pipelining, what a rank holds at its peak).
 
-    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks.
+    dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks. fused_norms: GPUs'
+    fused RMSNorm; on CPUs torch's keeps its normalised input too.
     """
     per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
-                                                     precision, dispatcher, dropout_mask_bytes)
-    return spec.num_layers * per_layer + mask + first + last
+                                                     precision, dispatcher, dropout_mask_bytes,
+                                                     fused_norms)
+    return _layers_bytes(spec, per_layer, range(spec.num_layers)) + mask + first + last
 
 
 def stage_layers(spec: ModelSpec, pp: int, vpp: Optional[int] = None) -> List[List[int]]:
@@ -216,6 +271,18 @@ def stage_layers(spec: ModelSpec, pp: int, vpp: Optional[int] = None) -> List[Li
     if isinstance(layers, str):
         raise ValueError(layers)
     return layers
+
+
+def stage_layer_indices(spec: ModelSpec, pp: int, vpp: Optional[int] = None
+                        ) -> List[List[List[int]]]:
+    """The transformer layers (indices) of each (stage, virtual stage), [pp][vpp or 1][...]:
+    Megatron's order, virtual stage c of rank i holding the (c pp + i)-th slice of L / (pp v)
+    layers (get_transformer_layer_offset)."""
+    chunks = stage_layers(spec, pp, vpp)
+    per_chunk = chunks[0][0]
+    assert all(size == per_chunk for stage in chunks for size in stage)  # even splits only
+    return [[list(range((chunk * pp + stage) * per_chunk, (chunk * pp + stage + 1) * per_chunk))
+             for chunk in range(len(chunks[stage]))] for stage in range(pp)]
 
 
 def microbatches_in_flight(pp: int, stage: int, num_microbatches: int,
@@ -228,27 +295,30 @@ def microbatches_in_flight(pp: int, stage: int, num_microbatches: int,
     return min(2 * (pp - 1 - stage) + (vpp - 1) * pp + 1, num_microbatches * vpp)
 
 
-def stage_parameter_counts(spec: ModelSpec, layout: Layout, stage: int,
-                           num_layers: int) -> ParameterCounts:
-    """Parameters of one rank of pipeline stage `stage`, which holds num_layers layers: the
-    embeddings on the first stage, the final LayerNorm and the head on the last (with its copy
-    of tied word embeddings)."""
+def stage_parameter_counts(spec: ModelSpec, layout: Layout, stage: int, num_layers: int,
+                           vpp: Optional[int] = None) -> ParameterCounts:
+    """Parameters of one rank of pipeline stage `stage`, which holds num_layers layers (those
+    stage_layer_indices gives it with vpp virtual stages): the embeddings on the first stage,
+    the final norm and the head on the last (with its copy of tied word embeddings)."""
     whole = parameter_counts(spec, layout.tp, layout.ep, layout.etp)
     if layout.pp == 1:
         return whole
-    one = parameter_counts(replace(spec, num_layers=1), layout.tp, layout.ep, layout.etp)
-    two = parameter_counts(replace(spec, num_layers=2), layout.tp, layout.ep, layout.etp)
-    layer_dense, layer_expert = two.dense - one.dense, two.expert - one.expert
+    layers = [index for chunk in stage_layer_indices(spec, layout.pp, vpp)[stage]
+              for index in chunk]
+    assert len(layers) == num_layers, (layers, num_layers)
+    counts = [layer_parameter_counts(spec, moe, layout.tp, layout.ep, layout.etp)
+              for moe in spec.moe_layers]
     word = padded_vocab_size(spec.vocab_size, layout.tp) // layout.tp * spec.hidden_size
     embedding = 0
     if stage == 0:  # word, position (and token-type) embeddings
         embedding += whole.embedding - (0 if spec.tied_output else word)
     if stage == layout.pp - 1:  # the output layer's weights (tied: the copy)
         embedding += word
-    dense = num_layers * layer_dense
+    dense = sum(counts[index][0] for index in layers)
     if stage == layout.pp - 1:
-        dense += one.dense - layer_dense  # final LayerNorm, BERT's head
-    return ParameterCounts(embedding=embedding, dense=dense, expert=num_layers * layer_expert)
+        dense += whole.dense - sum(layer[0] for layer in counts)  # final norm, BERT's head
+    return ParameterCounts(embedding=embedding, dense=dense,
+                           expert=sum(counts[index][1] for index in layers))
 
 
 def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
@@ -259,10 +329,10 @@ def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: in
     holds at its peak (module docstring); without pipelining, one micro-batch's."""
     per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
                                                      precision, dispatcher, dropout_mask_bytes)
-    chunks = stage_layers(spec, layout.pp, vpp)[stage]
+    chunks = stage_layer_indices(spec, layout.pp, vpp)[stage]
     in_flight = microbatches_in_flight(layout.pp, stage, num_microbatches)
     chunk_pairs = microbatches_in_flight(layout.pp, stage, num_microbatches, vpp)
-    per_chunk = sum(chunks) / len(chunks) * per_layer + mask
+    per_chunk = sum(_layers_bytes(spec, per_layer, chunk) for chunk in chunks) / len(chunks) + mask
     ends = (first if stage == 0 else 0.0) + (last if stage == layout.pp - 1 else 0.0)
     return chunk_pairs * per_chunk + in_flight * ends, in_flight
 
@@ -281,7 +351,7 @@ def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
 
 def _stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
                   dispatcher, num_microbatches, vpp, stage, num_layers) -> MemoryEstimate:
-    counts = stage_parameter_counts(spec, layout, stage, num_layers)
+    counts = stage_parameter_counts(spec, layout, stage, num_layers, vpp)
     dense = counts.embedding + counts.dense
     optimizer = precision.main_state_bytes * (dense + counts.expert)
     if distributed_optimizer:

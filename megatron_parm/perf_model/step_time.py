@@ -7,18 +7,25 @@ Notation: see transformer.py and memory.py (L, h, a, s, b, n = s b / t, V, p, t,
 
 One micro-batch, forward + backward, on the ranks of one pipeline stage (sequence parallel when
 t > 1); without pipelining the stage is the whole model:
-    MoE layers    L * predict(dispatcher, its chunks) (predict.py, the catalog's cost plan): the
-                  dispatcher's collectives and the expert GEMMs, with the profile's in-layer terms
-    dense GEMMs   per layer QKV 2 s b h 3h / t, scores and context 2 * 2 b s^2 h / t, projection
-                  2 s b h h / t, router 2 n h E; head: output layer 2 s b h V / t (BERT also its
-                  lm_head dense 2 n h h); backward twice the forward flops. Each GEMM costs the
-                  profile's compute alpha once forward and twice backward (input and weight
-                  gradients), plus compute beta per flop
+    MoE layers    (the MoE layers: --moe-layer-freq) each predict(dispatcher, its chunks)
+                  (predict.py, the catalog's cost plan): the dispatcher's collectives and the
+                  expert GEMMs (SwiGLU: fc1 of 2 F), with the profile's in-layer terms
+    dense GEMMs   per layer QKV 2 s b h (a + 2g) c / t, scores and context 2 * 2 b s^2 a c / t,
+                  projection 2 s b a c h / t (c, g, D, S, u: transformer.py); a dense layer's
+                  MLP fc1 2 s b h u D / t and fc2 2 s b D h / t; an MoE layer's router
+                  2 n h E and shared experts fc1 2 s b h u S / t, fc2 2 s b S h / t (their gate
+                  2 n h); head: output layer 2 s b h V / t (BERT also its lm_head dense
+                  2 n h h); backward twice the forward flops. Each GEMM costs the profile's
+                  compute alpha once forward and twice backward (input and weight gradients),
+                  plus compute beta per flop
     TP collectives (t > 1) per layer, bytes n h p per peer: forward AG before QKV and RS after
                   the projection; backward the duals plus the AG that re-gathers QKV's input for
-                  its weight gradient (Megatron keeps only the shard). Embedding: RS forward, AG
-                  backward; output layer: AG forward, AG + RS backward; the vocab-parallel
-                  cross entropy: three AR of s b fp32 values
+                  its weight gradient (Megatron keeps only the shard); the same again for a
+                  dense layer's MLP and for the shared experts (not overlapped with the
+                  dispatcher: --moe-shared-expert-overlap is not modelled); with fewer
+                  key/value heads than t (g < t) an AG of the QKV output forward, its RS
+                  backward. Embedding: RS forward, AG backward; output layer: AG forward, AG +
+                  RS backward; the vocab-parallel cross entropy: three AR of s b fp32 values
     framework     the profile's microbatch_overhead + L * layer_overhead: the time of a
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
@@ -53,12 +60,12 @@ compute, data loading.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import batch_problem, microbatch_problem
 from megatron_parm.perf_model.layout import Layout
-from megatron_parm.perf_model.memory import (Precision, layer_shape, stage_layers,
+from megatron_parm.perf_model.memory import (Precision, layer_shape, stage_layer_indices,
                                              stage_parameter_counts)
 from megatron_parm.perf_model.predict import Prediction, stage_time, predict
 from megatron_parm.perf_model.profile import Profile
@@ -135,30 +142,48 @@ def _gemms_seconds(profile: Profile, forward_flops) -> float:
                for flops in forward_flops)
 
 
+def _layers(spec: ModelSpec, num_layers: Optional[int], layers: Optional[Sequence[int]]
+            ) -> Sequence[int]:
+    """The layer indices a term covers: `layers`, else the first num_layers, else all."""
+    if layers is not None:
+        return layers
+    return range(spec.num_layers if num_layers is None else num_layers)
+
+
 def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                           profile: Profile, num_layers: Optional[int] = None,
-                          head: bool = True) -> float:
-    """The dense GEMMs of num_layers layers (default: all) and, with head, the output layer."""
+                          head: bool = True, layers: Optional[Sequence[int]] = None) -> float:
+    """The dense GEMMs of `layers` (indices; default the first num_layers, else all) and, with
+    head, the output layer."""
     t, h, s = layout.tp, spec.hidden_size, spec.seq_length
-    num_layers = spec.num_layers if num_layers is None else num_layers
     tokens = s * micro_batch_size  # the whole sequence: attention GEMMs see it all under SP
     local = tokens // t
-    per_layer = (2 * tokens * h * 3 * h / t, 2 * micro_batch_size * s * s * h / t,
-                 2 * micro_batch_size * s * s * h / t, 2 * tokens * h * h / t,
-                 2 * local * h * spec.num_experts)
+    width, u = spec.attention_width, spec.fc1_factor
+    attention = (2 * tokens * h * spec.qkv_width / t, 2 * micro_batch_size * s * s * width / t,
+                 2 * micro_batch_size * s * s * width / t, 2 * tokens * width * h / t)
+    ffn = spec.dense_ffn_hidden_size
+    dense_layer = attention + (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t)
+    moe_layer = attention + (2 * local * h * spec.num_experts,)
+    if spec.shared_expert_size:
+        shared = spec.shared_expert_size
+        moe_layer += (2 * tokens * h * u * shared / t, 2 * tokens * shared * h / t)
+        moe_layer += (2 * local * h,) if spec.shared_expert_gate else ()
+    per_kind = (_gemms_seconds(profile, dense_layer), _gemms_seconds(profile, moe_layer))
     head_flops = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
     if spec.model_type == "bert":
         head_flops.append(2 * local * h * h)
-    return (num_layers * _gemms_seconds(profile, per_layer)
+    moe_layers = spec.moe_layers
+    return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
             + (_gemms_seconds(profile, head_flops) if head else 0.0))
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
                     precision: Precision, num_layers: Optional[int] = None,
-                    embedding: bool = True, head: bool = True) -> float:
-    """TP collectives of num_layers layers (default: all), the embedding's and the head's."""
+                    embedding: bool = True, head: bool = True,
+                    layers: Optional[Sequence[int]] = None) -> float:
+    """TP collectives of `layers` (indices; default the first num_layers, else all), the
+    embedding's and the head's."""
     t = layout.tp
-    num_layers = spec.num_layers if num_layers is None else num_layers
     if t == 1:
         return 0.0
     tokens = spec.seq_length * micro_batch_size
@@ -168,11 +193,18 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
         return collective_seconds(profile, layout, kind, "tp", bytes_per_peer)
 
     all_gather, reduce_scatter = collective("all_gather", shard), collective("reduce_scatter", shard)
-    per_layer = 3 * all_gather + 2 * reduce_scatter
+    block = 3 * all_gather + 2 * reduce_scatter  # attention's, or an MLP's, under SP
+    attention = block
+    if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
+        qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
+        attention += collective("all_gather", qkv_shard) + collective("reduce_scatter", qkv_shard)
+    per_kind = (attention + block, attention + (block if spec.shared_expert_size else 0.0))
     embedding_s = reduce_scatter + all_gather
     output_layer = 2 * all_gather + reduce_scatter
     cross_entropy = 3 * collective("all_reduce", 2.0 * tokens * 4 / t)
-    return (num_layers * per_layer + (embedding_s if embedding else 0.0)
+    moe_layers = spec.moe_layers
+    return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
+            + (embedding_s if embedding else 0.0)
             + ((output_layer + cross_entropy) if head else 0.0))
 
 
@@ -183,19 +215,26 @@ def grad_reduce_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
     if layout.pp == 1:
         return _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_optimizer,
                                           parameter_counts(spec, layout.tp, layout.ep, layout.etp),
-                                          spec.num_layers)
+                                          None)
     seconds = max(_stage_grad_reduce_seconds(
         spec, layout, profile, precision, distributed_optimizer,
-        stage_parameter_counts(spec, layout, stage, sum(chunks)), sum(chunks))
-        for stage, chunks in enumerate(stage_layers(spec, layout.pp, vpp)))
+        stage_parameter_counts(spec, layout, stage, len(layers), vpp), layers)
+        for stage, layers in enumerate(_stage_layer_lists(spec, layout.pp, vpp)))
     if spec.tied_output:  # the word embeddings' two copies, first and last stage
         word = padded_vocab_size(spec.vocab_size, layout.tp) // layout.tp * spec.hidden_size
         seconds += p2p_send_seconds(profile, layout, word * precision.grad_bytes)  # AR of 2
     return seconds
 
 
+def _stage_layer_lists(spec: ModelSpec, pp: int, vpp: Optional[int]) -> List[List[int]]:
+    """Each stage's layer indices, its virtual stages together."""
+    return [[index for chunk in chunks for index in chunk]
+            for chunks in stage_layer_indices(spec, pp, vpp)]
+
+
 def _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_optimizer,
-                               counts, num_layers) -> float:
+                               counts, layers) -> float:
+    """One stage's gradient reduction: its counts, its layers (indices; None: all)."""
     seconds = 0.0
     for group, params in (("dp", counts.embedding + counts.dense), ("expt_dp", counts.expert)):
         size = layout.group_size(group)
@@ -208,7 +247,7 @@ def _stage_grad_reduce_seconds(spec, layout, profile, precision, distributed_opt
             seconds += collective_seconds(profile, layout, "all_reduce", group,
                                           2.0 * grads / size)
     if layout.tp > 1:
-        replicated = replicated_over_tp(spec) * num_layers / spec.num_layers * precision.grad_bytes
+        replicated = replicated_over_tp(spec, layers) * precision.grad_bytes
         seconds += collective_seconds(profile, layout, "all_reduce", "tp",
                                       2.0 * replicated / layout.tp)
     return seconds
@@ -253,23 +292,23 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: 
                 ) -> List[Dict[str, float]]:
     """Per pipeline stage, one micro-batch's terms (forward + backward): moe_s,
     dense_compute_s, tp_comm_s, framework_s, p2p_s (a single stage without pipelining)."""
-    layers = stage_layers(spec, layout.pp, vpp)
+    layers = _stage_layer_lists(spec, layout.pp, vpp)
     chunks = vpp or 1
     send = p2p_send_seconds(profile, layout, p2p_bytes(spec, layout, micro_batch_size, precision))
     times = []
-    for stage, stage_chunks in enumerate(layers):
-        num_layers = sum(stage_chunks)
+    for stage, stage_layers in enumerate(layers):
+        num_layers = len(stage_layers)
         first, last = stage == 0, stage == layout.pp - 1
         # Megatron pairs each send with the receive the other way (send_forward_recv_backward
         # and its dual): one exchange per micro-batch with each neighbouring stage, both ways
         # at once; interleaved, every rank has both neighbours (the chunks wrap around)
         neighbours = (2 if chunks > 1 else (not first) + (not last))
         times.append({
-            "moe_s": num_layers * moe_layer_s,
+            "moe_s": sum(spec.moe_layers[index] for index in stage_layers) * moe_layer_s,
             "dense_compute_s": dense_compute_seconds(spec, layout, micro_batch_size, profile,
-                                                     num_layers, head=last),
+                                                     head=last, layers=stage_layers),
             "tp_comm_s": tp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
-                                         num_layers, embedding=first, head=last),
+                                         embedding=first, head=last, layers=stage_layers),
             "framework_s": framework_seconds(spec, profile, num_layers, layout.pp),
             "p2p_s": chunks * neighbours * send,
         })

@@ -18,8 +18,8 @@ from typing import List, Optional
 from megatron_parm import settings, tuning
 from megatron_parm.data.datasets import parse_data_path
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, microbatch_problem, model_problem, pipeline_stage_layers,
-    recompute_problem, shape_problem, virtual_stages)
+    architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
+    model_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import ddp, mixed_precision
 from megatron_parm.training.implementation import check_implementation
@@ -89,6 +89,11 @@ def _validate_inputs(args) -> None:
     if args.tokenizer_type == "SentencePieceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
+    # checked here rather than where the flags are read: a planner reads the same config
+    # without the tokenizer (the real-size configs name files the user downloads)
+    for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: file not found: {path}")
 
 
 def _validate_model(args) -> None:
@@ -121,12 +126,6 @@ def _validate_model(args) -> None:
         score_function=args.moe_router_score_function,
         expert_bias=args.moe_router_enable_expert_bias, num_groups=args.moe_router_num_groups,
         group_topk=args.moe_router_group_topk))
-
-
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
-    """Megatron-LM's default FFN width: 4 x hidden, or with SwiGLU 8/3 x hidden rounded down
-    to a multiple of 64 (the same parameters as the GeLU MLP)."""
-    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
 def _validate_layout(args, world_size: int) -> None:

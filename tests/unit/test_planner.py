@@ -559,3 +559,58 @@ def test_spearman_and_log_parsing():
            " iteration        2/      10 | consumed samples:           32 | elapsed time per "
            "iteration (ms): 523.6 | learning rate: 1E-3 |\n")
     assert validate_planner.iteration_times_ms(log) == [1054.0, 523.6]
+
+
+# ---------------------------------------------------------------- today's architectures
+
+DEEPSEEK_LIKE = dict(TINY, num_layers=4, moe_layer_freq=(0, 1, 1, 1), ffn_hidden_size=512,
+                     swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                     shared_expert_size=128, untie_embeddings_and_output_weights=True)
+
+
+def test_dense_layers_sit_on_the_stages_megatron_gives_them():
+    spec = ModelSpec(**DEEPSEEK_LIKE)
+    whole = parameter_counts(spec, 1, 1, 1)
+    lay = layout(1, 1, 1, nodes=1, ranks_per_node=4, pp=2)
+    first, last = (stage_parameter_counts(spec, lay, stage, 2) for stage in (0, 1))
+    # untied: the stages' parameters add up to the model's; the dense layer 0 is the first's
+    assert first.total + last.total == whole.total
+    assert 2 * first.expert == last.expert == 2 * whole.expert // 3
+    interleaved = [stage_parameter_counts(spec, lay, stage, 2, vpp=2) for stage in (0, 1)]
+    # virtual stages of one layer: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+    assert interleaved[0].expert == interleaved[1].expert // 2
+    assert sum(c.total for c in interleaved) == whole.total
+
+
+def test_dense_layers_cost_their_mlp_not_a_dispatcher():
+    spec = ModelSpec(**DEEPSEEK_LIKE)
+    moe_only = dataclasses.replace(spec, moe_layer_freq=1)
+    lay = layout(1, 2, 1)
+    step = step_time(spec, lay, PROFILE, "alltoall", None, 4, 16, Precision("fp32"))
+    reference = step_time(moe_only, lay, PROFILE, "alltoall", None, 4, 16, Precision("fp32"))
+    assert step.moe_s == pytest.approx(reference.moe_s * 3 / 4)
+    assert step.dense_compute_s > reference.dense_compute_s  # the dense MLP's GEMMs
+    fewer_heads = dataclasses.replace(spec, num_query_groups=1)
+    assert parameter_counts(fewer_heads, 1, 1, 1).dense < parameter_counts(spec, 1, 1, 1).dense
+
+
+def test_gqa_and_widths_are_checked_against_tp():
+    spec = ModelSpec(**dict(DEEPSEEK_LIKE, num_query_groups=2))
+    assert check_layout(spec, layout(2, 1, 1)) is None
+    assert check_layout(spec, layout(4, 1, 1)) is None  # 2 KV heads: a divisor of tp 4
+    odd = ModelSpec(**dict(DEEPSEEK_LIKE, shared_expert_size=130))
+    assert "--moe-shared-expert-intermediate-size (130)" in check_layout(odd, layout(4, 1, 1))
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        ModelSpec(**dict(DEEPSEEK_LIKE, moe_layer_freq=(0, 1)))
+
+
+@pytest.mark.parametrize("config,vocab", [("mixtral_8x7b", 32000), ("qwen3_30b_a3b", 151936),
+                                          ("deepseek_v2_lite", 102400)])
+def test_real_size_configs_rank_layouts(config, vocab):
+    result = subprocess.run(
+        [sys.executable, PLAN_LAYOUT, "--config", f"configs/{config}.yaml", "--vocab-size",
+         str(vocab), "--nnodes", "2", "--nproc-per-node", "8", "--top", "3", "--parm-profile",
+         "nvlink_ib_estimate"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "SwiGLU" in result.stdout and "rope" in result.stdout
+    assert "#1 " in result.stdout and "--use-distributed-optimizer" in result.stdout
