@@ -195,8 +195,9 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
                               "--load", f"{run}/dp2/iter_0000002")["losses"]
     if mode == "distopt_wide":  # pp=2, (2,2,2) and (1,4,1), bitwise resume
         for (tp, ep, etp), dispatcher in (((2, 2, 2), "parm_s2"), ((1, 4, 1), "parm")):
+            # at least 2 micro-batches per step (pp=2) at dp=4 too
             flags = [*layout_flags(tp, ep, etp, dispatcher), "--pipeline-model-parallel-size",
-                     "2", *DIST, *DIST_RUN]
+                     "2", "--global-batch-size", "16", *DIST, *DIST_RUN]
             saved = f"{run}/pp2 {tp},{ep},{etp}"
             results[f"pp2 {tp},{ep},{etp} reference"] = train(*flags, "--save", saved)["losses"]
             results[f"pp2 {tp},{ep},{etp} resumed"] = train(

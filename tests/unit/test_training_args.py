@@ -381,7 +381,7 @@ def test_modern_configs_become_megatron_core_fields():
 
 
 def test_swiglu_ffn_default_is_megatron_lms():
-    from megatron_parm.training.arguments import default_ffn_hidden_size
+    from megatron_parm.layout_rules import default_ffn_hidden_size
 
     assert default_ffn_hidden_size(768, swiglu=True) == 2048
     assert default_ffn_hidden_size(4096, swiglu=True) == 10880
