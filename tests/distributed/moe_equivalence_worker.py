@@ -477,12 +477,13 @@ def _close_groups_of_previous_layout():
     _LAYOUT_GROUPS.clear()
 
 
-def check_layout(tp, ep, etp, per_node, records):
+def init_layout(tp, ep, etp):
+    """Megatron-Core's own initialization of (tp, ep, etp), as its test utilities make it
+    (nothing of megatron_parm.parallel): parm_hier makes its node groups when its layers are
+    built. The previous layout's groups are closed first."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    # Megatron-Core's own initialization, as its test utilities make it (nothing of
-    # megatron_parm.parallel): parm_hier makes its node groups when its layers are built.
     ps.destroy_model_parallel()
     _close_groups_of_previous_layout()
     before = set(distributed_c10d._world.pg_map)
@@ -490,6 +491,10 @@ def check_layout(tp, ep, etp, per_node, records):
                                  expert_tensor_parallel_size=etp)
     _LAYOUT_GROUPS[:] = [g for g in distributed_c10d._world.pg_map if g not in before]
     model_parallel_cuda_manual_seed(1234)
+
+
+def check_layout(tp, ep, etp, per_node, records):
+    init_layout(tp, ep, etp)
     rank = dist.get_rank()
     num_replicas = dist.get_world_size() // tp
     layout = f"{tp},{ep},{etp}"
