@@ -198,8 +198,9 @@ def run_layer(name, case, tp, ep, etp, sequence_parallel, data, per_node, overla
 
 def collect(layer, case, x, out, tp, ep, etp, split, data):
     """Every compared tensor at full size, this rank's part in place, summed over the world.
-    A part replicated over TP (the output and input grad without sequence parallelism, the
-    shared gate's grad there, computed from the whole input) counts from TP rank 0 only."""
+    A part replicated over TP counts from TP rank 0 only: without sequence parallelism the
+    output and input grad, the shared gate's grad (computed from the whole input) and the
+    router's (ParmMoELayer sums its shards' parts over TP), as training then uses them."""
     from megatron.core import parallel_state as ps
 
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -211,7 +212,8 @@ def collect(layer, case, x, out, tp, ep, etp, split, data):
         full["x"][dp_rank, tp_rank * rows:(tp_rank + 1) * rows] = x.grad
     elif tp_rank == 0:
         full["y"][dp_rank], full["x"][dp_rank] = out.detach(), x.grad
-    full["router"] += layer.router.weight.grad
+    if split or tp_rank == 0:
+        full["router"] += layer.router.weight.grad
     num_local = E // ep
     for local, (fc1, fc2) in enumerate(expert_weights(layer, num_local, grads=True)):
         e = ep_rank * num_local + local

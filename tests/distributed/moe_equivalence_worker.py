@@ -207,7 +207,10 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     elif tp_rank == 0:
         full["y"][dp_rank] = out.detach()
         full["x"][dp_rank] = x.grad
-    full["router"] += layer.router.weight.grad
+    # Replicated over TP, every TP rank holds its replica's router grad (the layer sums the
+    # shards' parts over TP, as training needs): TP rank 0's only.
+    if sequence_parallel or tp == 1 or tp_rank == 0:
+        full["router"] += layer.router.weight.grad
     for l, (fc1, fc2) in enumerate(expert_weights(layer, num_local, grads=True)):
         e = ep_rank * num_local + l
         full["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs] = fc1
