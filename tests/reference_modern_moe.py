@@ -88,7 +88,8 @@ def swiglu(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tenso
 
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, fc1: torch.Tensor,
                 fc2: torch.Tensor, routing: Routing, expert_bias: Optional[torch.Tensor] = None,
-                shared_fc1: Optional[torch.Tensor] = None, shared_fc2: Optional[torch.Tensor] = None,
+                shared_fc1: Optional[torch.Tensor] = None,
+                shared_fc2: Optional[torch.Tensor] = None,
                 shared_gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, M], router_weight [E, M], fc1 [E, 2F, M], fc2 [E, M, F], expert_bias [E];
     shared_fc1 [2Fs, M], shared_fc2 [M, Fs], shared_gate [1, M] -> [T, M]."""

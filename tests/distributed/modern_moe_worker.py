@@ -185,7 +185,8 @@ def run_layer(name, case, tp, ep, etp, sequence_parallel, data, per_node, overla
     expert unless it overlaps (then the phases run it)."""
     from megatron.core import parallel_state as ps
 
-    assert not (phases and case.shared and not overlap), "phases skip a non-overlapped shared expert"
+    assert not (phases and case.shared and not overlap), \
+        "the phases run a shared expert only overlapped"
     layer = build_layer(name, case, tp, ep, etp, sequence_parallel, data, per_node, overlap,
                         profile, grouped)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -276,7 +277,7 @@ def compare(records, base, full, against_name, against, case):
 
 def check_case(case_name, tp, ep, etp, per_node, layout, records):
     """Every dispatcher against alltoall and the reference; parm forced onto each candidate;
-    with shared experts, each dispatcher again with the overlap."""
+    in OVERLAP_CASES, each dispatcher again with the shared expert overlapped."""
     from megatron_parm import schedules
 
     case = CASES[case_name]
