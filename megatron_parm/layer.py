@@ -12,7 +12,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parm import schedules
-from megatron_parm.comm.collectives import gather_replicated, keep_shard
+from megatron_parm.comm.collectives import gather_replicated, keep_shard, start_all_reduce
 from megatron_parm.dispatchers import build_dispatcher
 from megatron_parm.layout_rules import shared_expert_overlap_problem
 
@@ -70,6 +70,14 @@ class ParmMoELayer(MoELayer):
         self.token_dispatcher = build_dispatcher(name, self.num_local_experts,
                                                  self.local_expert_indices, config, pg_collection)
         self.token_dispatcher.layer_number = layer_number
+        if pg_collection.tp.size() > 1 and not config.sequence_parallel:
+            # The replicated input is routed shard by shard (forward), so each TP rank's router
+            # grads hold only its shard's part, and without sequence parallelism Megatron's
+            # finalize_model_grads sums nothing over TP: sum them here, before they accumulate,
+            # so that every TP rank holds its replica's grads, as with sequence parallelism.
+            tp_group = pg_collection.tp
+            for param in self.router.parameters():
+                param.register_hook(lambda grad: start_all_reduce(grad, tp_group, "tp").wait())
         if self.use_shared_expert and self.shared_expert_overlap:
             problem = shared_expert_overlap_problem(pg_collection.tp.size(),
                                                     config.sequence_parallel)

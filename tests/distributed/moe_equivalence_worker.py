@@ -207,7 +207,10 @@ def run_layer(dispatcher, case, tp, ep, etp, sequence_parallel, data, track=Fals
     elif tp_rank == 0:
         full["y"][dp_rank] = out.detach()
         full["x"][dp_rank] = x.grad
-    full["router"] += layer.router.weight.grad
+    # Replicated over TP, every TP rank holds its replica's router grad (the layer sums the
+    # shards' parts over TP, as training needs): TP rank 0's only.
+    if sequence_parallel or tp == 1 or tp_rank == 0:
+        full["router"] += layer.router.weight.grad
     for l, (fc1, fc2) in enumerate(expert_weights(layer, num_local, grads=True)):
         e = ep_rank * num_local + l
         full["fc1"][e, etp_rank * fs:(etp_rank + 1) * fs] = fc1
@@ -477,12 +480,13 @@ def _close_groups_of_previous_layout():
     _LAYOUT_GROUPS.clear()
 
 
-def check_layout(tp, ep, etp, per_node, records):
+def init_layout(tp, ep, etp):
+    """Megatron-Core's own initialization of (tp, ep, etp), as its test utilities make it
+    (nothing of megatron_parm.parallel): parm_hier makes its node groups when its layers are
+    built. The previous layout's groups are closed first."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    # Megatron-Core's own initialization, as its test utilities make it (nothing of
-    # megatron_parm.parallel): parm_hier makes its node groups when its layers are built.
     ps.destroy_model_parallel()
     _close_groups_of_previous_layout()
     before = set(distributed_c10d._world.pg_map)
@@ -490,6 +494,10 @@ def check_layout(tp, ep, etp, per_node, records):
                                  expert_tensor_parallel_size=etp)
     _LAYOUT_GROUPS[:] = [g for g in distributed_c10d._world.pg_map if g not in before]
     model_parallel_cuda_manual_seed(1234)
+
+
+def check_layout(tp, ep, etp, per_node, records):
+    init_layout(tp, ep, etp)
     rank = dist.get_rank()
     num_replicas = dist.get_world_size() // tp
     layout = f"{tp},{ep},{etp}"

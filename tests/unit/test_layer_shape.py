@@ -45,6 +45,7 @@ def tokens_routed(tp: int, sequence_parallel: bool) -> int:
 
     layer = SimpleNamespace(
         uses_parm_dispatcher=True, attn_tp_group=_TPGroup(tp, 0), moe_layer_recompute=False,
+        use_shared_expert=False,
         fwd_execution_map=list(getattr(layer_module, "FULL_EXECUTION_MAP",
                                        ["route", "expert_compute", "postprocess"])),
         config=SimpleNamespace(moe_token_dispatcher_type="parm_s1",
