@@ -206,6 +206,17 @@ def test_grid_exclusions_are_declarative(tmp_path):
         bench.load_grid(str(grid))
 
 
+def test_every_shipped_grid_loads():
+    """Each grid a doc or tool names (configs/bench/*.yaml with a `grid`) reads as the layer
+    benchmark reads it (an old expression-style exclude_if is refused there)."""
+    import yaml
+
+    bench = _load_tool("bench_moe_layer")
+    for path in sorted((REPO / "configs/bench").glob("*.yaml")):
+        if "grid" in (yaml.safe_load(path.read_text()) or {}):
+            assert bench.load_grid(str(path)), path
+
+
 # ---------------------------------------------------------------------------------------------
 # The resumed learning-rate schedule (Megatron-LM's rules)
 # ---------------------------------------------------------------------------------------------
