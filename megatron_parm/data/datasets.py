@@ -416,17 +416,31 @@ def collate_batch(samples: List[Dict]) -> Dict[str, torch.Tensor]:
     return batch
 
 
+# The DataLoaders' own generator's seed (build_data_loader): only the workers' seeds come from it.
+LOADER_SEED = 0
+
+
 def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
                       num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
-    """DataLoader over one split for one data-parallel rank; None when dataset is None."""
+    """DataLoader over one split for one data-parallel rank; None when dataset is None.
+
+    It has a generator of its own: each iterator of a DataLoader draws its workers' base seed
+    from its generator, by default torch's global one, which on CPU is also dropout's (outside
+    the tracker's regions: tp=1 without --sequence-parallel). The iterators start lazily (at
+    the first batch, again at each pass), so a resumed run would draw that seed after its RNG
+    states were restored, where the uninterrupted run drew it long before, and its dropout
+    masks would differ from there on. Nothing in the samples depends on that seed (the
+    datasets and collate_batch draw no random numbers)."""
     if dataset is None:
         return None
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       data_parallel_rank, data_parallel_size)
+    generator = torch.Generator()
+    generator.manual_seed(LOADER_SEED)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_batch,
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0, generator=generator,
     )
 
 

@@ -317,6 +317,21 @@ def test_batch_sampler_data_parallel_and_resume():
     assert list(PretrainingBatchSampler(20, 12, 2, 1, 3)) == [[14, 15]]
 
 
+def test_iterators_leave_torch_rng_alone():
+    """Starting an iterator (lazily, at its first batch; again at each pass of a cyclic one)
+    draws no number from torch's global generator, dropout's on CPU: a run resumed from a
+    checkpoint starts its iterator after restoring the RNG states, the uninterrupted one
+    long before (a bitwise resume at tp=1)."""
+    samples = [{"tokens": torch.tensor([i])} for i in range(6)]
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    iterator = build_data_iterator(samples, 2, cyclic=True)
+    batches = [next(iterator)["tokens"].flatten().tolist() for _ in range(4)]  # two passes
+    assert batches == [[0, 1], [2, 3], [4, 5], [0, 1]]
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_data_errors_name_the_flag(data_dir, spm_tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"--data-path: no such indexed dataset: .*missing "
                                          r"\(.bin/.idx not found; build it with "):
