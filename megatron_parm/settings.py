@@ -270,28 +270,7 @@ def _moe_flags() -> List[Flag]:
         Flag("--moe-shared-expert-overlap", moe, kind="switch",
              help="Run the shared experts while the dispatcher's collectives are in flight "
                   "(on a GPU in a stream of their own, as Megatron's alltoall does)."),
-        Flag("--moe-router-score-function", moe, str, "softmax", choices=("softmax", "sigmoid"),
-             help="The router's scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."),
-        Flag("--moe-router-pre-softmax", moe, kind="switch",
-             help="Softmax over all experts before the top-k (default: after it; always "
-                  "before with --moe-router-topk 1)."),
-        Flag("--moe-router-topk-scaling-factor", moe, float, check=positive_number,
-             help="Scale the top-k scores by this factor (with --moe-router-pre-softmax or "
-                  "sigmoid scores)."),
-        Flag("--moe-router-num-groups", moe, int, check=positive_int,
-             help="Group-limited routing: the experts in this many equal groups, a token's "
-                  "experts taken from its --moe-router-group-topk best groups."),
-        Flag("--moe-router-group-topk", moe, int, check=positive_int,
-             help="Group-limited routing: the groups each token may use."),
-        Flag("--moe-router-enable-expert-bias", moe, kind="switch",
-             help="Aux-loss-free balancing: a per-expert bias in the top-k choice, updated "
-                  "after each step from the tokens each expert got (needs sigmoid scores)."),
-        Flag("--moe-router-bias-update-rate", moe, float, 1e-3, check=positive_number,
-             help="With --moe-router-enable-expert-bias: the bias update per step."),
-        Flag("--moe-router-dtype", moe, str, choices=("fp32", "fp64"),
-             help="The router's logits and scores in this precision (default: the model's)."),
-        Flag("--moe-z-loss-coeff", moe, float, check=positive_number,
-             help="Weight of the router z-loss (off without it)."),
+        *_router_flags(moe),
         Flag("--moe-aux-loss-coeff", moe, float, 1e-2),
         Flag("--moe-router-load-balancing-type", moe, str, "aux_loss",
              choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")),
@@ -333,6 +312,34 @@ def _moe_flags() -> List[Flag]:
                   "--transformer-impl transformer_engine, GroupedMLP with the grouped_gemm "
                   "package on a GPU in --bf16 (Megatron-LM's meaning), else TorchGroupedMLP "
                   "(PyTorch's grouped_mm, no extra package; the start-up line names it)."),
+    ]
+
+
+def _router_flags(moe: str) -> List[Flag]:
+    """The router's flags beyond top-k and its losses (today's models)."""
+    return [
+        Flag("--moe-router-score-function", moe, str, "softmax", choices=("softmax", "sigmoid"),
+             help="The router's scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."),
+        Flag("--moe-router-pre-softmax", moe, kind="switch",
+             help="Softmax over all experts before the top-k (default: after it; always "
+                  "before with --moe-router-topk 1)."),
+        Flag("--moe-router-topk-scaling-factor", moe, float, check=positive_number,
+             help="Scale the top-k scores by this factor (with --moe-router-pre-softmax or "
+                  "sigmoid scores)."),
+        Flag("--moe-router-num-groups", moe, int, check=positive_int,
+             help="Group-limited routing: the experts in this many equal groups, a token's "
+                  "experts taken from its --moe-router-group-topk best groups."),
+        Flag("--moe-router-group-topk", moe, int, check=positive_int,
+             help="Group-limited routing: the groups each token may use."),
+        Flag("--moe-router-enable-expert-bias", moe, kind="switch",
+             help="Aux-loss-free balancing: a per-expert bias in the top-k choice, updated "
+                  "after each step from the tokens each expert got (needs sigmoid scores)."),
+        Flag("--moe-router-bias-update-rate", moe, float, 1e-3, check=positive_number,
+             help="With --moe-router-enable-expert-bias: the bias update per step."),
+        Flag("--moe-router-dtype", moe, str, choices=("fp32", "fp64"),
+             help="The router's logits and scores in this precision (default: the model's)."),
+        Flag("--moe-z-loss-coeff", moe, float, check=positive_number,
+             help="Weight of the router z-loss (off without it)."),
     ]
 
 

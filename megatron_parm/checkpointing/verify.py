@@ -90,8 +90,9 @@ def check_complete(path: str) -> None:
         if covered != _volume(entry.size):
             problems.append(f"{key}: chunks cover {covered} of {_volume(entry.size)} elements "
                             f"(a shard is missing){_missing_experts(key, entry)}")
-    # 2. Every chunk's bytes are in a file that is long enough.
-    file_sizes = {}
+    # 2. Every chunk's bytes are in a file that is long enough; a missing file is one problem
+    # naming what it held, its tensors first.
+    file_sizes, lost = {}, {}
     for index, info in metadata.storage_data.items():
         file_path = os.path.join(path, info.relative_path)
         if info.relative_path not in file_sizes:
@@ -100,10 +101,15 @@ def check_complete(path: str) -> None:
         size = file_sizes[info.relative_path]
         where = f" at {describe_offset(index.fqn, index.offset)}" if index.offset is not None else ""
         if size < 0:
-            problems.append(f"{index.fqn}{where}: its data file {info.relative_path} is missing")
+            lost.setdefault(info.relative_path, []).append(index.fqn)
         elif size < info.offset + info.length:
             problems.append(f"{index.fqn}{where}: its data file {info.relative_path} is "
                             f"truncated ({size} bytes, needs {info.offset + info.length})")
+    for file_name, keys in lost.items():
+        held = sorted(set(keys), key=lambda key: (key not in tensors, key))
+        shown = ", ".join(held[:_SHOWN]) + (f" and {len(held) - _SHOWN} more"
+                                            if len(held) > _SHOWN else "")
+        problems.append(f"its data file {file_name} is missing; it held {shown}")
     # 3. Every chunk the index lists has a storage entry.
     stored = {(index.fqn, tuple(index.offset)) for index in metadata.storage_data
               if index.offset is not None}
