@@ -304,7 +304,7 @@ def target_args(saved: dict, layout, world: int) -> Namespace:
     """The training flags of the target layout's ranks: the saved ones, in LAYOUT (tp, ep,
     etp, pp; the layers split evenly over the stages, not interleaved)."""
     tp, ep, etp, pp = layout
-    args = Namespace(**saved)
+    args = Namespace(**saved_flags(saved))
     args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
     args.expert_tensor_parallel_size = etp
     args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, None
@@ -319,6 +319,17 @@ def target_args(saved: dict, layout, world: int) -> Namespace:
     args.override_opt_param_scheduler = False
     args.use_checkpoint_opt_param_scheduler = True  # a conversion keeps the schedule as saved
     return args
+
+
+def saved_flags(saved: dict) -> dict:
+    """A checkpoint's saved flags, with the declared default of each flag it predates (a
+    checkpoint of an earlier version) and old names under their current ones."""
+    from megatron_parm import settings
+
+    saved = dict(saved)
+    if "layernorm_epsilon" in saved:  # --norm-epsilon's name before today's architectures
+        saved.setdefault("norm_epsilon", saved.pop("layernorm_epsilon"))
+    return {**vars(settings.training_parser().parse_args([])), **saved}
 
 
 def _relayout_worker(rank, world, port, source, target_root, layout, saved, errors):

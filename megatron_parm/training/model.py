@@ -138,12 +138,6 @@ def pipeline_fields(args) -> dict:
     )
 
 
-def position_embedding_type(args) -> str:
-    """GPTModel's position embedding: --position-embedding-type, 'none' with
-    --no-position-embedding (Megatron-LM's older spelling)."""
-    return args.position_embedding_type if args.add_position_embedding else "none"
-
-
 def expert_module_name(config) -> str:
     """The expert module this run's layers are built with (SequentialMLP, TorchGroupedMLP, ...)."""
     return expert_implementation(config.transformer_impl, config.moe_grouped_gemm,
@@ -187,7 +181,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=position_embedding_type(args),
+            position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
             rotary_percent=args.rotary_percent,
             **stage,

@@ -206,6 +206,16 @@ def test_grid_exclusions_are_declarative(tmp_path):
         bench.load_grid(str(grid))
 
 
+def test_checkpoint_flags_of_an_earlier_version_get_todays_defaults():
+    """tools/convert_checkpoint.py builds the target layout's model from the saved flags: those
+    of a checkpoint saved before today's architecture flags existed still build."""
+    convert = _load_tool("convert_checkpoint")
+    flags = convert.saved_flags({"num_layers": 2, "layernorm_epsilon": 1e-6, "swiglu": False})
+    assert flags["norm_epsilon"] == 1e-6 and "layernorm_epsilon" not in flags
+    assert (flags["normalization"], flags["position_embedding_type"], flags["moe_layer_freq"],
+            flags["num_layers"]) == ("LayerNorm", "learned_absolute", 1, 2)
+
+
 def test_every_shipped_grid_loads():
     """Each grid a doc or tool names (configs/bench/*.yaml with a `grid`) reads as the layer
     benchmark reads it (an old expression-style exclude_if is refused there)."""
