@@ -116,8 +116,6 @@ def test_ddp_config_carries_the_flags_as_megatron_lm_does():
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), False,
      "--overlap-param-gather needs --overlap-grad-reduce"),
     (dict(ddp_average_in_collective=True), False, "--ddp-average-in-collective needs NCCL"),
-    (dict(use_distributed_optimizer=True, load="ckpt"), True,
-     "--use-distributed-optimizer with --load: checkpoints"),
 ])
 def test_ddp_flags_megatron_core_cannot_run_here_are_refused(given, cuda, message):
     with pytest.raises(ValueError, match=message):
@@ -128,6 +126,8 @@ def test_ddp_flags_it_runs_pass():
     ddp.check_args(flags(ddp_average_in_collective=True), cuda=True)
     ddp.check_args(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
                          overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
+    # its checkpoints are Megatron-Core's sharded state (tests/e2e/test_checkpoint.py -k distopt)
+    ddp.check_args(flags(use_distributed_optimizer=True, save="ckpt", load="ckpt"), cuda=False)
 
 
 class FakeChunk:
