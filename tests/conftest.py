@@ -20,3 +20,24 @@ def prepared_data():
         subprocess.run(["bash", "pretrain_scripts/prepare_data.sh"], cwd=REPO, check=True,
                        env=dict(os.environ, PYTHON=sys.executable))
     return [REPO / p for p in CACHE_PREFIXES]
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    """World size 1 with Megatron-Core's own process groups (its parallel_state, no setup of
+    ours beyond mcore_compat) and the model-parallel seed; torch.distributed is closed after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_parm import mcore_compat
+
+    assert not dist.is_initialized()
+    rendezvous = tmp_path_factory.mktemp("megatron_world") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    mcore_compat.setup()
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

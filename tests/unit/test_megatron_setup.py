@@ -9,30 +9,10 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_parm import schedules
 
 DISPATCHERS = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
-
-
-@pytest.fixture(scope="module")
-def megatron_world(tmp_path_factory):
-    """World size 1 with Megatron-Core's own process groups; torch.distributed is closed after."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_parm import mcore_compat
-
-    assert not dist.is_initialized()
-    rendezvous = tmp_path_factory.mktemp("megatron_world") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    mcore_compat.setup()
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _layer(dispatcher: str, plain: bool):

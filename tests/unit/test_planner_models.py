@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_parm import planner_inputs
 from megatron_parm.perf_model.transformer import parameter_counts
@@ -55,23 +54,6 @@ VARIANTS = [
               "--group-query-attention", "--num-query-groups", "1",
               "--untie-embeddings-and-output-weights"],
 ]
-
-
-@pytest.fixture(scope="module")
-def megatron_world(tmp_path_factory):
-    """World size 1 with Megatron-Core's own process groups; torch.distributed is closed after."""
-    from megatron.core import parallel_state
-
-    from megatron_parm import mcore_compat
-
-    assert not dist.is_initialized()
-    rendezvous = tmp_path_factory.mktemp("planner_world") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    mcore_compat.setup()
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
