@@ -107,3 +107,18 @@ def failure_excerpt(stderr: str, tail: int = 4000) -> str:
         first = "\n".join(lines[start:min(end + 1, start + 120)])
         first = f"--- first traceback (stderr line {start + 1}) ---\n{first}\n--- stderr tail ---\n"
     return first + stderr[-tail:]
+
+
+class WorkerRecords(dict):
+    """world size -> the records a multi-rank worker wrote, its launch run on first use:
+    `torchrun --nproc-per-node WORLD SCRIPT *argv(world, OUT.json)`."""
+
+    def __init__(self, tmp_path_factory, script: str, argv):
+        super().__init__()
+        self.tmp_path_factory, self.script, self.argv = tmp_path_factory, script, argv
+
+    def __missing__(self, world):
+        path = self.tmp_path_factory.mktemp(f"{Path(self.script).stem}-w{world}") / "records.json"
+        torchrun(self.script, world, *self.argv(world, str(path)))
+        self[world] = json.loads(path.read_text())
+        return self[world]

@@ -26,11 +26,10 @@ EP groups then span K nodes with g EP ranks on each:
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from launch import torchrun
+from launch import WorkerRecords
 from megatron_parm import schedules
 from moe_equivalence_worker import CASES as CASE_SPECS
 from moe_equivalence_worker import FORCED_CASES, GROUPED_LAYOUTS, PHASE_CASES, TORCH_GROUPED_BF16
@@ -44,25 +43,15 @@ PARM = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
 TOY_WORLD = 4  # the launch that also runs the toy schedule
 
 
-class Records(dict):
-    """world size -> the worker's records, launched on first use."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, world):
-        path = self.tmp_path_factory.mktemp(f"w{world}") / "records.json"
-        toy = ["--with-toy"] if world == TOY_WORLD else []
-        specs = [f"{layout}@{RANKS_PER_NODE[world][layout]}" for layout in LAYOUTS[world]]
-        torchrun("tests/distributed/moe_equivalence_worker.py", world, *toy, str(path), *specs)
-        self[world] = json.loads(path.read_text())
-        return self[world]
+def _worker_argv(world, out):
+    toy = ["--with-toy"] if world == TOY_WORLD else []
+    return [*toy, out, *(f"{layout}@{RANKS_PER_NODE[world][layout]}" for layout in LAYOUTS[world])]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    return Records(tmp_path_factory)
+    return WorkerRecords(tmp_path_factory, "tests/distributed/moe_equivalence_worker.py",
+                         _worker_argv)
 
 
 def _select(records, world, layout, **match):

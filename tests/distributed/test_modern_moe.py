@@ -18,11 +18,10 @@ NO_SP_LAYOUTS also runs with the input replicated over TP (no sequence paralleli
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from launch import torchrun
+from launch import WorkerRecords
 from megatron_parm import schedules
 from modern_moe_worker import CASES, NO_SP_LAYOUTS, OVERLAP_CASES, SHARED_CASES, quantities
 
@@ -32,24 +31,13 @@ RANKS_PER_NODE = {4: 2, 8: 4}
 PARM = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
 
 
-class Records(dict):
-    """world size -> the worker's records, launched on first use."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, world):
-        path = self.tmp_path_factory.mktemp(f"modern-w{world}") / "records.json"
-        specs = [f"{layout}@{RANKS_PER_NODE[world]}" for layout in LAYOUTS[world]]
-        torchrun("tests/distributed/modern_moe_worker.py", world, str(path), *specs)
-        self[world] = json.loads(path.read_text())
-        return self[world]
+def _worker_argv(world, out):
+    return [out, *(f"{layout}@{RANKS_PER_NODE[world]}" for layout in LAYOUTS[world])]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    return Records(tmp_path_factory)
+    return WorkerRecords(tmp_path_factory, "tests/distributed/modern_moe_worker.py", _worker_argv)
 
 
 def _params(layouts=None):
