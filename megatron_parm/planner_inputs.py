@@ -15,6 +15,7 @@ import os
 import sys
 
 import megatron_parm.settings as declared
+from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import default_ffn_hidden_size, precision_problem
 from megatron_parm.perf_model.profile import shipped_profiles
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec
@@ -102,6 +103,14 @@ def vocab_size_of(settings):
         import sentencepiece
 
         return sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
+    if kind == "HuggingFaceTokenizer":
+        try:
+            path = huggingface_tokenizer_file(settings.get("tokenizer_model"))
+        except ValueError as error:
+            raise ValueError(f"{error} (or give --vocab-size)") from None
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
     if kind in ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"):
         path = settings.get("vocab_file")
         if not path or not os.path.isfile(path):

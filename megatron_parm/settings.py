@@ -41,7 +41,7 @@ from megatron_parm.comm.accounting import check_ranks_per_node
 # Values of flags whose implementation modules import torch or Megatron-Core (they import
 # these from here).
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "BertWordPieceLowerCase",
-                   "BertWordPieceCase")
+                   "BertWordPieceCase", "HuggingFaceTokenizer")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DEFAULT_TIMEOUT_MINUTES = 10
 # Megatron-LM's defaults for dynamic loss scaling (training/mixed_precision.py fills them).
@@ -560,7 +560,8 @@ def _tokenizer_flags() -> List[Flag]:
     return [
         Flag("--tokenizer-type", tok, str, choices=TOKENIZER_TYPES),
         Flag("--tokenizer-model", tok, str,
-             help="SentencePiece .model file (SentencePieceTokenizer)."),
+             help="SentencePiece .model file (SentencePieceTokenizer) or a Hugging Face "
+                  "tokenizer directory with tokenizer.json (HuggingFaceTokenizer)."),
         Flag("--vocab-file", tok, str,
              help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)."),
         Flag("--merge-file", tok, str, help="merges.txt (GPT2BPETokenizer)."),

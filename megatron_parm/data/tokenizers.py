@@ -4,6 +4,7 @@
     --tokenizer-type GPT2BPETokenizer        --vocab-file vocab.json --merge-file merges.txt
     --tokenizer-type BertWordPieceLowerCase  --vocab-file vocab.txt
     --tokenizer-type BertWordPieceCase       --vocab-file vocab.txt
+    --tokenizer-type HuggingFaceTokenizer    --tokenizer-model DIR   (DIR/tokenizer.json)
 
 Every type returns a `ParmTokenizer`, a megatron-core `MegatronTokenizerText`, so it has
 the interface Megatron-Core's datasets and Megatron-LM's training code expect: tokenize,
@@ -12,7 +13,8 @@ detokenize, vocab_size, vocab, inv_vocab, eod, and (for BERT) cls, sep, mask, pa
 SentencePiece runs through megatron-core's own SentencePiece library class. Megatron-Core
 routes GPT-2 BPE and BERT WordPiece through HuggingFace `transformers` and downloads
 missing vocabularies, so for those two we carry short local implementations that only read
-the files given on the command line.
+the files given on the command line. HuggingFaceTokenizer reads a local directory with the
+`tokenizers` library alone (Megatron-Core's own HuggingFaceTokenizer needs `transformers`).
 
 SentencePiece special tokens: Megatron-LM's legacy SentencePiece tokenizer appends
 <CLS>, <SEP>, ... after the model's vocabulary. Here they live inside the model instead:
@@ -35,6 +37,7 @@ from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
 )
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
+from megatron_parm.data.tokenizer_files import HF_CONFIG_FILE, huggingface_tokenizer_file
 from megatron_parm.settings import TOKENIZER_TYPES  # values of --tokenizer-type
 
 # Pieces that train_sentencepiece reserves; ids are fixed so every model built here agrees.
@@ -43,6 +46,12 @@ SPM_CLS, SPM_SEP, SPM_MASK = "[CLS]", "[SEP]", "[MASK]"
 
 GPT2_EOD = "<|endoftext|>"
 BERT_CLS, BERT_SEP, BERT_MASK, BERT_PAD, BERT_UNK = "[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]"
+
+# tokenizer_config.json's names of the special tokens HuggingFaceLibrary reads.
+HF_SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token", "unk_token", "cls_token",
+                     "sep_token", "mask_token")
+# The end of a document when tokenizer_config.json names no eos_token (GPT-2, Llama, ChatML).
+HF_END_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +92,9 @@ def build_tokenizer(args) -> "ParmTokenizer":
         library = WordPieceLibrary(vocab_path, lower_case=tokenizer_type.endswith("LowerCase"))
         return ParmTokenizer(library, tokenizer_type, vocab_path, library_name="wordpiece",
                              vocab_file=vocab_path)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        library = HuggingFaceLibrary(tokenizer_model)
+        return ParmTokenizer(library, tokenizer_type, tokenizer_model, library_name="tokenizers")
     raise ValueError(
         f"--tokenizer-type: unsupported value {tokenizer_type!r}; choose one of "
         f"{', '.join(TOKENIZER_TYPES)}"
@@ -533,3 +545,119 @@ class WordPieceLibrary(MegatronTokenizerTextAbstract):
     @property
     def inv_vocab(self) -> Dict[int, str]:
         return self.inv_vocab_dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face tokenizers from a local directory (tokenizer.json), without transformers
+# ---------------------------------------------------------------------------------------------
+
+def _read_special_tokens(directory: str) -> Dict[str, str]:
+    """{"eos_token": "</s>", ...} of DIR/tokenizer_config.json ({} without one); each token
+    is written there as a string or as a dict with its "content"."""
+    path = os.path.join(directory, HF_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        try:
+            config = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--tokenizer-model: {path} is not JSON: {error}") from None
+    tokens = {}
+    for name in HF_SPECIAL_TOKENS:
+        token = config.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and token:
+            tokens[name] = token
+    return tokens
+
+
+class HuggingFaceLibrary(MegatronTokenizerTextAbstract):
+    """A Hugging Face tokenizer read from DIR/tokenizer.json with the `tokenizers` library,
+    its special tokens from DIR/tokenizer_config.json when there is one.
+
+    Text is encoded without the tokenizer's own special tokens (its post-processor's BOS /
+    EOS): a document's end is preprocess_data's --append-eod, as with the other types. The
+    end-of-document id is eos_token's, else the first of HF_END_TOKENS the vocabulary has.
+    """
+
+    def __init__(self, directory: Optional[str]) -> None:
+        try:
+            import tokenizers
+        except ImportError:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs the 'tokenizers' "
+                             "package (pip install tokenizers)") from None
+        path = huggingface_tokenizer_file(directory)
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_file(path)
+        except Exception as error:  # the Rust library raises a plain Exception
+            raise ValueError(f"--tokenizer-model: {path} is not a Hugging Face tokenizer: "
+                             f"{error}") from None
+        self.directory = directory
+        self.vocab_dict: Dict[str, int] = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.inv_vocab_dict = {token_id: token for token, token_id in self.vocab_dict.items()}
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {name: self._configured_id(name, token)
+                            for name, token in _read_special_tokens(directory).items()}
+        self.eod_id = self._end_of_document_id()
+
+    def _configured_id(self, name: str, token: str) -> int:
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"--tokenizer-model: {name} {token!r} of "
+                             f"{os.path.join(self.directory, HF_CONFIG_FILE)} is not in its "
+                             f"tokenizer.json")
+        return token_id
+
+    def _end_of_document_id(self) -> int:
+        if "eos_token" in self.special_ids:
+            return self.special_ids["eos_token"]
+        for token in HF_END_TOKENS:
+            token_id = self.tokenizer.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        raise ValueError(f"--tokenizer-model: {self.directory} has no end-of-document token: "
+                         f"name an eos_token in its {HF_CONFIG_FILE}, or have one of "
+                         f"{', '.join(HF_END_TOKENS)} in its tokenizer.json")
+
+    def _special_id(self, name: str) -> int:
+        if name not in self.special_ids:
+            # AttributeError: Megatron-Core's datasets then fall back (no padding token, ...)
+            raise AttributeError(f"HuggingFaceTokenizer {self.directory}: no {name} in its "
+                                 f"{HF_CONFIG_FILE}")
+        return self.special_ids[name]
+
+    def text_to_tokens(self, text: str) -> List[str]:
+        return self.tokenizer.encode(text, add_special_tokens=False).tokens
+
+    def tokens_to_text(self, tokens: List[str]) -> str:
+        return self.ids_to_text(self.tokens_to_ids(tokens))
+
+    def tokens_to_ids(self, tokens: List[str]) -> List[int]:
+        return [self.vocab_dict[token] for token in tokens]
+
+    def ids_to_tokens(self, ids: List[int]) -> List[str]:
+        return [self.inv_vocab_dict[int(token_id)] for token_id in ids]
+
+    def text_to_ids(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def ids_to_text(self, ids: List[int]) -> str:
+        return self.tokenizer.decode([int(token_id) for token_id in ids],
+                                     skip_special_tokens=False)
+
+    def add_special_tokens(self, special_tokens) -> None:
+        raise NotImplementedError("HuggingFaceTokenizer: put extra tokens in the "
+                                  "--tokenizer-model directory's tokenizer.json instead")
+
+    # Megatron-Core's names; a token that tokenizer_config.json does not name: AttributeError
+    eod = property(lambda self: self.eod_id)
+    eos_id = property(lambda self: self.eod_id)
+    bos_id = property(lambda self: self._special_id("bos_token"))
+    pad_id = property(lambda self: self._special_id("pad_token"))
+    cls_id = property(lambda self: self._special_id("cls_token"))
+    sep_id = property(lambda self: self._special_id("sep_token"))
+    mask_id = property(lambda self: self._special_id("mask_token"))
+    unk_id = property(lambda self: self.special_ids.get("unk_token"))  # None: not named
+    vocab = property(lambda self: self.vocab_dict)
+    inv_vocab = property(lambda self: self.inv_vocab_dict)

@@ -7,6 +7,7 @@ Single process, CPU, a slice of the shipped corpus; run from the repository root
 import argparse
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -73,6 +74,17 @@ def data_dir(tmp_path_factory, documents):
 # Tokenizers
 # ---------------------------------------------------------------------------------------------
 
+ROUND_TRIP_TEXT = "Return x.\n\tIndented  code: f(x) == 3  # naïve ✓"
+
+
+def _assert_round_trips(tokenizer, texts):
+    """Each text tokenizes to ids inside the vocabulary, and those back to the text."""
+    for text in texts:
+        ids = tokenizer.tokenize(text)
+        assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.detokenize(ids) == text
+
+
 def test_shipped_sentencepiece_round_trip_and_special_ids(spm_tokenizer, documents):
     assert isinstance(spm_tokenizer, MegatronTokenizerBase)
     assert spm_tokenizer.vocab_size == 8000
@@ -80,12 +92,7 @@ def test_shipped_sentencepiece_round_trip_and_special_ids(spm_tokenizer, documen
             spm_tokenizer.mask) == (0, 3, 4, 5, 6)
     assert spm_tokenizer.inv_vocab[spm_tokenizer.mask] == "[MASK]"
     assert spm_tokenizer.has_bert_special_tokens()
-    text = "Return x.\n\tIndented  code: f(x) == 3  # naïve ✓"
-    ids = spm_tokenizer.tokenize(text)
-    assert all(isinstance(i, int) and 0 <= i < spm_tokenizer.vocab_size for i in ids)
-    assert spm_tokenizer.detokenize(ids) == text
-    for document in documents[:50]:
-        assert spm_tokenizer.detokenize(spm_tokenizer.tokenize(document)) == document
+    _assert_round_trips(spm_tokenizer, [ROUND_TRIP_TEXT, *documents[:50]])
     # Special ids never come out of plain text.
     assert not {0, 3, 4, 5, 6} & set(spm_tokenizer.tokenize("[CLS] [SEP] [MASK] <pad> </s>"))
 
@@ -138,8 +145,8 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
                                            tokenizer_model=str(tmp_path / "nope.model")))
     with pytest.raises(ValueError, match="--tokenizer-model is required"):
         build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer"))
-    with pytest.raises(ValueError, match="--tokenizer-type"):
-        build_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer"))
+    with pytest.raises(ValueError, match="--tokenizer-type: unsupported value 'TikTokenizer'"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="TikTokenizer"))
     (tmp_path / "vocab.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="--merge-file: file not found"):
         build_tokenizer(argparse.Namespace(tokenizer_type="GPT2BPETokenizer",
@@ -152,6 +159,108 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--vocab-file: .* lacks"):
         build_tokenizer(argparse.Namespace(tokenizer_type="BertWordPieceCase",
                                            vocab_file=str(tmp_path / "vocab.txt")))
+
+
+def _write_hf_tokenizer(directory, lines, special_tokens, config=None):
+    """A byte-level BPE tokenizer.json trained on LINES (the `tokenizers` library's own
+    trainer) whose post-processor adds <s> ... </s>, plus one added non-special token, and
+    CONFIG as tokenizer_config.json; returns the `tokenizers.Tokenizer`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    if "<s>" in special_tokens and "</s>" in special_tokens:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[(t, tokenizer.token_to_id(t))
+                                                  for t in ("<s>", "</s>")])
+    tokenizer.add_tokens(["<extra_0>"])  # counts in the vocabulary, beyond the BPE model's
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return tokenizer
+
+
+def _hf_args(directory):
+    return argparse.Namespace(tokenizer_type="HuggingFaceTokenizer",
+                              tokenizer_model=str(directory))
+
+
+def test_huggingface_tokenizer_from_local_directory(tmp_path, documents):
+    directory = tmp_path / "hf"
+    reference = _write_hf_tokenizer(
+        directory, documents[:50], ["<pad>", "<s>", "</s>", "<unk>"],
+        config={"eos_token": {"content": "</s>", "special": True}, "bos_token": "<s>",
+                "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": 1024})
+    tokenizer = build_tokenizer(_hf_args(directory))
+    assert isinstance(tokenizer, MegatronTokenizerBase)
+    assert tokenizer.vocab_size == reference.get_vocab_size(with_added_tokens=True)
+    assert tokenizer.vocab_size == reference.get_vocab_size(with_added_tokens=False) + 1
+    assert (tokenizer.pad, tokenizer.bos, tokenizer.eod, tokenizer.unk) == (0, 1, 2, 3)
+    assert tokenizer.inv_vocab[tokenizer.eod] == "</s>" and tokenizer.vocab["<extra_0>"] > 3
+    _assert_round_trips(tokenizer, [ROUND_TRIP_TEXT, ROUND_TRIP_TEXT + " <extra_0>",
+                                    *documents[:50]])
+    # The tokenizer's post-processor adds <s> ... </s>; tokenize leaves them out.
+    assert reference.encode("hello").ids[0] == tokenizer.bos
+    assert tokenizer.tokenize("hello") == reference.encode("hello", add_special_tokens=False).ids
+    assert not {tokenizer.bos, tokenizer.eod} & set(tokenizer.tokenize(documents[0]))
+    assert not tokenizer.has_bert_special_tokens()  # no cls / sep / mask configured
+
+
+def test_planner_reads_the_huggingface_vocabulary_size(tmp_path, documents):
+    from megatron_parm.planner_inputs import vocab_size_of
+
+    reference = _write_hf_tokenizer(tmp_path / "hf", documents[:20], ["</s>"])
+    settings = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tmp_path / "hf")}
+    assert vocab_size_of(settings) == reference.get_vocab_size(with_added_tokens=True)
+    settings["tokenizer_model"] = str(tmp_path)
+    with pytest.raises(ValueError, match=r"^--tokenizer-model: no tokenizer.json in .* \(or give "
+                                         r"--vocab-size\)$"):
+        vocab_size_of(settings)
+
+
+def test_huggingface_tokenizer_end_of_document_without_config(tmp_path, documents):
+    _write_hf_tokenizer(tmp_path / "gpt", documents[:20], ["<|endoftext|>"])
+    tokenizer = build_tokenizer(_hf_args(tmp_path / "gpt"))
+    assert tokenizer.inv_vocab[tokenizer.eod] == "<|endoftext|>"
+    with pytest.raises(AttributeError):
+        tokenizer.pad  # noqa: B018 (no pad_token: Megatron-Core's datasets use their own)
+    _write_hf_tokenizer(tmp_path / "none", documents[:20], ["<unk>"])
+    with pytest.raises(ValueError, match=r"^--tokenizer-model: .*none has no end-of-document "
+                                         r"token: name an eos_token in its tokenizer_config"):
+        build_tokenizer(_hf_args(tmp_path / "none"))
+
+
+def test_huggingface_tokenizer_errors_name_the_flag(tmp_path, documents, monkeypatch):
+    with pytest.raises(ValueError, match="^--tokenizer-model is required with --tokenizer-type "
+                                         "HuggingFaceTokenizer"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer"))
+    with pytest.raises(ValueError, match="^--tokenizer-model: not a directory: .*missing"):
+        build_tokenizer(_hf_args(tmp_path / "missing"))
+    (tmp_path / "tokenizer.model").write_text("not a directory")
+    with pytest.raises(ValueError, match="^--tokenizer-model: not a directory"):
+        build_tokenizer(_hf_args(tmp_path / "tokenizer.model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="^--tokenizer-model: no tokenizer.json in .*empty$"):
+        build_tokenizer(_hf_args(tmp_path / "empty"))
+    (tmp_path / "empty" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="^--tokenizer-model: .*tokenizer.json is not a "
+                                         "Hugging Face tokenizer"):
+        build_tokenizer(_hf_args(tmp_path / "empty"))
+    _write_hf_tokenizer(tmp_path / "hf", documents[:20], ["</s>"], config={"eos_token": "<eos>"})
+    with pytest.raises(ValueError, match="^--tokenizer-model: eos_token '<eos>' of .* is not "
+                                         "in its tokenizer.json"):
+        build_tokenizer(_hf_args(tmp_path / "hf"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
+    with pytest.raises(ValueError, match=r"^--tokenizer-type HuggingFaceTokenizer needs the "
+                                         r"'tokenizers' package \(pip install tokenizers\)$"):
+        build_tokenizer(_hf_args(tmp_path / "hf"))
 
 
 def test_train_tokenizer_tool(tmp_path, documents):
@@ -237,6 +346,34 @@ def test_preprocess_tool_cli_and_workers(data_dir, tmp_path):
                    "--tokenizer-model", str(SPM_MODEL)])
     with pytest.raises(ValueError, match="--json-keys: line 1 has no key 'body'"):
         tool.main(common[:-2] + ["body", "--output-prefix", str(tmp_path / "y")])
+
+
+def test_preprocess_tool_with_huggingface_tokenizer(data_dir, documents, tmp_path):
+    directory = tmp_path / "hf"
+    _write_hf_tokenizer(directory, documents[:50], ["<|endoftext|>", "</s>"],
+                        config={"eos_token": "</s>"})
+    tokenizer = build_tokenizer(_hf_args(directory))
+    _load_tool("preprocess_data").main([
+        "--input", str(data_dir / "tiny.jsonl"), "--output-prefix", str(tmp_path / "hf_data"),
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory),
+        "--append-eod"])
+    dataset = IndexedDataset(str(tmp_path / "hf_data_text_document"))
+    assert dataset.index.dtype == numpy.uint16 and len(dataset) == len(documents)
+    for i in (0, 7, len(documents) - 1):
+        ids = dataset[i].tolist()
+        assert ids[-1] == tokenizer.eod == tokenizer.vocab["</s>"]
+        assert tokenizer.eod not in ids[:-1]
+        assert tokenizer.detokenize(ids[:-1]) == documents[i]
+    # Megatron-Core's GPT dataset reads it with this tokenizer.
+    train = build_gpt_datasets(tokenizer, [str(tmp_path / "hf_data_text_document")], "1,0,0",
+                               32, 1234, [8, None, None],
+                               data_cache_path=str(tmp_path / "cache"))[0]
+    tokens = next(build_data_iterator(train, 4))["tokens"]
+    assert tokens.shape == (4, 32) and int(tokens.max()) < tokenizer.vocab_size
+    with pytest.raises(ValueError, match="--tokenizer-model: no tokenizer.json in"):
+        _load_tool("preprocess_data").main([
+            "--input", str(data_dir / "tiny.jsonl"), "--output-prefix", str(tmp_path / "x"),
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])
 
 
 # ---------------------------------------------------------------------------------------------
