@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from megatron_parm import settings, tuning
 from megatron_parm.data.datasets import parse_data_path
+from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
     model_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
@@ -89,6 +90,8 @@ def _validate_inputs(args) -> None:
     if args.tokenizer_type == "SentencePieceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        huggingface_tokenizer_file(args.tokenizer_model)  # a directory with tokenizer.json
     # checked here rather than where the flags are read: a planner reads the same config
     # without the tokenizer (the real-size configs name files the user downloads)
     for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):

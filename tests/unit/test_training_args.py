@@ -50,6 +50,15 @@ def test_missing_tokenizer_model_names_flag():
     assert "--tokenizer-model" in error(TINY_GPT + ["--tokenizer-model", "nope.model"])
 
 
+def test_huggingface_tokenizer_needs_a_directory_with_tokenizer_json(tmp_path):
+    hf = TINY_GPT + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    assert error(hf + [str(tmp_path / "nope")]).startswith(
+        f"--tokenizer-model: not a directory: {tmp_path / 'nope'}")
+    assert error(hf + [str(tmp_path)]) == f"--tokenizer-model: no tokenizer.json in {tmp_path}"
+    (tmp_path / "tokenizer.json").write_text("{}")  # read when training builds the tokenizer
+    assert parse_args(hf + [str(tmp_path)], world_size=1).tokenizer_model == str(tmp_path)
+
+
 def test_global_batch_not_divisible_names_flags():
     message = error(TINY_GPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--expert-model-parallel-size", "2",
