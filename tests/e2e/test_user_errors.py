@@ -15,7 +15,8 @@ conversion to an impossible layout, and SIGTERM during a run (the checkpoint pub
 status 0, no process left, the ranks on one OpenMP thread each).
 
 Every tool in tools/ gets one typical mistake (TOOL_MISTAKES, one subprocess each): exit
-status 2, one line on stderr, no traceback.
+status 2, one line on stderr, no traceback; tools/preprocess_data.py also each of
+HF_TOKENIZER_MISTAKES.
 """
 
 from __future__ import annotations
@@ -393,9 +394,17 @@ def test_every_tool_has_a_mistake_below():
     assert tools == set(TOOL_MISTAKES)
 
 
-@pytest.mark.parametrize("tool", sorted(TOOL_MISTAKES))
-def test_tool_answers_a_mistake_with_one_line_and_status_2(tool, tmp_path):
-    args, env, piece = TOOL_MISTAKES[tool]
+# --tokenizer-type HuggingFaceTokenizer with a --tokenizer-model that is not a tokenizer
+# directory: preprocess_data.py's arguments, a piece of its one line
+HF_TOKENIZER_MISTAKES = {
+    "missing directory": ([f"{MISSING}/hf"], f"--tokenizer-model: not a directory: {MISSING}/hf"),
+    "no tokenizer.json": (["{tmp}"], "--tokenizer-model: no tokenizer.json in {tmp}"),
+}
+
+
+def assert_one_line_and_status_2(tool, args, env, piece, tmp_path):
+    """TOOL run on ARGS ({tmp}: TMP_PATH, which holds one.jsonl) exits 2 with one line on
+    stderr holding PIECE, and no traceback."""
     (tmp_path / "one.jsonl").write_text(json.dumps({"text": "a tiny corpus"}) + "\n")
     command = ["bash"] if tool.endswith(".sh") else [sys.executable]
     proc = subprocess.run(
@@ -403,8 +412,24 @@ def test_tool_answers_a_mistake_with_one_line_and_status_2(tool, tmp_path):
         capture_output=True, text=True, timeout=300, env={**_env(), **env})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.splitlines()
+    piece = piece.format(tmp=tmp_path)
     assert len(lines) == 1 and "error: " in lines[0] and piece in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr and "usage:" not in proc.stdout
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_MISTAKES))
+def test_tool_answers_a_mistake_with_one_line_and_status_2(tool, tmp_path):
+    args, env, piece = TOOL_MISTAKES[tool]
+    assert_one_line_and_status_2(tool, args, env, piece, tmp_path)
+
+
+@pytest.mark.parametrize("mistake", sorted(HF_TOKENIZER_MISTAKES))
+def test_preprocess_names_a_bad_huggingface_tokenizer_directory(mistake, tmp_path):
+    model, piece = HF_TOKENIZER_MISTAKES[mistake]
+    args = ["--input", "{tmp}/one.jsonl", "--output-prefix", "{tmp}/data", "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", *model]
+    assert_one_line_and_status_2("preprocess_data.py", args, {}, piece, tmp_path)
+    assert not list(tmp_path.glob("data*"))  # nothing written
 
 
 if __name__ == "__main__":
