@@ -13,11 +13,17 @@ Upcycle a dense GPT checkpoint (this trainer without --num-experts) to MoE:
     python tools/convert_checkpoint.py --upcycle --load runs/dense/checkpoints \
         --save runs/moe/checkpoints --num-experts 8 --moe-router-topk 2
 
-Hugging Face GPT-2 (a local directory: config.json, model.safetensors or pytorch_model.bin):
---load takes it in place of a checkpoint for --upcycle; --from-hf imports it dense.
+From and to Hugging Face (a local directory: config.json and model.safetensors, its shards
+with model.safetensors.index.json, or pytorch_model.bin; nothing is downloaded). --from-hf
+imports Mixtral, Qwen2-MoE, Qwen3-MoE, dense Llama or GPT-2 (in the --target-* layout when
+given) and writes the model's flags as CKPT/config.yaml, for training with --config; --to-hf
+exports a Mixtral-, Qwen2-MoE- or Qwen3-MoE-shaped checkpoint (saved in any layout):
+    python tools/convert_checkpoint.py --from-hf ~/models/Qwen3-30B-A3B --save runs/q3/ckpt
+    python tools/convert_checkpoint.py --to-hf runs/q3/hf --load runs/q3/ckpt
+--load also takes a dense Hugging Face directory (GPT-2, Llama) in place of a checkpoint for
+--upcycle:
     python tools/convert_checkpoint.py --upcycle --load ~/models/gpt2 \
         --save runs/gpt2_moe/checkpoints --num-experts 8 --moe-router-topk 2
-    python tools/convert_checkpoint.py --from-hf ~/models/gpt2 --save runs/gpt2/checkpoints
 GPT-2 has biases: train the result with the flags it was saved with (--openai-gelu, no
 --disable-bias-linear) and, for MoE, --expert-tensor-parallel-size 1.
 
@@ -42,7 +48,7 @@ from megatron_parm.wording import plural  # noqa: E402
 
 cli.setup_warnings()  # before Megatron-Core is imported
 
-from megatron_parm.checkpointing.hf_gpt2 import is_hf_gpt2_dir  # noqa: E402
+from megatron_parm.checkpointing.hf_files import has_weights  # noqa: E402
 from megatron_parm.checkpointing.paths import CheckpointError  # noqa: E402
 
 
@@ -71,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to-single-file", metavar="FILE")
     parser.add_argument("--from-single-file", metavar="FILE")
     parser.add_argument("--from-hf", metavar="DIR",
-                        help="Import a Hugging Face GPT-2 directory as a dense checkpoint.")
+                        help="Import a Hugging Face model directory (Mixtral, Qwen2-MoE, "
+                             "Qwen3-MoE, Llama, GPT-2).")
+    parser.add_argument("--to-hf", metavar="DIR",
+                        help="Export --load as a Hugging Face directory (Mixtral, Qwen2-MoE, "
+                             "Qwen3-MoE).")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="With --to-hf: the largest safetensors shard (default %(default)s).")
     parser.add_argument("--upcycle", action="store_true")
     settings.add_flags(parser, ["--num-experts", "--moe-router-topk"],
                        helps={"num_experts": "With --upcycle.", "moe_router_topk": "With --upcycle."})
@@ -85,16 +97,19 @@ def main(argv=None) -> int:
     args = settings.read(build_parser(), argv)  # each flag's declared check
     targets = (args.target_tensor_parallel_size, args.target_expert_parallel_size,
                args.target_expert_tensor_parallel_size, args.target_pipeline_parallel_size)
+    relayout_too = any(t is not None for t in targets)
     modes = [name for name, on in (("--to-single-file", args.to_single_file),
                                    ("--from-single-file", args.from_single_file),
-                                   ("--from-hf", args.from_hf),
+                                   ("--from-hf", args.from_hf), ("--to-hf", args.to_hf),
                                    ("--upcycle", args.upcycle),
-                                   ("--target-*-size", any(t is not None for t in targets))) if on]
+                                   ("--target-*-size", relayout_too and not args.from_hf)) if on]
     if len(modes) != 1:
         raise ValueError(f"give exactly one of --to-single-file, --from-single-file, --from-hf, "
-                         f"--upcycle, --target-*-size (got {', '.join(modes) or 'none'})")
+                         f"--to-hf, --upcycle, --target-*-size (got {', '.join(modes) or 'none'})")
     if args.to_single_file:
         return to_single_file(resolve_source(args.load), args.to_single_file)
+    if args.to_hf:
+        return to_hf(resolve_source(args.load), args)
     if not args.save:
         raise ValueError("--save is required")
     if args.from_single_file:
@@ -182,24 +197,86 @@ def from_single_file(args) -> int:
                           "--from-single-file", f"from {args.from_single_file}")
 
 
-def from_hf(args) -> int:
+def read_hf(path: str):
+    """(FullCheckpoint, description) of the Hugging Face directory PATH: GPT-2 or a
+    Llama-style family (checkpointing.hf_llama.FAMILIES)."""
+    from megatron_parm.checkpointing.hf_files import read_config
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+    from megatron_parm.checkpointing.hf_llama import family_of, hf_to_full
     from megatron_parm.training.log import stage
 
-    with stage(f"reading Hugging Face GPT-2 {args.from_hf}"):
-        full = hf_gpt2_to_full(args.from_hf)
-    return write_verified(full, args.save, 0, "--from-hf",
-                          f"from Hugging Face GPT-2 {args.from_hf}")
+    config = read_config(path)
+    if config.get("model_type") == "gpt2":
+        convert, name = hf_gpt2_to_full, "GPT-2"
+    else:
+        convert, name = hf_to_full, family_of(config, path).architecture
+    with stage(f"reading Hugging Face {name} {path}"):
+        return convert(path), f"Hugging Face {name} {path}"
+
+
+def from_hf(args) -> int:
+    import tempfile
+
+    full, origin = read_hf(args.from_hf)
+    targets = [getattr(args, flag[2:].replace("-", "_")) for flag in TARGET_FLAGS.values()]
+    if all(t is None for t in targets):
+        code = write_verified(full, args.save, 0, "--from-hf", f"from {origin}")
+    else:  # written whole, then resharded as the target layout's ranks save it
+        with tempfile.TemporaryDirectory(prefix="from_hf_") as staged:
+            write_verified(full, staged, 0, "--from-hf", f"from {origin} (staged)")
+            code = relayout(resolve_source(staged), args)
+    write_flags(full.common["args"], args.save)
+    return code
+
+
+def write_flags(flags: dict, save: str) -> None:
+    """SAVE/config.yaml: the imported model's flags, for training with --config."""
+    import yaml
+
+    path = os.path.join(save, "config.yaml")
+    with open(path + ".tmp", "w") as handle:
+        handle.write("# The flags of the model imported by tools/convert_checkpoint.py --from-hf;"
+                     "\n# train it with --config this file --load this folder.\n")
+        known = vars(settings.training_parser().parse_args([]))  # model_type is the script's
+        yaml.safe_dump({key: value for key, value in flags.items()
+                        if value is not None and key in known}, handle, sort_keys=False)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}: train with --config {path} --load {save}")
+
+
+def to_hf(source, args) -> int:
+    import shutil
+
+    from megatron_parm.checkpointing.hf_files import parse_size, read_weights
+    from megatron_parm.checkpointing.hf_llama import TOKENIZER_FILES, full_to_hf
+    from megatron_parm.checkpointing.verify import compare_checksums, tensor_checksums
+    from megatron_parm.training.log import stage
+
+    max_shard = parse_size(args.max_shard_size)
+    full = read_checkpoint(source[0])
+    flags = saved_flags(full.common.get("args") or {})
+    with stage(f"writing {args.to_hf}"):
+        config, tensors = full_to_hf(full, flags, args.to_hf, max_shard)
+    tokenizer = flags.get("tokenizer_model")
+    if flags.get("tokenizer_type") == "HuggingFaceTokenizer" and tokenizer:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer, name)):
+                shutil.copy(os.path.join(tokenizer, name), os.path.join(args.to_hf, name))
+    with stage(f"reading {args.to_hf} back and comparing every checksum"):
+        problems = compare_checksums(tensor_checksums(tensors),
+                                     tensor_checksums(read_weights(args.to_hf)))
+        if problems:
+            raise CheckpointError(f"{args.to_hf}: tensors did not make it across:\n  "
+                                  + "\n  ".join(problems[:20]))
+    print(f"wrote {args.to_hf} ({config['architectures'][0]}, {len(tensors)} tensors, "
+          f"vocabulary {config['vocab_size']}) from {source[0]}")
+    return 0
 
 
 def read_dense(load):
-    """(FullCheckpoint, description) of --load: a Hugging Face GPT-2 directory or one of ours."""
-    from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
-    from megatron_parm.training.log import stage
-
-    if load and is_hf_gpt2_dir(load):
-        with stage(f"reading Hugging Face GPT-2 {load}"):
-            return hf_gpt2_to_full(load), f"Hugging Face GPT-2 {load}"
+    """(FullCheckpoint, description) of --load: a Hugging Face directory or one of ours."""
+    if load and has_weights(load):
+        return read_hf(load)
     folder = resolve_source(load)[0]
     return read_checkpoint(folder), folder
 
@@ -364,8 +441,10 @@ def _relayout_rank(rank, world, port, source, target_root, layout, saved):
     initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type,
                               pp=pp)
     set_seed(args.seed)
-    padded_vocab = read_checkpoint_info(source)["model_info"]["padded_vocab_size"]
-    model, optimizer, scheduler = build_model_and_optimizer(args, padded_vocab, padded_vocab)
+    model_info = read_checkpoint_info(source)["model_info"]
+    padded_vocab = model_info["padded_vocab_size"]
+    model, optimizer, scheduler = build_model_and_optimizer(
+        args, model_info.get("vocab_size") or padded_vocab, padded_vocab)
     loaded = load_checkpoint(source, model, optimizer, scheduler, args)
     has_optimizer = loaded["optimizer_loaded"]
     save_checkpoint(target_root, loaded["iteration"], model, optimizer if has_optimizer else None,

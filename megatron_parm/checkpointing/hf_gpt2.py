@@ -1,6 +1,5 @@
 """Hugging Face GPT-2 weights (a local directory) -> a dense checkpoint of this project.
 
-    is_hf_gpt2_dir(path)              a folder with config.json and GPT-2 weights
     read_hf_gpt2(path)                (config dict, {HF name: tensor})
     hf_gpt2_to_full(path)             FullCheckpoint: Megatron-Core GPTModel names, iteration 0
 
@@ -31,84 +30,31 @@ Hugging Face's by that much while the logits of real tokens are the same.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from typing import Dict, Tuple
 
 import torch
 
 from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.full import FullCheckpoint
-from megatron_parm.checkpointing.safe_load import load_torch_file
+from megatron_parm.checkpointing.hf_files import read_config, read_weights
 from megatron_parm.checkpointing.state import CHECKPOINT_VERSION
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.wording import plural
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # GPT-2's activation names: the tanh approximation (Megatron's --openai-gelu) or erf GELU.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _LAYER = re.compile(r"^h\.(\d+)\.(.+)$")
-
-
-def is_hf_gpt2_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES)
-
-
-def read_safetensors(file_path: str) -> Dict[str, torch.Tensor]:
-    """A .safetensors file: 8 bytes little-endian header length, a JSON header
-    {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw little-endian data."""
-    with open(file_path, "rb") as handle:
-        blob = handle.read()
-    try:
-        (header_len,) = struct.unpack("<Q", blob[:8])
-        header = json.loads(blob[8:8 + header_len])
-    except (struct.error, ValueError) as err:
-        raise CheckpointError(f"{file_path}: not a safetensors file ({err})") from err
-    data = memoryview(blob)[8 + header_len:]
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{file_path}: {name} has unsupported dtype {info['dtype']}")
-        if end > len(data):
-            raise CheckpointError(f"{file_path}: {name} lies past the end of the file "
-                                  f"(truncated?)")
-        flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype) if end > begin \
-            else torch.empty(0, dtype=dtype)
-        tensors[name] = flat.reshape(info["shape"])
-    return tensors
 
 
 def read_hf_gpt2(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """(config, weights) of a GPT-2 directory; names without the 'transformer.' prefix."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
-    try:
-        with open(config_path) as handle:
-            config = json.load(handle)
-    except ValueError as err:
-        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
+    config = read_config(path)
     if config.get("model_type") != "gpt2":
-        raise CheckpointError(f"{config_path}: model_type {config.get('model_type')!r}; only "
-                              f"'gpt2' can be converted")
-    weights_file = next((os.path.join(path, name) for name in WEIGHT_FILES
-                         if os.path.isfile(os.path.join(path, name))), None)
-    if weights_file is None:
-        raise CheckpointError(f"{path}: no {' or '.join(WEIGHT_FILES)}")
-    if weights_file.endswith(".safetensors"):
-        weights = read_safetensors(weights_file)
-    else:
-        weights = load_torch_file(weights_file)  # plain data only
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: model_type "
+                              f"{config.get('model_type')!r}; only 'gpt2' can be converted")
+    weights = read_weights(path)
     weights = {(key[len("transformer."):] if key.startswith("transformer.") else key): value
                for key, value in weights.items()}
     return config, weights

@@ -99,7 +99,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         state["opt_param_scheduler"] = scheduler.state_dict()
     layout = layout_of(args)
     state["layout"] = layout
-    state["model_info"] = {"padded_vocab_size": getattr(model_chunks(model)[0], "vocab_size", None)}
+    first = model_chunks(model)[0]
+    state["model_info"] = {"padded_vocab_size": getattr(first, "vocab_size", None),
+                           "vocab_size": getattr(first, "tokenizer_vocab_size", None)}
     if args is not None:
         state["args"] = plain_args(args)
     # Every rank's generators, gathered so that the common part (rank 0's) holds them all.

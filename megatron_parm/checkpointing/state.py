@@ -34,7 +34,7 @@ SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "untie_embeddings_and_output_weights", "openai_gelu", "swiglu",
                "normalization", "position_embedding_type", "group_query_attention",
                "num_query_groups", "kv_channels", "qk_layernorm", "moe_layer_freq",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

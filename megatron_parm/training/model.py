@@ -79,6 +79,7 @@ def architecture_fields(args) -> dict:
     fields = dict(
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
+        add_qkv_bias=args.add_qkv_bias,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         moe_layer_freq=args.moe_layer_freq,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
@@ -200,6 +201,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             add_binary_head=args.bert_binary_head,
             **stage,
         )
+    model.tokenizer_vocab_size = vocab_size  # recorded in checkpoints; --to-hf trims to it
     if device.is_cuda():
         model.to(device.current())
     return mixed_precision.wrap(model, config)
