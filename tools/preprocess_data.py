@@ -13,6 +13,10 @@ Same flags and output names as Megatron-LM's tools/preprocess_data.py:
         --tokenizer-type SentencePieceTokenizer --tokenizer-model data/tokenizer/spm_8k.model \\
         --split-sentences
     # -> data/bert_text_sentence.bin / .idx;  train with --data-path data/bert_text_sentence
+
+    # A Hugging Face tokenizer directory (DIR/tokenizer.json; eod: its eos_token)
+    python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/hf \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR --append-eod
 """
 
 import argparse
