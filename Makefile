@@ -4,6 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-installed
 
 .PHONY: install demo layer-demo test clean
 
@@ -27,7 +28,13 @@ layer-demo: install
 		--tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
 		--expert-tensor-parallel-size 2 --sequence-parallel
 
-test: install
+# The test extra of pyproject.toml on top (transformers: the reference of the Hugging Face
+# conversion tests; the installed torch and megatron-core already satisfy the rest).
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests
 
 clean:

@@ -230,12 +230,12 @@ def from_hf(args) -> int:
 
 
 def write_flags(flags: dict, save: str) -> None:
-    """SAVE/config.yaml: the imported model's flags, for training with --config."""
+    """SAVE/config.yaml: the flags of a model from Hugging Face, for training with --config."""
     import yaml
 
     path = os.path.join(save, "config.yaml")
     with open(path + ".tmp", "w") as handle:
-        handle.write("# The flags of the model imported by tools/convert_checkpoint.py --from-hf;"
+        handle.write("# The flags of the model written by tools/convert_checkpoint.py;"
                      "\n# train it with --config this file --load this folder.\n")
         known = vars(settings.training_parser().parse_args([]))  # model_type is the script's
         yaml.safe_dump({key: value for key, value in flags.items()
@@ -302,9 +302,12 @@ def upcycle(args) -> int:
             if bad:
                 raise CheckpointError(f"decoder.layers.mlp.experts.experts.{name}: layer "
                                       f"{layer} experts {bad} are not copies of the dense MLP")
-    return write_verified(moe, args.save, 0, "--upcycle",
+    code = write_verified(moe, args.save, 0, "--upcycle",
                           f"with {args.num_experts} experts per layer (top-{args.moe_router_topk}) "
                           f"copied from {origin}", expected)
+    if has_weights(args.load):  # a Hugging Face model's flags are nowhere else
+        write_flags(moe.common["args"], args.save)
+    return code
 
 
 # ---------------------------------------------------------------------------------------------
