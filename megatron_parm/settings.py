@@ -212,6 +212,9 @@ def _model_flags() -> List[Flag]:
         Flag("--disable-bias-linear", model, kind="switch",
              help="No bias in linear layers (with MoE, biases need "
                   "--expert-tensor-parallel-size 1 on Megatron-Core 0.16.1)."),
+        Flag("--add-qkv-bias", model, kind="switch",
+             help="A bias on the query, key and value projections only (as Qwen2), also with "
+                  "--disable-bias-linear."),
         Flag("--openai-gelu", model, kind="switch",
              help="GELU's tanh approximation, as GPT-2 (Hugging Face 'gelu_new')."),
         Flag("--swiglu", model, kind="switch", help="SwiGLU MLPs, dense and experts (SiLU-"
