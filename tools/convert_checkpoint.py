@@ -432,6 +432,7 @@ def _relayout_rank(rank, world, port, source, target_root, layout, saved):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron_parm.checkpointing import load_checkpoint, read_checkpoint_info, save_checkpoint
     from megatron_parm.parallel import initialize_model_parallel
+    from megatron_parm.training.model import build_model_chunks
     from megatron_parm.training.trainer import (
         build_model_and_optimizer,
         initialize_distributed,
@@ -444,10 +445,13 @@ def _relayout_rank(rank, world, port, source, target_root, layout, saved):
     initialize_model_parallel(tp, ep, etp, args.num_experts, args.moe_token_dispatcher_type,
                               pp=pp)
     set_seed(args.seed)
-    model_info = read_checkpoint_info(source)["model_info"]
-    padded_vocab = model_info["padded_vocab_size"]
-    model, optimizer, scheduler = build_model_and_optimizer(
-        args, model_info.get("vocab_size") or padded_vocab, padded_vocab)
+    info = read_checkpoint_info(source)
+    padded_vocab = info["model_info"]["padded_vocab_size"]
+    vocab = info["model_info"].get("vocab_size") or padded_vocab
+    if info.get("optimizer_step") is not None:
+        model, optimizer, scheduler = build_model_and_optimizer(args, vocab, padded_vocab)
+    else:  # a model only (converted, upcycled, imported): nothing to build an optimizer for
+        model, optimizer, scheduler = build_model_chunks(args, vocab, padded_vocab), None, None
     loaded = load_checkpoint(source, model, optimizer, scheduler, args)
     has_optimizer = loaded["optimizer_loaded"]
     save_checkpoint(target_root, loaded["iteration"], model, optimizer if has_optimizer else None,

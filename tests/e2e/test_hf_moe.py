@@ -1,7 +1,7 @@
 """Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE in and out, checked against `transformers`.
 
 `transformers` (a test dependency) builds a tiny random model of each family, and a dense
-Llama, and saves them in shards with their index. tools/convert_checkpoint.py imports each
+Llama (tools/tiny_hf_model.py), and saves them in shards with their index. tools/convert_checkpoint.py imports each
 (--from-hf) and upcycles the Llama (--upcycle --load DIR). One 4-rank launch (this file as a
 script) then loads every import into Megatron's GPT at (tp, ep, etp) = (1, 1, 1) and (2, 2, 2)
 and records the logits of one fixed batch, and trains the Qwen3-MoE 20 iterations with `parm`
@@ -21,25 +21,12 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tools")]
 
 from launch import convert_checkpoint as convert, torchrun  # noqa: E402
+from tiny_hf_model import FAMILIES, write as write_hf_model  # noqa: E402  (vocabulary 8064)
 
-VOCAB, SEQ, BATCH = 8064, 32, 2  # 8064: the shipped tokenizer's 8000, padded (no extra rows)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              tie_word_embeddings=False)
-FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=48, norm_topk_prob=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16,
-                       head_dim=32, norm_topk_prob=True)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-}
+SEQ, BATCH = 32, 2
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 LAYOUTS = {"1,1,1": (1, 1, 1, "alltoall"), "2,2,2": (2, 2, 2, "parm")}
 TRAIN_ITERS = 20
@@ -49,22 +36,6 @@ DATA = ["--data-path", "data/cache/gpt_text_document", "--tokenizer-type",
 
 def fixed_tokens() -> torch.Tensor:
     return torch.randint(0, 8000, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def write_hf_model(family: str, folder: Path) -> Path:
-    """A random tiny model of FAMILY saved by transformers in several shards."""
-    import transformers
-
-    config_class, model_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**COMMON, **extra)
-    torch.manual_seed(11)
-    model = getattr(transformers, model_class)(config)
-    # the router's default initialisation is all but uniform: spread it so top-k matters
-    for name, param in model.named_parameters():
-        if name.endswith(("gate.weight", "shared_expert_gate.weight")):
-            torch.nn.init.normal_(param, std=0.5)
-    model.save_pretrained(folder / family, max_shard_size="200KB")
-    return folder / family
 
 
 def hf_logits(folder, tokens) -> torch.Tensor:
@@ -171,7 +142,8 @@ def worker(out_path: str, run_dir: str) -> None:
 def hf_models(tmp_path_factory):
     pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("hf")
-    return {family: write_hf_model(family, folder) for family in FAMILIES}
+    return {family: Path(write_hf_model(family, str(folder / family), max_shard_size="200KB"))
+            for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
