@@ -271,6 +271,7 @@ def _first_shard(folder: Path) -> Path:
     ("truncated shard", "model-00001-of-"),
     ("shape", "has shape (8, 64); config.json gives (6, 64)"),
     ("layout", "--target-expert-parallel-size"),
+    ("rope scaling", "rope_type={'rope_type': 'yarn'"),
 ])
 def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected):
     folder = _copy(hf_models["mixtral"], tmp_path / "hf")
@@ -284,6 +285,9 @@ def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected)
         shard.write_bytes(shard.read_bytes()[:-1000])
     elif case == "shape":
         _edit_config(folder, num_local_experts=6)
+    elif case == "rope scaling":
+        _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                              "rope_theta": 1e6})
     else:
         extra = ["--target-expert-parallel-size", "3", "--target-tensor-parallel-size", "1"]
     proc = convert("--from-hf", folder, "--save", tmp_path / "out", *extra)
