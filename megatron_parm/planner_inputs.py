@@ -6,6 +6,7 @@
     build_spec(settings, model_type)  perf_model.transformer.ModelSpec of those settings
     vocab_size_of(settings)           --vocab-size, else the tokenizer files' size
     model_overrides(given)            the model flags of the command line, for a launch line
+    recompute_of(settings)            the activation recomputation the flags fix, or None
 
 tools/plan_layout.py and tools/predict_e2e.py read their model here (no tool imports another).
 """
@@ -13,11 +14,13 @@ tools/plan_layout.py and tools/predict_e2e.py read their model here (no tool imp
 import json
 import os
 import sys
+from typing import Optional
 
 import megatron_parm.settings as declared
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import default_ffn_hidden_size, precision_problem
 from megatron_parm.perf_model.profile import shipped_profiles
+from megatron_parm.perf_model.recompute import Recompute
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec
 
 # The model and training flags the planner reads (declared in megatron_parm.settings).
@@ -32,7 +35,10 @@ MODEL_FLAGS = (
     # today's architectures (docs/planner.md, "Today's MoE models")
     "--swiglu", "--group-query-attention", "--num-query-groups", "--kv-channels",
     "--qk-layernorm", "--normalization", "--position-embedding-type", "--no-position-embedding",
-    "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate")
+    "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate",
+    # activation recomputation: plan with this choice (default: none, or what fits)
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--recompute-modules")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
             "micro_batch_size", "global_batch_size")
 # Sizes that restrict the search; the command line's only (a config's are the planner's to
@@ -42,7 +48,8 @@ LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-para
 # The flags of the launch line that are each candidate's (or the planner's own), not copied
 # from the command line.
 CANDIDATE_KEYS = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
-                  "use_distributed_optimizer"}
+                  "use_distributed_optimizer", "recompute_granularity", "recompute_method",
+                  "recompute_num_layers", "recompute_modules"}
 
 
 def profiles_help() -> str:
@@ -158,6 +165,19 @@ def build_spec(settings, model_type):
         shared_expert_size=settings.get("moe_shared_expert_intermediate_size"),
         shared_expert_gate=settings["moe_shared_expert_gate"],
     )
+
+
+def recompute_of(settings) -> Optional[Recompute]:
+    """The recomputation the flags fix (None: the planner's to choose); ValueError naming the
+    flag where Megatron-Core would refuse it."""
+    if settings.get("recompute_granularity") is None:
+        for key in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+            if settings.get(key) is not None:
+                raise ValueError(f"--{key.replace('_', '-')} needs --recompute-granularity")
+        return None
+    return Recompute(settings["recompute_granularity"], settings.get("recompute_method"),
+                     settings.get("recompute_num_layers"),
+                     tuple(settings.get("recompute_modules") or ()))
 
 
 def model_overrides(given):

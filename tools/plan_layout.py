@@ -21,8 +21,13 @@ layout and dispatcher, which it chooses, are listed in a note on stderr) and/or 
 flags, which override it. The vocabulary size is --vocab-size or is read from the tokenizer
 files of the config (--tokenizer-model, --vocab-file). --tensor-model-parallel-size,
 --expert-model-parallel-size, --expert-tensor-parallel-size, --pipeline-model-parallel-size and
---moe-token-dispatcher-type on the command line restrict the search. Bad input prints one
-line `error: ...` and exits 2.
+--moe-token-dispatcher-type on the command line restrict the search. Activation
+recomputation: with --recompute-granularity (and --recompute-method, --recompute-num-layers,
+--recompute-modules, Megatron-LM's flags) every candidate is planned with that choice;
+without, a candidate that does not fit is planned with the least recomputation that makes it
+fit (perf_model/recompute.py; its memory only: the step time does not charge the extra
+forward), shown in the `fits` column and its flags. Bad input prints one line `error: ...` and
+exits 2.
 """
 
 import json
@@ -46,7 +51,7 @@ from megatron_parm.perf_model.memory import GIB, Precision  # noqa: E402
 from megatron_parm.perf_model.planner import Cluster, plan  # noqa: E402
 from megatron_parm.wording import plural  # noqa: E402
 from megatron_parm.planner_inputs import (LAYOUT_FLAGS, build_spec, model_overrides,  # noqa: E402
-                                          profiles_help, resolve_settings)
+                                          profiles_help, recompute_of, resolve_settings)
 
 class _Parser(declared.Parser):
     """argparse whose errors are one line, `error: ...`, exit status 2."""
@@ -117,6 +122,8 @@ def render(result, spec, cluster, profile, precision, args):
         step, layout = candidate.step, candidate.layout
         m = step.num_microbatches
         fits = "yes" if candidate.fits else f"no, over by {_size(-candidate.spare_bytes)}"
+        if candidate.recompute.granularity:
+            fits += f", recompute {candidate.recompute.label()}"
         lines.append(
             f"{index:>3} {layout.tp:>3} {layout.ep:>3} {layout.etp:>3} {layout.pp:>3} "
             f"{candidate.vpp or '-':>3} {candidate.dp:>3}  "
@@ -174,7 +181,7 @@ def main(argv=None):
                       settings["use_distributed_optimizer"], chunks,
                       fixed={key: settings[declared.FLAGS[flag].key]
                              for key, flag in LAYOUT_FLAGS.items()},
-                      dispatchers=dispatchers)
+                      dispatchers=dispatchers, recompute=recompute_of(settings))
     except ValueError as error:  # PlanError included
         fail(str(error))
     try:

@@ -88,6 +88,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.recompute import NONE, Recompute
 from megatron_parm.perf_model.shape import LayerShape
 from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
 from megatron_parm.perf_model.transformer import (ModelSpec, ParameterCounts,
@@ -175,45 +176,80 @@ def expert_rows(shape: LayerShape, layout: Layout, dispatcher: str) -> float:
     return flops / shape.expert_flops_per_row(layout.etp)
 
 
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer's bytes saved for backward by one micro-batch on one rank (the module
+    docstring's table), by the parts activation recomputation can drop (recompute.py)."""
+
+    layer_input: float  # n h p: what a fully recomputed layer keeps
+    layernorms: float  # the norms' inputs and statistics (selective layernorm drops as much)
+    scores: float  # the softmax output and the attention dropout (selective core_attn)
+    attention_rest: float  # the attention's other tensors and the residual dropout masks
+    moe: float  # an MoE layer's MLP side: router, routing, experts, shared experts
+    expert_activation: float  # of `moe`: the experts' activation outputs (moe_act)
+    shared_experts: float  # of `moe`: the shared experts' fc1 outputs and activation
+    dense_mlp: float  # a dense layer's MLP
+
+    def total(self, moe: bool) -> float:
+        """Without recomputation."""
+        return (self.layernorms + self.scores + self.attention_rest
+                + (self.moe if moe else self.dense_mlp))
+
+    def kept(self, moe: bool, recompute: Recompute) -> float:
+        """What the layer keeps under selective recomputation (or none); a fully recomputed
+        layer keeps layer_input (recompute.py)."""
+        dropped = 0.0
+        if recompute.selects("layernorm"):
+            dropped += self.layernorms
+        if recompute.selects("core_attn"):
+            dropped += self.scores
+        if moe and recompute.selects("moe"):
+            dropped += self.moe - self.layer_input  # its input, the norm output, stays
+        elif moe:
+            dropped += self.expert_activation if recompute.selects("moe_act") else 0.0
+            dropped += self.shared_experts if recompute.selects("shared_experts") else 0.0
+        elif recompute.selects("mlp"):
+            dropped += self.dense_mlp - self.layer_input
+        return self.total(moe) - dropped
+
+
 def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                       precision: Precision, dispatcher: str, dropout_mask_bytes: int,
                       fused_norms: bool = True
-                      ) -> Tuple[Tuple[float, float], float, float, float]:
-    """((a dense layer, an MoE layer), the attention mask every stage holds, the first stage's
-    other model-level terms, the last stage's): bytes saved for backward by one micro-batch on
-    one rank (the module docstring's table)."""
+                      ) -> Tuple[LayerActivations, float, float, float]:
+    """(a layer's parts, the attention mask every stage holds, the first stage's other
+    model-level terms, the last stage's): bytes saved for backward by one micro-batch on one
+    rank (the module docstring's table)."""
     t, b, s = layout.tp, micro_batch_size, spec.seq_length
     h, p, m = spec.hidden_size, precision.activation_bytes, dropout_mask_bytes
     shape = layer_shape(spec, layout, micro_batch_size, precision)
-    n, k, num_experts = shape.num_tokens, spec.topk, spec.num_experts
-    u, width, heads = spec.fc1_factor, spec.attention_width, spec.num_attention_heads
+    n = shape.num_tokens
+    width, heads = spec.attention_width, spec.num_attention_heads
     scores = b * (heads // t) * s * s
     softmax_bytes = 4 + (2 if precision.mixed else 0)
     statistics = 8 if spec.normalization == "LayerNorm" else 4  # y: fp32 mean and rstd / rstd
 
     unfused_rms = spec.normalization == "RMSNorm" and not fused_norms
     layernorms = 2 * n * h * p * (2 if unfused_rms else 1) + 2 * n * statistics
-    attention = n * h * p + _qkv_bytes(spec, t, n, p) + scores * softmax_bytes + n * width * p
+    attention = n * h * p + _qkv_bytes(spec, t, n, p) + n * width * p
     if spec.position_embedding_type == "rope":
         attention += 4 * s * spec.head_channels * p
     if spec.qk_layernorm:
         rows = t * n * (heads // t + max(spec.query_groups // t, 1))  # (token, head) pairs
         attention += rows * statistics // 2
         attention += rows * spec.head_channels * p if unfused_rms else 0
-    dropout = 0.0
+    scores_bytes = scores * softmax_bytes
     if spec.attention_dropout > 0:
-        dropout += scores * (m + p)
+        scores_bytes += scores * (m + p)
     if spec.hidden_dropout > 0:
-        dropout += 2 * n * h * m
-    common = layernorms + attention + dropout
-    rows = expert_rows(shape, layout, dispatcher)
+        attention += 2 * n * h * m
+    moe, expert_activation, shared = _moe_terms(spec, layout, shape, dispatcher, p)
     kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
-    moe = (n * h * p + n * (24 * k + 9 * num_experts)
-           + rows * (h + (kept + 1) * spec.moe_ffn_hidden_size / layout.etp) * p + 4 * rows)
-    if spec.shared_expert_size:
-        moe += kept * n * spec.shared_expert_size * p
-        moe += (n * h * p + 3 * n * p) if spec.shared_expert_gate else 0
     dense_mlp = n * h * p + kept * n * spec.dense_ffn_hidden_size * p
+    layer = LayerActivations(layer_input=n * h * p, layernorms=layernorms, scores=scores_bytes,
+                             attention_rest=attention, moe=moe,
+                             expert_activation=expert_activation, shared_experts=shared,
+                             dense_mlp=dense_mlp)
 
     mask = b * s * s  # bool
     ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
@@ -227,7 +263,26 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
         last += n * h * p
     vocab = padded_vocab_size(spec.vocab_size, t)
     last += s * b * vocab // t * 4 + 9 * s * b
-    return (common + dense_mlp, common + moe), mask, first, last
+    return layer, mask, first, last
+
+
+def _moe_terms(spec: ModelSpec, layout: Layout, shape: LayerShape, dispatcher: str,
+               p: int) -> Tuple[float, float, float]:
+    """(an MoE layer's MLP side, of it the experts' activation outputs moe_act recomputes,
+    the shared experts' tensors): the module docstring's MoE row."""
+    n, h, k = shape.num_tokens, spec.hidden_size, spec.topk
+    rows = expert_rows(shape, layout, dispatcher)
+    kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
+    channels = spec.moe_ffn_hidden_size / layout.etp
+    moe = (n * h * p + n * (24 * k + 9 * spec.num_experts)
+           + rows * (h + (kept + 1) * channels) * p + 4 * rows)
+    # moe_act: all but fc1's u F outputs of the (j + 1) F per row
+    expert_activation = rows * (kept + 1 - spec.fc1_factor) * channels * p
+    shared = kept * n * spec.shared_expert_size * p if spec.shared_expert_size else 0.0
+    moe += shared
+    if spec.shared_expert_size and spec.shared_expert_gate:
+        moe += n * h * p + 3 * n * p
+    return moe, expert_activation, shared
 
 
 def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
@@ -242,26 +297,40 @@ def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
     return sum(own) * n * spec.attention_width * p + (n * qkv * p if keeps_qkv else 0)
 
 
-def _layers_bytes(spec: ModelSpec, per_layer: Tuple[float, float],
-                  layers: Sequence[int]) -> float:
-    """Activations of these transformer layers (indices), dense and MoE layers each theirs."""
-    moe_layers = spec.moe_layers
-    return sum(per_layer[1] if moe_layers[index] else per_layer[0] for index in layers)
+def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int],
+                  recompute: Recompute = NONE) -> Tuple[float, float]:
+    """(bytes these transformer layers (a model chunk's, indices) keep for backward, the most
+    they hold while the backward pass recomputes one checkpoint of them): dense and MoE
+    layers each theirs. The second counts the layers the backward has not reached yet (their
+    kept bytes) and the checkpoint's layers whole."""
+    moe_layers, layers = spec.moe_layers, list(layers)
+    kept = [layer.kept(moe_layers[index], recompute) for index in layers]
+    recomputing = 0.0
+    for unit in recompute.units(len(layers)):
+        for local in unit:
+            kept[local] = layer.layer_input
+        before = sum(kept[:unit[0]])  # the checkpoint's input: its first norm's, in `whole`
+        whole = sum(layer.total(moe_layers[layers[local]]) for local in unit)
+        recomputing = max(recomputing, before + whole)
+    return sum(kept), recomputing
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                      precision: Precision, dispatcher: str = "alltoall",
-                     dropout_mask_bytes: int = 1, fused_norms: bool = True) -> float:
+                     dropout_mask_bytes: int = 1, fused_norms: bool = True,
+                     recompute: Recompute = NONE) -> float:
     """Bytes saved for backward by one micro-batch of the whole model on one rank (see the
-    module docstring; without pipelining, what a rank holds at its peak).
+    module docstring; without pipelining, what a rank holds at its peak), with `recompute`
+    the most it holds, forward or backward.
 
     dropout_mask_bytes: m, 1 on GPUs; on CPUs torch keeps p-byte masks. fused_norms: GPUs'
     fused RMSNorm; on CPUs torch's keeps its normalised input too.
     """
-    per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
-                                                     precision, dispatcher, dropout_mask_bytes,
-                                                     fused_norms)
-    return _layers_bytes(spec, per_layer, range(spec.num_layers)) + mask + first + last
+    layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
+                                                 dispatcher, dropout_mask_bytes, fused_norms)
+    kept, recomputing = _layers_bytes(spec, layer, range(spec.num_layers), recompute)
+    # the head's saved tensors are gone by the time the layers' backward recomputes them
+    return mask + first + max(kept + last, recomputing)
 
 
 def stage_layers(spec: ModelSpec, pp: int, vpp: Optional[int] = None) -> List[List[int]]:
@@ -324,33 +393,44 @@ def stage_parameter_counts(spec: ModelSpec, layout: Layout, stage: int, num_laye
 def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                            precision: Precision, stage: int, num_microbatches: int,
                            vpp: Optional[int] = None, dispatcher: str = "alltoall",
-                           dropout_mask_bytes: int = 1) -> Tuple[float, int]:
+                           dropout_mask_bytes: int = 1, recompute: Recompute = NONE
+                           ) -> Tuple[float, int]:
     """(bytes, micro-batches in flight): the activations one rank of pipeline stage `stage`
-    holds at its peak (module docstring); without pipelining, one micro-batch's."""
-    per_layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size,
-                                                     precision, dispatcher, dropout_mask_bytes)
+    holds at its peak (module docstring); without pipelining, one micro-batch's. With
+    recomputation the peak may come in a backward pass, while one chunk of one micro-batch
+    recomputes a checkpoint (recompute.py) and the others in flight keep theirs."""
+    layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
+                                                 dispatcher, dropout_mask_bytes)
     chunks = stage_layer_indices(spec, layout.pp, vpp)[stage]
     in_flight = microbatches_in_flight(layout.pp, stage, num_microbatches)
     chunk_pairs = microbatches_in_flight(layout.pp, stage, num_microbatches, vpp)
-    per_chunk = sum(_layers_bytes(spec, per_layer, chunk) for chunk in chunks) / len(chunks) + mask
-    ends = (first if stage == 0 else 0.0) + (last if stage == layout.pp - 1 else 0.0)
-    return chunk_pairs * per_chunk + in_flight * ends, in_flight
+    profiles = [_layers_bytes(spec, layer, chunk, recompute) for chunk in chunks]
+    kept = sum(profile[0] for profile in profiles) / len(chunks)
+    recomputing = max(profile[1] for profile in profiles)
+    head = last if stage == layout.pp - 1 else 0.0
+    ends = (first if stage == 0 else 0.0) + head
+    forward = chunk_pairs * (kept + mask) + in_flight * ends
+    # in a backward pass: one chunk pass holds what its recomputation holds, without its head
+    backward = forward - kept - head + recomputing
+    return max(forward, backward), in_flight
 
 
 def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                     precision: Precision, distributed_optimizer: bool = False,
                     dispatcher: str = "alltoall", num_microbatches: int = 1,
-                    vpp: Optional[int] = None) -> MemoryEstimate:
+                    vpp: Optional[int] = None, recompute: Recompute = NONE) -> MemoryEstimate:
     """Weights, gradients, optimizer state and activations of one rank; with pipelining, of
-    the stage that needs the most (num_microbatches per step, vpp virtual stages)."""
+    the stage that needs the most (num_microbatches per step, vpp virtual stages), with
+    activation recomputation `recompute` (recompute.py)."""
     estimates = [_stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
-                               dispatcher, num_microbatches, vpp, stage, sum(chunks))
+                               dispatcher, num_microbatches, vpp, stage, sum(chunks), recompute)
                  for stage, chunks in enumerate(stage_layers(spec, layout.pp, vpp))]
     return max(estimates, key=lambda estimate: estimate.total)
 
 
 def _stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
-                  dispatcher, num_microbatches, vpp, stage, num_layers) -> MemoryEstimate:
+                  dispatcher, num_microbatches, vpp, stage, num_layers,
+                  recompute=NONE) -> MemoryEstimate:
     counts = stage_parameter_counts(spec, layout, stage, num_layers, vpp)
     dense = counts.embedding + counts.dense
     optimizer = precision.main_state_bytes * (dense + counts.expert)
@@ -358,7 +438,8 @@ def _stage_memory(spec, layout, micro_batch_size, precision, distributed_optimiz
         optimizer = precision.main_state_bytes * (dense / layout.group_size("dp")
                                                   + counts.expert / layout.group_size("expt_dp"))
     activations, in_flight = stage_activation_bytes(spec, layout, micro_batch_size, precision,
-                                                    stage, num_microbatches, vpp, dispatcher)
+                                                    stage, num_microbatches, vpp, dispatcher,
+                                                    recompute=recompute)
     return MemoryEstimate(
         weights=precision.weight_bytes * counts.total,
         gradients=precision.grad_bytes * counts.total,

@@ -29,6 +29,7 @@ from megatron_parm.perf_model.layout import Layout
 from megatron_parm.wording import plural
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
 from megatron_parm.perf_model.predict import schedule_label
+from megatron_parm.perf_model.recompute import NONE, Recompute, search_choices
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.step_time import StepTime, step_time
 from megatron_parm.perf_model.transformer import ModelSpec, check_layout
@@ -98,6 +99,7 @@ class Candidate:
     # interleaving: the transformer layers of one virtual stage (None: the plain 1F1B
     # schedule); the virtual stages per rank are step.vpp
     layers_per_virtual_stage: Optional[int] = None
+    recompute: Recompute = NONE  # activation recomputation (its memory; no time charged)
 
     @property
     def dp(self) -> int:
@@ -136,7 +138,8 @@ class Candidate:
     def describe(self) -> str:
         """The layout and the schedule this candidate runs, e.g. `tp=1 ep=4 etp=1 pp=2 vpp=2
         parm_s2(c=2)` (the dispatcher of its flags, without its equivalents)."""
-        return f"{self.layout_label()} {self.schedule()}"
+        return f"{self.layout_label()} {self.schedule()}" + (
+            f" recompute {self.recompute.label()}" if self.recompute.granularity else "")
 
     def flags(self) -> List[str]:
         """The command-line flags (Megatron-LM's names) that run this candidate."""
@@ -160,7 +163,7 @@ class Candidate:
             flags.append(f"--{self.precision.name}")
         if self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
-        return flags
+        return flags + self.recompute.flags()
 
     def as_dict(self) -> dict:
         return {"tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp,
@@ -169,7 +172,8 @@ class Candidate:
                 "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
                 "equivalent_dispatchers": list(self.equivalents), "label": self.describe(),
                 "step": self.step.as_dict(), "memory_bytes": self.memory.as_dict(),
-                "fits": self.fits, "spare_bytes": self.spare_bytes, "flags": self.flags()}
+                "fits": self.fits, "spare_bytes": self.spare_bytes,
+                "recompute": self.recompute.label(), "flags": self.flags()}
 
 
 @dataclass(frozen=True)
@@ -250,11 +254,14 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
          global_batch_size: int, precision: Precision, distributed_optimizer: bool = False,
          chunk_candidates: Optional[Sequence[int]] = None,
          fixed: Optional[Dict[str, int]] = None,
-         dispatchers: Optional[Sequence[str]] = None) -> PlanResult:
+         dispatchers: Optional[Sequence[str]] = None,
+         recompute: Optional[Recompute] = None) -> PlanResult:
     """Every candidate, ranked; raises PlanError when none runs or none fits in memory.
 
     chunk_candidates: the chunk counts of chunked schedules (default: each one's own, from the
     catalog). dispatchers: only these names (default: every one _dispatchers_for allows).
+    recompute: plan every candidate with this activation recomputation; None: none, and
+    where a candidate does not fit so, the first of recompute.search_choices that fits.
     """
     if micro_batch_size < 1 or global_batch_size < 1:
         raise PlanError("--micro-batch-size and --global-batch-size must be positive")
@@ -269,7 +276,8 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
             if dispatchers is None or schedule.name in dispatchers:
                 candidates += _schedule_candidates(
                     spec, layout, schedule, profile, cluster, micro_batch_size,
-                    global_batch_size, precision, distributed_optimizer, chunk_candidates)
+                    global_batch_size, precision, distributed_optimizer, chunk_candidates,
+                    recompute)
         if dispatchers is not None and not any(s.name in dispatchers for s in allowed):
             skipped[(layout.tp, layout.ep, layout.etp, layout.pp)] = "; ".join(
                 refused.get(name, f"--moe-token-dispatcher-type {name} is not planned")
@@ -306,9 +314,9 @@ def virtual_stage_counts(spec: ModelSpec, pp: int, num_microbatches: int
 
 def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_size,
                          global_batch_size, precision, distributed_optimizer,
-                         chunk_candidates) -> List[Candidate]:
+                         chunk_candidates, recompute=None) -> List[Candidate]:
     """One schedule's candidates on a layout: at each of its chunk counts (chunked schedules)
-    and each virtual-stage count (virtual_stage_counts)."""
+    and each virtual-stage count (virtual_stage_counts), with `recompute` (plan's)."""
     tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
     num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
     counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
@@ -316,17 +324,37 @@ def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_s
                     if schedule.chunked else [None])
     candidates = []
     for vpp in virtual_stage_counts(spec, layout.pp, num_microbatches):
-        memory = memory_per_rank(spec, layout, micro_batch_size, precision,
-                                 distributed_optimizer, schedule.name, num_microbatches, vpp)
         virtual_stage = spec.num_layers // (layout.pp * vpp) if vpp else None
+        choice, memory = _recompute_choice(
+            recompute, virtual_stage or spec.num_layers // layout.pp, cluster.gpu_memory_bytes,
+            lambda option: memory_per_rank(spec, layout, micro_batch_size, precision,
+                                           distributed_optimizer, schedule.name,
+                                           num_microbatches, vpp, option))
         for count in chunk_counts:
             step = step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
                              global_batch_size, precision, distributed_optimizer, vpp)
             candidates.append(Candidate(layout, schedule.name, count, micro_batch_size,
                                         global_batch_size, precision, distributed_optimizer,
                                         memory, step, cluster.gpu_memory_bytes,
-                                        layers_per_virtual_stage=virtual_stage))
+                                        layers_per_virtual_stage=virtual_stage,
+                                        recompute=choice))
     return candidates
+
+
+def _recompute_choice(recompute: Optional[Recompute], layers_per_chunk: int,
+                      gpu_memory_bytes: float, memory_of) -> Tuple[Recompute, MemoryEstimate]:
+    """(the recomputation a candidate runs, its memory): the fixed one; else none where that
+    fits, otherwise the first of search_choices that fits (or none, which does not fit)."""
+    if recompute is not None:
+        return recompute, memory_of(recompute)
+    memory = memory_of(NONE)
+    if memory.total <= gpu_memory_bytes:
+        return NONE, memory
+    for choice in search_choices(layers_per_chunk):
+        option = memory_of(choice)
+        if option.total <= gpu_memory_bytes:
+            return choice, option
+    return NONE, memory
 
 
 def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
@@ -337,7 +365,7 @@ def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
         layout = candidate.layout
         key = (layout.tp, layout.ep, layout.etp, layout.pp, candidate.vpp,
                candidate.num_chunks, round(candidate.step.step_s, 12),
-               round(candidate.memory.total))
+               round(candidate.memory.total), candidate.recompute)
         if key in merged:
             kept = merged[key]
             merged[key] = replace(kept, equivalents=kept.equivalents + (candidate.dispatcher,))
@@ -357,7 +385,8 @@ def _nothing_fits(spec: ModelSpec, cluster: Cluster, candidates: Sequence[Candid
     remedies = []
     if not distributed_optimizer:
         sharded = min(memory_per_rank(spec, c.layout, micro_batch_size, precision, True,
-                                      c.dispatcher, c.step.num_microbatches, c.vpp).total
+                                      c.dispatcher, c.step.num_microbatches, c.vpp,
+                                      c.recompute).total
                       for c in candidates)
         if sharded < smallest.memory.total:
             remedies.append(f"--use-distributed-optimizer (then {sharded / GIB:.3g} GiB)")

@@ -1,0 +1,158 @@
+"""Activation recomputation in the planner's memory model (perf_model/recompute.py, memory.py)
+and its flags in the ranking (pure Python; measured against Megatron-Core by
+tools/recompute_memory.py, docs/planner.md)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_parm.perf_model import load_profile
+from megatron_parm.perf_model.layout import Layout
+from megatron_parm.perf_model.memory import (GIB, Precision, _activation_terms,
+                                             activation_bytes, memory_per_rank,
+                                             stage_activation_bytes)
+from megatron_parm.perf_model.planner import Cluster, plan
+from megatron_parm.perf_model.recompute import NONE, Recompute, search_choices
+from megatron_parm.perf_model.transformer import ModelSpec
+from megatron_parm.planner_inputs import recompute_of
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FP32 = Precision("fp32")
+# GPT-2-small-MoE's layer (configs/gpt2_small_moe.yaml) at a short sequence
+SMALL = ModelSpec(model_type="gpt", num_layers=4, hidden_size=768, num_attention_heads=12,
+                  seq_length=256, vocab_size=8000, num_experts=8, moe_ffn_hidden_size=3072,
+                  topk=2, hidden_dropout=0.1, attention_dropout=0.1)
+ONE = Layout(1, 1, 1, nodes=1, ranks_per_node=2)
+FULL_1 = Recompute("full", "uniform", 1)
+
+
+def _activations(spec=SMALL, recompute=NONE, lay=ONE):
+    return activation_bytes(spec, lay, 2, FP32, dropout_mask_bytes=4, recompute=recompute)
+
+
+def test_full_keeps_less_than_selective_keeps_less_than_none():
+    none = _activations()
+    selective = _activations(recompute=Recompute("selective"))
+    full = _activations(recompute=FULL_1)
+    assert full < selective < none
+    assert none / full >= 3  # the issue's target, 4 layers of GPT-2-small-MoE
+    assert _activations(recompute=Recompute("selective", modules=("moe",))) < none
+
+
+def test_full_uniform_keeps_layer_inputs_and_recomputes_one_checkpoint():
+    layer, mask, first, last = _activation_terms(SMALL, ONE, 2, FP32, "alltoall", 4)
+    whole = layer.total(moe=True)
+    for count in (1, 2, 4):
+        kept = SMALL.num_layers * layer.layer_input
+        # the last checkpoint's recomputation: the layers before it keep their inputs
+        recomputing = (SMALL.num_layers - count) * layer.layer_input + count * whole
+        expected = mask + first + max(kept + last, recomputing)
+        assert _activations(recompute=Recompute("full", "uniform", count)) == \
+            pytest.approx(expected)
+    # more layers a checkpoint: more live while it recomputes
+    assert _activations(recompute=Recompute("full", "uniform", 2)) > _activations(
+        recompute=FULL_1)
+
+
+def test_full_block_recomputes_the_first_layers_only():
+    none = _activations()
+    blocks = [_activations(recompute=Recompute("full", "block", count)) for count in (1, 2, 3)]
+    assert none > blocks[0] > blocks[1] > blocks[2]
+    # every layer its own checkpoint: as uniform 1
+    assert _activations(recompute=Recompute("full", "block", 4)) == _activations(
+        recompute=FULL_1)
+
+
+def test_selective_modules_drop_their_terms():
+    layer, *_ = _activation_terms(SMALL, ONE, 2, FP32, "alltoall", 4)
+    none = layer.kept(True, NONE)
+    assert none == layer.total(True)
+    assert none - layer.kept(True, Recompute("selective")) == layer.scores
+    assert none - layer.kept(True, Recompute("selective", modules=("layernorm",))) == \
+        layer.layernorms
+    assert none - layer.kept(True, Recompute("selective", modules=("moe",))) == \
+        layer.moe - layer.layer_input
+    assert none - layer.kept(True, Recompute("selective", modules=("moe_act",))) == \
+        layer.expert_activation > 0
+    # dense layers: mlp; moe does nothing to them
+    assert layer.kept(False, Recompute("selective", modules=("moe",))) == layer.total(False)
+    assert layer.total(False) - layer.kept(False, Recompute("selective", modules=("mlp",))) \
+        == layer.dense_mlp - layer.layer_input
+
+
+def test_pipeline_stage_holds_its_microbatches_inputs_and_one_recomputation():
+    lay = Layout(1, 1, 1, nodes=1, ranks_per_node=2, pp=2)
+    none, held = stage_activation_bytes(SMALL, lay, 2, FP32, 0, 4, dropout_mask_bytes=4)
+    full, held_full = stage_activation_bytes(SMALL, lay, 2, FP32, 0, 4, dropout_mask_bytes=4,
+                                             recompute=FULL_1)
+    assert held == held_full == 2
+    layer, mask, first, _ = _activation_terms(SMALL, lay, 2, FP32, "alltoall", 4)
+    # 2 micro-batches x 2 layers' inputs, one layer recomputed (its own input inside it)
+    expected = 2 * (2 * layer.layer_input + mask) + 2 * first - layer.layer_input \
+        + layer.total(True)
+    assert full == pytest.approx(expected)
+    assert none / full > 3
+
+
+def test_bad_choices_name_the_flag():
+    with pytest.raises(ValueError, match="--recompute-method"):
+        Recompute("full")
+    with pytest.raises(ValueError, match="--recompute-granularity full"):
+        Recompute("selective", "uniform", 1)
+    with pytest.raises(ValueError, match="--recompute-modules"):
+        Recompute("selective", modules=("attention",))
+    with pytest.raises(ValueError, match="needs --recompute-granularity"):
+        recompute_of({"recompute_granularity": None, "recompute_method": "block"})
+    assert recompute_of({"recompute_granularity": None}) is None
+
+
+def test_flags_are_megatron_lms():
+    assert NONE.flags() == []
+    assert FULL_1.flags() == ["--recompute-granularity", "full", "--recompute-method",
+                              "uniform", "--recompute-num-layers", "1"]
+    assert Recompute("selective").flags() == ["--recompute-granularity", "selective"]
+    assert Recompute("selective", modules=("moe", "moe_act")).flags() == [
+        "--recompute-granularity", "selective", "--recompute-modules", "moe", "moe_act"]
+    assert [choice.label() for choice in search_choices(3)] == [
+        "selective core_attn", "selective core_attn,moe", "full block 1", "full block 2",
+        "full uniform 1"]
+
+
+def _small_plan(gib, recompute=None):
+    return plan(SMALL, Cluster(1, 2, gib * GIB), load_profile("nvlink_ib_estimate"), 2, 8,
+                FP32, recompute=recompute)
+
+
+def test_plan_recomputes_where_a_layout_does_not_fit_otherwise():
+    roomy = _small_plan(80)
+    assert all(candidate.recompute == NONE for candidate in roomy.candidates)
+    need = min(candidate.memory.total for candidate in roomy.candidates)
+    tight = _small_plan(need / GIB * 0.999)
+    assert tight.fitting and all(c.recompute != NONE for c in tight.fitting)
+    best = tight.fitting[0]
+    assert best.flags()[-len(best.recompute.flags()):] == best.recompute.flags()
+    assert best.memory == memory_per_rank(SMALL, best.layout, 2, FP32, False, best.dispatcher,
+                                          best.step.num_microbatches, best.vpp, best.recompute)
+    fixed = _small_plan(80, recompute=FULL_1)
+    assert all(c.recompute == FULL_1 and "--recompute-num-layers" in c.flags()
+               for c in fixed.candidates)
+
+
+def test_plan_layout_prints_the_recompute_flags():
+    command = [sys.executable, os.path.join(REPO, "tools", "plan_layout.py"),
+               "--config", "configs/gpt2_small_moe.yaml", "--nnodes", "1",
+               "--nproc-per-node", "2", "--parm-profile", "nvlink_ib_estimate", "--top", "3",
+               "--show-flags", "1", "--recompute-granularity", "full", "--recompute-method",
+               "block", "--recompute-num-layers", "2"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "yes, recompute full block 2" in proc.stdout
+    launch = [line for line in proc.stdout.splitlines() if "pretrain_gpt2_moe.py" in line]
+    assert launch and launch[0].endswith("--recompute-granularity full --recompute-method block "
+                                         "--recompute-num-layers 2")
+    bad = subprocess.run(command[:-6] + ["--recompute-granularity", "full"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[-1].startswith("error: --recompute-granularity full needs")
