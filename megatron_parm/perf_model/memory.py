@@ -76,6 +76,14 @@ of the micro-batch's), once per (micro-batch, chunk) in flight. A stage whose la
 and MoE layers (--moe-layer-freq) counts each chunk in flight at the mean of its chunks'
 layers. The memory of a layout is that of its fullest stage.
 
+Activation recomputation (--recompute-granularity and its flags; what each choice keeps:
+recompute.py) changes a layer's row: selective recomputation drops its modules' parts of it
+(LayerActivations.kept), full recomputation keeps a recomputed layer's input n h p alone. The
+peak may then come in the backward pass, while one checkpoint's layers are recomputed whole:
+the layers the backward has not reached keep what they keep, the head's tensors (last stage)
+are gone; a stage holds the larger of that and its forward peak, the other micro-batches in
+flight keeping theirs.
+
 tests/distributed/test_planner_memory.py measures the same quantity on CPU (the storages of
 the tensors saved for backward, through torch.autograd.graph.saved_tensors_hooks) for the
 tiny configs and several layouts and dispatchers, and at pp = 2 and 4 the peak of those a
@@ -198,19 +206,24 @@ class LayerActivations:
     def kept(self, moe: bool, recompute: Recompute) -> float:
         """What the layer keeps under selective recomputation (or none); a fully recomputed
         layer keeps layer_input (recompute.py)."""
-        dropped = 0.0
+        dropped = self.mlp_dropped(moe, recompute)
         if recompute.selects("layernorm"):
             dropped += self.layernorms
         if recompute.selects("core_attn"):
             dropped += self.scores
-        if moe and recompute.selects("moe"):
-            dropped += self.moe - self.layer_input  # its input, the norm output, stays
-        elif moe:
-            dropped += self.expert_activation if recompute.selects("moe_act") else 0.0
-            dropped += self.shared_experts if recompute.selects("shared_experts") else 0.0
-        elif recompute.selects("mlp"):
-            dropped += self.dense_mlp - self.layer_input
         return self.total(moe) - dropped
+
+    def mlp_dropped(self, moe: bool, recompute: Recompute) -> float:
+        """What selective recomputation drops of the MLP side (mlp, moe, moe_act,
+        shared_experts), the layer's last part: its backward recomputes it while the rest of
+        the layer still keeps its tensors (the attention's parts are recomputed after the MLP
+        side's backward has freed it)."""
+        if moe and recompute.selects("moe"):
+            return self.moe - self.layer_input  # its input, the norm output, stays
+        if moe:
+            return ((self.expert_activation if recompute.selects("moe_act") else 0.0)
+                    + (self.shared_experts if recompute.selects("shared_experts") else 0.0))
+        return self.dense_mlp - self.layer_input if recompute.selects("mlp") else 0.0
 
 
 def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
@@ -302,10 +315,14 @@ def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int
     """(bytes these transformer layers (a model chunk's, indices) keep for backward, the most
     they hold while the backward pass recomputes one checkpoint of them): dense and MoE
     layers each theirs. The second counts the layers the backward has not reached yet (their
-    kept bytes) and the checkpoint's layers whole."""
+    kept bytes) and the checkpoint's layers whole (selective: the layer's MLP side)."""
     moe_layers, layers = spec.moe_layers, list(layers)
     kept = [layer.kept(moe_layers[index], recompute) for index in layers]
     recomputing = 0.0
+    for local, index in enumerate(layers):  # selective: a layer's MLP side, recomputed
+        dropped = layer.mlp_dropped(moe_layers[index], recompute)
+        if dropped:
+            recomputing = max(recomputing, sum(kept[:local + 1]) + dropped)
     for unit in recompute.units(len(layers)):
         for local in unit:
             kept[local] = layer.layer_input

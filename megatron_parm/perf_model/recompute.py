@@ -26,6 +26,11 @@ transformer_layer, attention, moe_layer and experts):
                         stays (needs --moe-grouped-gemm)
         shared_experts  the shared experts' fc1 output and activation
         mla_up_proj     multi-latent attention, which the planner does not model: nothing
+               The backward pass recomputes a layer's MLP side (mlp, moe, moe_act,
+               shared_experts) while the layer's other tensors are still kept: that layer's
+               peak; the attention's modules come after the MLP side's tensors are freed.
+               Under GQA the K and V that core_attn repeats to a heads are counted as kept
+               (an overestimate: the checkpoint keeps them at g heads).
 
 The extra forward passes cost time that step_time.py does not charge (not modelled).
 """

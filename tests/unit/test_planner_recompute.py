@@ -156,3 +156,13 @@ def test_plan_layout_prints_the_recompute_flags():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.splitlines()[-1].startswith("error: --recompute-granularity full needs")
+
+
+def test_selective_moe_peaks_while_the_last_layer_recomputes_its_moe():
+    """Measured (docs/planner.md): the backward pass recomputes the last layer's MoE side
+    while every layer keeps its other tensors and the head's are gone."""
+    choice = Recompute("selective", modules=("moe",))
+    layer, mask, first, last = _activation_terms(SMALL, ONE, 2, FP32, "alltoall", 4)
+    kept = SMALL.num_layers * layer.kept(True, choice)
+    expected = mask + first + max(kept + last, kept + layer.moe - layer.layer_input)
+    assert _activations(recompute=choice) == pytest.approx(expected)
