@@ -13,8 +13,11 @@ during the forward). At pp > 1 the rank builds its stage as the trainer does
 (build_model_and_optimizer), runs one training step's micro-batches (the flags'
 --global-batch-size) through Megatron-Core's schedule (get_forward_backward_func) and reports
 its stage, the peak of the bytes autograd held for backward and the most micro-batches whose
-saved tensors it held at once. Rank 0 writes OUT.json: one record per case with per-rank
-lists (MEASURED).
+saved tensors it held at once. A case with "step" runs that training step at pp = 1 too, so
+that the peak counts what activation recomputation saves again in the backward pass; with
+"rss" the rank also reports the peak resident set of the step and its rise over what was
+resident before (megatron_parm/bench/memory.py's exact CPU accounting). Rank 0 writes
+OUT.json: one record per case with per-rank lists (MEASURED).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
     MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker)
 
+from megatron_parm.bench.memory import exact_cpu_accounting, step_peak  # noqa: E402
 from megatron_parm.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_parm.parallel import initialize_model_parallel  # noqa: E402
 from megatron_parm.training import model as model_module  # noqa: E402
@@ -175,18 +179,29 @@ def pipelined_step(model, args, vocab_size: int) -> SavedStorages:
 
 
 MEASURED = ("parameters", "activation_bytes", "peak_bytes", "stage", "num_microbatches",
-            "peak_microbatches", "process_groups")
+            "peak_microbatches", "process_groups", "rss_peak_bytes", "rss_step_bytes")
 
 
-def measure(args, vocab_size: int, meta: bool) -> dict:
+def measure(args, vocab_size: int, case: dict) -> dict:
     """This rank's MEASURED values for one case (those that apply)."""
-    if args.pipeline_model_parallel_size > 1:
+    if args.pipeline_model_parallel_size > 1 or case.get("step"):
         model, _, _ = build_model_and_optimizer(args, vocab_size)
-        tracker = pipelined_step(model, args, vocab_size)
-        return {"parameters": sum(p.numel() for chunk in model for p in chunk.parameters()),
+        record = {}
+        if case.get("rss"):
+            exact_cpu_accounting()
+            trackers = []
+            peak = step_peak(lambda: trackers.append(pipelined_step(model, args, vocab_size)))
+            tracker = trackers[0]
+            if peak is not None:
+                record.update(rss_peak_bytes=peak.peak_bytes, rss_step_bytes=peak.step_bytes)
+        else:
+            tracker = pipelined_step(model, args, vocab_size)
+        return {**record,
+                "parameters": sum(p.numel() for chunk in model for p in chunk.parameters()),
                 "peak_bytes": tracker.peak, "peak_microbatches": tracker.peak_microbatches,
                 "stage": parallel_state.get_pipeline_model_parallel_rank(),
                 "num_microbatches": args.num_microbatches}
+    meta = case.get("meta", False)
     model = build(args, vocab_size, meta)
     record = {"parameters": sum(p.numel() for p in model.parameters())}
     if not meta:
@@ -220,7 +235,7 @@ def main(cases_path: str, out_path: str) -> None:
         set_seed(args.seed)
         get_moe_layer_wise_logging_tracker().clear()  # sized by the previous case's layers
         vocab_size = build_tokenizer(args).vocab_size
-        record = measure(args, vocab_size, case.get("meta", False))
+        record = measure(args, vocab_size, case)
         record["process_groups"] = len(distributed_c10d._world.pg_map)
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, record)

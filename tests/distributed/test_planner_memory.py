@@ -13,7 +13,11 @@ bytes autograd holds for backward, within 20% of stage_activation_bytes (measure
 without expert parallelism; on the EP ranks, whose routing differs, GPT 0.97-1.03 and BERT
 0.86-1.19; 0.99-1.00 on a stage's mean), and the micro-batches held at once exactly the model's
 min(pp - stage, m) (2 and 1 at pp = 2; 4, 3, 2, 1 at pp = 4). The tracker that measures the
-peak is checked against the distinct saved bytes on every single-forward case.
+peak is checked against the distinct saved bytes on every single-forward case. With full
+activation recomputation (GPT tiny at (1, 2, 1, 2), --recompute-granularity full, uniform, 1
+layer) the same peak, which then comes while the backward pass recomputes a layer, against
+stage_activation_bytes with that choice (tools/recompute_memory.py measures every choice on
+GPT-2-small-MoE's layers, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import (
     Precision, activation_bytes, microbatches_in_flight, stage_activation_bytes,
     stage_layers, stage_parameter_counts)
+from megatron_parm.perf_model.recompute import Recompute
 from megatron_parm.perf_model.transformer import ModelSpec
 
 GPT_TINY, BERT_TINY = "configs/gpt2_tiny_moe.yaml", "configs/bert_tiny_moe.yaml"
 BIG = ("configs/gpt2_small_moe.yaml", "configs/gpt2_medium_moe.yaml", "configs/bert_base_moe.yaml")
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
 WORLD = 4
 NUM_MICROBATCHES = 4  # of a pipelined case's step: more than the first stage's pp - 1 warm-up
 
@@ -70,11 +77,12 @@ CASES = [
     _pipelined(GPT_TINY, 1, 2, 1, 2), _pipelined(GPT_TINY, 2, 1, 1, 2),
     _pipelined(GPT_TINY, 1, 1, 1, 4, flags=["--num-layers", "4"]),
     _pipelined(BERT_TINY, 1, 2, 1, 2), _pipelined(BERT_TINY, 2, 1, 1, 2),
+    _pipelined(GPT_TINY, 1, 2, 1, 2, flags=FULL_RECOMPUTE),
 ]
 
 
-def spec_of(record) -> ModelSpec:
-    """The planner's model for a case, from the config and the case's flag overrides."""
+def _settings(record) -> dict:
+    """The config of a case with its flag overrides."""
     with open(REPO / record["config"]) as handle:
         config = yaml.safe_load(handle)
     flags, position = record["flags"], 0
@@ -83,6 +91,18 @@ def spec_of(record) -> ModelSpec:
         takes_value = position + 1 < len(flags) and not flags[position + 1].startswith("--")
         config[key] = yaml.safe_load(flags[position + 1]) if takes_value else True
         position += 2 if takes_value else 1
+    return config
+
+
+def recompute_of(record) -> Recompute:
+    config = _settings(record)
+    return Recompute(config.get("recompute_granularity"), config.get("recompute_method"),
+                     config.get("recompute_num_layers"))
+
+
+def spec_of(record) -> ModelSpec:
+    """The planner's model for a case, from the config and the case's flag overrides."""
+    config = _settings(record)
     return ModelSpec(
         model_type=record["model_type"], num_layers=config["num_layers"],
         hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
@@ -208,7 +228,8 @@ def test_pipeline_stage_activations(records):
                                          record["peak_microbatches"]):
             estimate, in_flight = stage_activation_bytes(
                 spec, layout, _micro_batch(record), Precision("fp32"), stage, NUM_MICROBATCHES,
-                dispatcher=record["dispatcher"], dropout_mask_bytes=4)
+                dispatcher=record["dispatcher"], dropout_mask_bytes=4,
+                recompute=recompute_of(record))
             assert held == in_flight == microbatches_in_flight(layout.pp, stage,
                                                                NUM_MICROBATCHES), _name(record)
             assert 0.8 <= estimate / measured <= 1.2, (_name(record), stage, estimate, measured)
@@ -219,3 +240,16 @@ def test_pipeline_stage_activations(records):
         first = record["peak_microbatches"][stages.index(0)]
         last = record["peak_microbatches"][stages.index(layout.pp - 1)]
         assert first > last, _name(record)
+
+
+def test_full_recomputation_peak(records):
+    """Full recomputation (uniform, 1 layer): the stage's peak, held while the backward pass
+    recomputes a layer, is what stage_activation_bytes predicts with that choice (within 3% on
+    a stage's mean: test_pipeline_stage_activations) and below the same layout's without."""
+    recomputed = next(record for record in records if record["flags"][2:] == FULL_RECOMPUTE)
+    plain = next(record for record in records if record["pp"] == 2 and record["flags"][2:] == []
+                 and (record["config"], record["tp"], record["ep"]) == (GPT_TINY, 1, 2))
+    for stage in (0, 1):
+        peaks = [[peak for peak, held in zip(record["peak_bytes"], _stages(record))
+                  if held == stage] for record in (recomputed, plain)]
+        assert max(peaks[0]) < min(peaks[1]), (stage, peaks)
