@@ -26,7 +26,8 @@ recomputation: with --recompute-granularity (and --recompute-method, --recompute
 --recompute-modules, Megatron-LM's flags) every candidate is planned with that choice;
 without, a candidate that does not fit is planned with the least recomputation that makes it
 fit (perf_model/recompute.py; its memory only: the step time does not charge the extra
-forward), shown in the `fits` column and its flags. Bad input prints one line `error: ...` and
+forward, so such candidates rank after those that fit without), shown in the `fits` column
+and its flags. Bad input prints one line `error: ...` and
 exits 2.
 """
 

@@ -13,8 +13,9 @@ least pp of them; at pp > 1 also interleaved, at each count of virtual stages pe
 that splits the stage's layers evenly and whose micro-batches fill groups of pp) and every
 dispatcher of the schedule catalog that runs there (chunked schedules at each of their chunk
 counts), and estimates per rank the memory (memory.py) and the step time (step_time.py).
-Candidates that fit in memory come first, fastest first; those that do not follow, with by
-how much.
+Candidates that fit in memory come first, fastest first (those that fit only with activation
+recomputation, which the step time does not charge, after those that fit without); those
+that do not follow, with by how much.
 
 Bad input raises PlanError (a ValueError) with one line naming what to change.
 """
@@ -287,7 +288,10 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
                         f"{','.join(dispatchers or [])}: "
                         + next(iter(skipped.values()), "no dispatcher allowed"))
     candidates = _merge_equivalents(candidates)
-    candidates.sort(key=lambda c: (not c.fits, c.step.step_s))
+    # the step time does not charge recomputation's extra forward: a candidate that needs it
+    # ranks after every one that fits without
+    candidates.sort(key=lambda c: (not c.fits, c.recompute != NONE and recompute is None,
+                                   c.step.step_s))
     if not candidates[0].fits:
         raise PlanError(_nothing_fits(spec, cluster, candidates, micro_batch_size, precision,
                                       distributed_optimizer))
