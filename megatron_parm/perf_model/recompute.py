@@ -123,7 +123,11 @@ NONE = Recompute()
 def search_choices(layers_per_chunk: int) -> List[Recompute]:
     """What the planner tries where a layout does not fit without recomputation, cheapest
     (least recomputed) first: selective core_attn (Megatron's default), then the MoE layer
-    too, then full block for 1 .. all but one layers of a chunk, then full uniform 1."""
+    too, then full block for 1, 2, 4, ... layers of a chunk (fewer than all: a few tries
+    however deep the chunk), then full uniform 1."""
     choices = [Recompute("selective"), Recompute("selective", modules=("core_attn", "moe"))]
-    choices += [Recompute("full", "block", count) for count in range(1, layers_per_chunk)]
+    count = 1
+    while count < layers_per_chunk:
+        choices.append(Recompute("full", "block", count))
+        count *= 2
     return choices + [Recompute("full", "uniform", 1)]

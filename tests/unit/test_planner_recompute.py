@@ -118,6 +118,8 @@ def test_flags_are_megatron_lms():
     assert [choice.label() for choice in search_choices(3)] == [
         "selective core_attn", "selective core_attn,moe", "full block 1", "full block 2",
         "full uniform 1"]
+    assert [choice.label() for choice in search_choices(12)][2:] == [
+        "full block 1", "full block 2", "full block 4", "full block 8", "full uniform 1"]
 
 
 def _small_plan(gib, recompute=None):
