@@ -257,8 +257,7 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     if spec.hidden_dropout > 0:
         attention += 2 * n * h * m
     moe, expert_activation, shared = _moe_terms(spec, layout, shape, dispatcher, p)
-    kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
-    dense_mlp = n * h * p + kept * n * spec.dense_ffn_hidden_size * p
+    dense_mlp = n * h * p + _mlp_kept(spec) * n * spec.dense_ffn_hidden_size * p
     layer = LayerActivations(layer_input=n * h * p, layernorms=layernorms, scores=scores_bytes,
                              attention_rest=attention, moe=moe,
                              expert_activation=expert_activation, shared_experts=shared,
@@ -279,13 +278,18 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     return layer, mask, first, last
 
 
+def _mlp_kept(spec: ModelSpec) -> int:
+    """j: fc1's output and the activation's tensors an MLP keeps, per FFN channel."""
+    return 5 if spec.swiglu else 2
+
+
 def _moe_terms(spec: ModelSpec, layout: Layout, shape: LayerShape, dispatcher: str,
                p: int) -> Tuple[float, float, float]:
     """(an MoE layer's MLP side, of it the experts' activation outputs moe_act recomputes,
     the shared experts' tensors): the module docstring's MoE row."""
     n, h, k = shape.num_tokens, spec.hidden_size, spec.topk
     rows = expert_rows(shape, layout, dispatcher)
-    kept = 5 if spec.swiglu else 2  # j: fc1's output and the activation's tensors, per channel
+    kept = _mlp_kept(spec)
     channels = spec.moe_ffn_hidden_size / layout.etp
     moe = (n * h * p + n * (24 * k + 9 * spec.num_experts)
            + rows * (h + (kept + 1) * channels) * p + 4 * rows)
