@@ -20,6 +20,7 @@ from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, l
 from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_for,
                                               _merge_equivalents, enumerate_layouts, plan,
                                               virtual_stage_counts)
+from megatron_parm.perf_model.recompute import NONE
 from megatron_parm.perf_model.step_time import (collective_seconds, pipeline_link, stage_times,
                                                 step_time)
 from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
@@ -425,11 +426,13 @@ def test_nothing_fits_suggests_the_distributed_optimizer_where_it_helps():
 
     plain, sharded = smallest(False), smallest(True)
     assert sharded < plain
+    # without activation recomputation (which would make it fit: test_planner_recompute.py)
     with pytest.raises(PlanError, match=r"try --use-distributed-optimizer \(then"):
         plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16, Precision("fp32"),
-             fixed=no_pipeline)
+             fixed=no_pipeline, recompute=NONE)
     result = plan(spec, Cluster(2, 2, (plain + sharded) / 2), PROFILE, 4, 16,
-                  Precision("fp32"), distributed_optimizer=True, fixed=no_pipeline)
+                  Precision("fp32"), distributed_optimizer=True, fixed=no_pipeline,
+                  recompute=NONE)
     assert result.candidates[0].fits and "--use-distributed-optimizer" in \
         result.candidates[0].flags()
 
