@@ -7,7 +7,7 @@ torchrun launch (this file run as a script):
     and parm, recording the expert bias after each update;
   * the DeepSeek-like one with --moe-shared-expert-overlap, alltoall and parm.
 The tests then check that the loss falls for each family, that every dispatcher's losses match
-alltoall's to 1e-4, that the expert bias moves and the router variant's losses agree, and that
+alltoall's to 1e-5, that the expert bias moves and the router variant's losses agree, and that
 the shared-expert overlap leaves the losses as they are.
 """
 
@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = {"mixtral": "configs/mixtral_tiny_moe.yaml", "qwen3": "configs/qwen3_tiny_moe.yaml",
             "deepseek": "configs/deepseek_v2_lite_tiny_moe.yaml"}
-ITERS = 30
+ITERS = 12
 LAYOUT = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
           "--expert-tensor-parallel-size", "2", "--sequence-parallel", "--parm-ranks-per-node", "2"]
 RUN = ["--train-iters", str(ITERS), "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -109,13 +109,12 @@ def _worst(losses, reference):
     return max(abs(a - b) for a, b in zip(losses, reference))
 
 
-# Losses match alltoall's to 1e-4 over the first CLOSE iterations, and to 5e-4 over all ITERS:
-# rounding differences (S2's chunked experts, parm_hier's relayed rows, ds_baseline's order of
-# summation; S1 is bitwise alltoall's) grow with training where top-8 routing sits near ties.
-# Measured 2026-12-03: every dispatcher equal to 1e-6 through iteration 12; by iteration 30 the
-# Mixtral- and DeepSeek-like runs stay within 4e-6, the Qwen3-like one (32 experts top-8)
-# reaches 0.4-1.8e-4.
-CLOSE = 20
+# Losses match alltoall's to 1e-5 over ITERS iterations: rounding differences (S2's chunked
+# experts, parm_hier's relayed rows, ds_baseline's order of summation; S1 is bitwise
+# alltoall's) grow with training where top-8 routing sits near ties. Measured 2026-12-03: every
+# dispatcher equal to 1e-6 through iteration 12; by iteration 30 the Mixtral- and
+# DeepSeek-like runs stay within 4e-6, the Qwen3-like one (32 experts top-8) reaches 1.8e-4.
+TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -128,8 +127,7 @@ def test_each_family_learns_and_every_dispatcher_matches_alltoall(run, family):
 
 
 def _agrees(losses, reference) -> bool:
-    return (len(losses) == ITERS and _worst(losses[:CLOSE], reference[:CLOSE]) <= 1e-4
-            and _worst(losses, reference) <= 5e-4)
+    return len(losses) == ITERS and _worst(losses, reference) <= TOLERANCE
 
 
 def test_deepseek_v3_router_moves_the_expert_bias_and_dispatchers_agree(run):
