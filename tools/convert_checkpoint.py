@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.from_single_file:
         return from_single_file(args)
     if args.from_hf:
-        return from_hf(args)
+        return from_hf(args, relayout_too)
     if args.upcycle:
         return upcycle(args)
     return relayout(resolve_source(args.load), args)
@@ -214,12 +214,11 @@ def read_hf(path: str):
         return convert(path), f"Hugging Face {name} {path}"
 
 
-def from_hf(args) -> int:
+def from_hf(args, relayout_too: bool) -> int:
     import tempfile
 
     full, origin = read_hf(args.from_hf)
-    targets = [getattr(args, flag[2:].replace("-", "_")) for flag in TARGET_FLAGS.values()]
-    if all(t is None for t in targets):
+    if not relayout_too:
         code = write_verified(full, args.save, 0, "--from-hf", f"from {origin}")
     else:  # written whole, then resharded as the target layout's ranks save it
         with tempfile.TemporaryDirectory(prefix="from_hf_") as staged:
