@@ -98,8 +98,8 @@ def family_of(config: dict, path: str) -> Family:
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in FAMILIES:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: architectures "
-                              f"{architecture!r}; supported: GPT2LMHeadModel, "
-                              f"{', '.join(FAMILIES)}")
+                              f"{architecture!r} (model_type {config.get('model_type')!r}); "
+                              f"supported: GPT2LMHeadModel, {', '.join(FAMILIES)}")
     return FAMILIES[architecture]
 
 

@@ -266,7 +266,8 @@ def _first_shard(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("architecture", "architectures 'GPTNeoXForCausalLM'; supported: GPT2LMHeadModel, Mixtral"),
+    ("architecture", "architectures 'GPTNeoXForCausalLM' (model_type 'mixtral'); supported: "
+                     "GPT2LMHeadModel, Mixtral"),
     ("missing shard", "model-00001-of-"),
     ("truncated shard", "model-00001-of-"),
     ("shape", "has shape (8, 64); config.json gives (6, 64)"),
