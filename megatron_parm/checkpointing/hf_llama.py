@@ -70,7 +70,6 @@ class Family:
     qkv_bias_key: Optional[str] = None   # config key saying q/k/v have biases
     qkv_bias_default: bool = False
     always_renormalizes: bool = False    # top-k probabilities renormalised whatever the config
-    exports: bool = True
 
 
 FAMILIES = {family.architecture: family for family in (
@@ -82,12 +81,8 @@ FAMILIES = {family.architecture: family for family in (
     Family("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts", "num_local_experts"), qk_norm=True, qkv_bias_key="attention_bias"),
     Family("LlamaForCausalLM", "llama", None, ("gate_proj", "up_proj", "down_proj"),
-           qkv_bias_key="attention_bias", exports=False),
+           qkv_bias_key="attention_bias"),
 )}
-
-
-def is_llama_style(config: dict) -> bool:
-    return (config.get("architectures") or [None])[0] in FAMILIES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +277,7 @@ def _heads(flags: dict) -> Tuple[int, int, int]:
     return heads, groups, flags.get("kv_channels") or flags["hidden_size"] // heads
 
 
-def _fuse(parts: List[torch.Tensor], key: str, flags: dict) -> torch.Tensor:
+def _fuse(parts: List[torch.Tensor], flags: dict) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     if len(parts) == 2:  # SwiGLU fc1: [gate; up]
@@ -390,7 +385,7 @@ def hf_to_full(path: str) -> FullCheckpoint:
     per_layer: Dict[str, list] = {}
     for layer in range(layers):
         for key, names, expert in _layer_table(family, flags):
-            fused = _fuse([take(f"layers.{layer}.{name}") for name in names], key, flags)
+            fused = _fuse([take(f"layers.{layer}.{name}") for name in names], flags)
             per_layer.setdefault(key, []).append(fused)
     experts = flags.get("num_experts") or 0
     for key, values in per_layer.items():
