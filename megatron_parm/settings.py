@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import check_ranks_per_node
+from megatron_parm.perf_model.recompute import GRANULARITIES, METHODS, RECOMPUTE_MODULES
 
 # Values of flags whose implementation modules import torch or Megatron-Core (they import
 # these from here).
@@ -431,19 +432,14 @@ def _training_flags() -> List[Flag]:
     ]
 
 
-# Megatron-Core 0.16.1's selective recompute modules (TransformerConfig.recompute_modules).
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                     "shared_experts")
-
-
 def _recompute_flags(train: str) -> List[Flag]:
     """Activation recompute, as Megatron-LM spells it (its rules: training.arguments)."""
     return [
-        Flag("--recompute-granularity", train, str, choices=("full", "selective"),
+        Flag("--recompute-granularity", train, str, choices=GRANULARITIES,
              help="Recompute activations in the backward pass instead of keeping them: 'full' "
                   "the whole transformer layer (with --recompute-method and "
                   "--recompute-num-layers), 'selective' the modules of --recompute-modules."),
-        Flag("--recompute-method", train, str, choices=("uniform", "block"),
+        Flag("--recompute-method", train, str, choices=METHODS,
              help="With --recompute-granularity full: 'uniform' recomputes every chunk of "
                   "--recompute-num-layers layers, 'block' the first --recompute-num-layers "
                   "layers of each pipeline stage."),

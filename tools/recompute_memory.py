@@ -33,7 +33,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from megatron_parm import planner_inputs  # noqa: E402
+from megatron_parm import cli, planner_inputs  # noqa: E402
 from megatron_parm.perf_model.layout import Layout  # noqa: E402
 from megatron_parm.perf_model.memory import Precision, stage_activation_bytes  # noqa: E402
 from megatron_parm.perf_model.recompute import NONE  # noqa: E402
@@ -167,7 +167,10 @@ def main(argv=None):
         with open(args.from_json) as handle:
             saved = json.load(handle)
     else:
-        records = [measure(case, args.timeout) for case in cases(args)]
+        found = cases(args)
+        for case in found:  # the flags of every case resolve (one line if not) before a launch
+            predicted(case)
+        records = [measure(case, args.timeout) for case in found]
         saved = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M UTC"), "machine": f"{os.cpu_count()}-core CPU, {WORLD} gloo ranks",
             "command": shlex.join(["tools/recompute_memory.py"] + list(argv or sys.argv[1:]))},
@@ -182,4 +185,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -21,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_parm import cli  # noqa: E402
+from megatron_parm.checkpointing import hf_files  # noqa: E402
 
 COMMON = dict(vocab_size=8064, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -40,6 +41,7 @@ FAMILIES = {
 
 def write(family: str, folder: str, max_shard_size: str = "5GB", seed: int = 11) -> str:
     """Save a random tiny FAMILY model in FOLDER (as save_pretrained writes it)."""
+    hf_files.parse_size(max_shard_size)  # one line naming the flag, not transformers' error
     try:
         import torch
         import transformers

@@ -38,8 +38,9 @@ The extra forward passes cost time that step_time.py does not charge (not modell
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_parm.settings import RECOMPUTE_MODULES
-
+# Megatron-Core 0.16.1's selective recompute modules (TransformerConfig.recompute_modules).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
 DEFAULT_MODULES = ("core_attn",)  # TransformerConfig's default

@@ -379,8 +379,12 @@ TOOL_MISTAKES = {
     "predict_e2e.py": (["--nnodes", "0"], {}, "--nnodes must be positive integers"),
     "preprocess_data.py": (["--input", f"{MISSING}.jsonl", "--output-prefix", "{tmp}/data",
                             "--tokenizer-type", "GPT2BPETokenizer"], {}, "--input"),
+    "recompute_memory.py": (["--config", f"{MISSING}.yaml"], {},
+                            f"--config: file not found: {MISSING}.yaml"),
     "run_benchmark.sh": (["{tmp}"], {"GRID": f"{MISSING}.yaml"}, f"GRID={MISSING}.yaml"),
     "slurm/local_slurm.sh": (["begin"], {}, "unknown command 'begin'"),
+    "tiny_hf_model.py": (["mixtral", "{tmp}/hf", "--max-shard-size", "5XB"], {},
+                         "--max-shard-size: '5XB'"),
     # a corpus of one line holds fewer pieces than that
     "train_tokenizer.py": (["--input", "{tmp}/one.jsonl", "--vocab-size", "500",
                             "--output-prefix", "{tmp}/spm"], {}, "--vocab-size 500"),
