@@ -10,6 +10,7 @@ group but the pipeline's and the embedding's stays inside one stage's W / p rank
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional
@@ -116,6 +117,9 @@ def _destroy_groups_made() -> None:
         if group in distributed_c10d._world.pg_map:
             torch.distributed.destroy_process_group(group)
     _groups_made.clear()
+    # A group's threads end when its last reference goes: a finished run's model holds them
+    # in reference cycles (modules and their hooks) until the collector breaks those.
+    gc.collect()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ training maps them.
     check_args(args, cuda)           what Megatron-Core cannot run here: ValueError naming the
                                      flag, why, and which flag to drop
     ddp_config(args)                 the DistributedDataParallelConfig
+    WeakHookDDP(config, ddp_config, module)   Megatron-Core's DDP, freed when a run ends
     set_sync_funcs(config, model, args)   the schedule's no_sync / grad_sync / param_sync hooks
     GradReadyCounts(model, args)     --overlap-grad-reduce's hook counts, learnt again where
                                      S2's chunks or parm's tuning change them
@@ -36,8 +37,9 @@ work; nothing here reduces a gradient):
 from __future__ import annotations
 
 import contextlib
+import weakref
 
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megatron_parm.training import mixed_precision
 
@@ -69,6 +71,30 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective)
+
+
+class WeakHookDDP(DistributedDataParallel):
+    """Megatron-Core's DistributedDataParallel whose gradient hooks hold it weakly.
+
+    Megatron-Core's hooks sit on each parameter's gradient accumulator and hold the DDP
+    wrapper, hence the model, its optimizer's views and its process groups. Tensors that a
+    module keeps from its last forward (the token dispatcher's probabilities, the distributed
+    optimizer's shard views) hold that accumulator through their autograd graph, which the
+    garbage collector cannot see: a finished run stayed alive, and under gloo each of its
+    destroyed groups kept its I/O threads (a launch of a few dozen runs reached a thousand
+    threads per rank and spent most of its CPU in the kernel). Here a hook reaches the
+    wrapper through a weak reference, and the run's objects go with its last reference."""
+
+    def _make_backward_post_hook(self, param):
+        wrapper = weakref.ref(self)
+        make = DistributedDataParallel._make_backward_post_hook
+
+        def hook(*unused):
+            ddp = wrapper()
+            if ddp is not None:
+                make(ddp, param)(*unused)
+
+        return hook
 
 
 def _per_chunk(functions):

@@ -25,10 +25,7 @@ import numpy
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    finalize_model_grads,
-)
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -264,7 +261,7 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     ddp_config = ddp.ddp_config(args)
     # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
     # wait for the end of the step anyway).
-    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+    model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = get_megatron_optimizer(OptimizerConfig(
