@@ -102,7 +102,7 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
     whatever its prediction (None: none). Without a calibrated profile the shipped estimate
     can rank every S2 variant far ahead of S1 where S2's chunks cost more than they hide:
     end to end at (2,2,1), S1 was never timed and parm's MoE layers took up to 1.5x as long
-    as S1's (docs/benchmark.md, issue 19)."""
+    as S1's (docs/benchmark.md, End to end)."""
     order = list(times)
     ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
     first, limit = ranked[0], times[ranked[0]] * (1.0 + margin)
@@ -111,7 +111,7 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
         # Another schedule is given the benefit of the model's doubt between schedules; a
         # chunk variant of the first's schedule competes by its predicted time alone (on the
         # grid, S2's variants predicted within 1% of each other measured up to 14% apart,
-        # while S1 predicted 31% slower measured 37% slower: docs/benchmark.md, issue 17).
+        # while S1 predicted 31% slower measured 37% slower: docs/benchmark.md, How well parm chooses).
         doubt = 1.0 if _name(key) == _name(first) else 1.0 + SCHEDULE_DOUBT
         return times[key] / doubt
 
@@ -169,7 +169,7 @@ def decide(plan: CallPlan, seconds: Sequence[float]) -> Measured:
         calls = [seconds[i] for i in range(plan.num_calls) if plan.candidate(i) == index]
         # The median, not the fastest call: on shared links a schedule's call-to-call spread
         # is its own (how its messages meet the other ranks'), and one lucky call of a
-        # spread-out schedule must not beat a steady one (docs/benchmark.md, issue 17).
+        # spread-out schedule must not beat a steady one (docs/benchmark.md, How well parm chooses).
         best[candidate] = FAILED if max(calls) >= FAILED else statistics.median(calls[1:])
     winner = min(plan.candidates, key=lambda key: (best[key], plan.candidates.index(key)))
     if best[winner] >= FAILED:

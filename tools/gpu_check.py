@@ -22,15 +22,15 @@ output of every stage goes to OUT_DIR/gpu_check.log.
      with 4 and 2 experts, the local experts of a rank at EP 2 and 4); and
      one profiled step of parm_s2@4 and of alltoall (top operators, kernel launches) in
      OUT_DIR/e_profile.txt
-  f  expert implementations (issue 18): stage c's layer and a larger one (hidden 2048, FFN 8192,
+  f  expert implementations: stage c's layer and a larger one (hidden 2048, FFN 8192,
      8 experts, top-2, 8192 tokens, bf16), world size 1; alltoall, parm_s1 and parm_s2 at 1, 2,
      4, 8 chunks, each with SequentialMLP and TorchGroupedMLP experts (and GroupedMLP /
      TEGroupedMLP where grouped_gemm / Transformer Engine are installed), interleaved with the
      same weights: medians, each extra chunk's cost in ms and % of the one-chunk step, kernel
-     launches of one forward+backward each, grouped over SequentialMLP times; the issue's
+     launches of one forward+backward each, grouped over SequentialMLP times; the
      targets (EXPERT_TARGETS) reported as met or missed, which does not fail the stage;
      profiles of parm_s2@4 per layer and experts in OUT_DIR/f_profile.txt
-  g  calibration on this one GPU (issue 17): tools/calibrate.py at world size 1 with the
+  g  calibration on this one GPU: tools/calibrate.py at world size 1 with the
      collective terms of the shipped estimate (--base-profile nvlink_ib_estimate); fp32
      layers at stage c's sizes, 4 and 8 experts, SequentialMLP and TorchGroupedMLP: compute, the chunk
      cost (chunk_overhead, chunk_expert_overhead) and the framework terms fitted by

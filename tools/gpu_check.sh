@@ -17,8 +17,8 @@
 # fp16; c one MoE layer at GPT-2-small-MoE shapes, every dispatcher timed with CUDA events;
 # d host synchronisations per layer call; e what each S2 chunk costs, with a profile; f the
 # same with SequentialMLP and grouped experts on that layer and a larger one (hidden 2048, FFN
-# 8192), kernel launches and issue 18's targets; g calibration on the GPU alone (compute, the
-# chunk cost, the framework terms; OUT_DIR/g_profile.yaml). Writes OUT_DIR/gpu_check.log and
+# 8192), kernel launches and the grouped experts' targets; g calibration on the GPU alone
+# (compute, the chunk cost, the framework terms; OUT_DIR/g_profile.yaml). Writes OUT_DIR/gpu_check.log and
 # OUT_DIR/summary.json.
 # Exit status: 0 every stage passed, 1 some did not, 2 bad arguments or setup, 124 timed out.
 set -uo pipefail

@@ -9,7 +9,7 @@
 # the 8-expert half of the grid (GRID=configs/bench/emulated_8experts.yaml): 48 minutes
 # (calibration 2-3 min per preset; per pass of 6 configurations ~5 min unshaped, ~8 min pcie,
 # ~7 min nvlink, 0.5 min at world size 1; memory ~3 min). The whole grid took about 1.6 hours
-# then; with 6 timed steps and parm:measured (issue 17) one pass of a preset takes 21-26 min
+# then; with 6 timed steps and parm:measured one pass of a preset takes 21-26 min
 # (2026-12-01), so about 2.5 hours.
 # PASSES=1 saves a third (and gives no run-to-run spread); the log (OUT_DIR/run.log) has each
 # step's duration.
@@ -23,11 +23,11 @@
 #     emulator); passes alternate their order, dispatchers run interleaved inside each, and
 #     the passes' medians give the run-to-run spread;
 #  3. peak memory per rank of every dispatcher on the grid (one --memory pass, unshaped);
-#  4. the MTU's effect (the issue's measurement: pcie, S=1024 B=2 M=512 F=512 E=4, (2,2,2))
+#  4. the MTU's effect (the measurement: pcie, S=1024 B=2 M=512 F=512 E=4, (2,2,2))
 #     at --mtu 1500 and at the default 65535;
 #  5. the report: OUT_DIR/table.md (times, best Parm, bound, efficiency, spread; memory),
 #     OUT_DIR/speedup.png (speedups over ds_baseline with the bound), OUT_DIR/summary.json
-#     (per label: ratios, bounds, spreads, memory, the issue's targets checked with their
+#     (per label: ratios, bounds, spreads, memory, the targets checked with their
 #     margins, the model's accuracy, alltoall's compute : inter : intra per preset, and the
 #     model's for GPT-2-small/medium-MoE on nvlink_ib_estimate).
 # Knobs (environment): PASSES (2), ITERS (6), WORLD1_ITERS (10), CALIBRATE (1), PROFILES,

@@ -44,7 +44,7 @@ LOOPBACK = "loopback"  # no emulator: plain torchrun on this machine's loopback 
 # micro-batch), so tuning.most_calls(candidates, steps) calls per layer are the extra
 # iterations it gets where no cache holds its choice yet. At 1 timed call per candidate, parm
 # chose S2 in BERT MoE's (2,2,1) layers on one call 4-53% ahead of S1's, and its MoE layers
-# then took 1.4-1.5x as long as S1's (docs/benchmark.md, issue 19).
+# then took 1.4-1.5x as long as S1's (docs/benchmark.md, End to end).
 BREAKDOWN = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
              "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
 
@@ -64,7 +64,7 @@ class Model:
         return int(self.overrides["seq_length"])
 
 
-# The issue's model: GPT-2 MoE scaled to 4 layers, hidden 512 (8 heads), 8 experts top-2,
+# The benchmark's model: GPT-2 MoE scaled to 4 layers, hidden 512 (8 heads), 8 experts top-2,
 # expert FFN 512 (the layer benchmark's layer: docs/benchmark.md), sequence 1024, 1024 tokens
 # per rank; BERT-base MoE scaled the same way at its sequence 512.
 _SCALED = {"num_layers": 4, "hidden_size": 512, "ffn_hidden_size": 512,
@@ -286,7 +286,7 @@ class Row:
 
 
 def summarize(records: Sequence[dict], config: dict) -> dict:
-    """Rows per configuration and the issue's targets (see docs/benchmark.md)."""
+    """Rows per configuration and the targets (see docs/benchmark.md)."""
     warmup = config["warmup"]
     groups: Dict[tuple, List[dict]] = {}
     for r in records:
@@ -357,7 +357,7 @@ def _compare_losses(key, table: Dict[str, Row], groups, problems: list) -> None:
 
 
 def _targets(by_config) -> List[dict]:
-    """The issue's targets: on pcie at (2,2,2) parm >= 1.3x alltoall and >= 2x ds_baseline
+    """The targets: on pcie at (2,2,2) parm >= 1.3x alltoall and >= 2x ds_baseline
     per model; everywhere parm >= alltoall within the larger of the two's spreads."""
     targets = []
     for (model, preset, layout), table in sorted(by_config.items()):

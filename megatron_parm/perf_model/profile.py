@@ -69,7 +69,7 @@ TERMS = {
     "layer_overhead": (0.0, "framework seconds per transformer layer and micro-batch (forward "
                             "+ backward) that no GEMM or collective accounts for"),
 }
-# Added by issue 17: a profile fitted before them lacks them (missing_terms, require_terms).
+# Added with parm's measured choice (0.1.0): a profile fitted before them lacks them (missing_terms, require_terms).
 ISSUE17_TERMS = ("chunk_expert_overhead", "microbatch_overhead", "layer_overhead")
 RECALIBRATE_HINT = ("recalibrate with tools/calibrate.py (docs/design.md, 'The cost model'; "
                     "on one GPU: tools/gpu_check.sh stage g)")
@@ -146,7 +146,7 @@ class Profile:
         lacking = [term for term in terms if term in self.missing_terms]
         if lacking:
             _fail(self.source, f"lacks the cost model's terms {', '.join(lacking)} (fitted "
-                               f"since issue 17); {RECALIBRATE_HINT}")
+                               f"since 0.1.0's measured choice); {RECALIBRATE_HINT}")
         return self
 
 
@@ -239,7 +239,7 @@ def load_profile(path, require_terms: bool = False) -> Profile:
     """Read and validate a profile: a file (.yaml/.yml, or .json) or a shipped profile's name.
 
     A file without some of TERMS loads with their defaults (Profile.missing_terms lists them);
-    require_terms=True (a profile a user passes) refuses one without the issue-17 terms."""
+    require_terms=True (a profile a user passes) refuses one without those terms."""
     path = resolve_profile(path)
     try:
         with open(path, "r", encoding="utf-8") as handle:

@@ -34,7 +34,7 @@ def expert_layer_specs(quick: bool) -> dict:
 
 def worker_experts(out: Path, quick: bool) -> dict:
     """Stage f: each dispatcher and chunk count with each expert implementation this machine
-    has, on two layers: times, per-chunk cost, kernel launches, the issue's targets."""
+    has, on two layers: times, per-chunk cost, kernel launches, the targets."""
     import dataclasses
 
     from megatron_parm.bench.moe_layer import build_expert_layers, by_expert_impl, time_layers
@@ -101,7 +101,7 @@ def worker_experts(out: Path, quick: bool) -> dict:
 
 
 def expert_targets(layer_name: str, per_impl: dict, sequential: str) -> list:
-    """Issue 18's targets on one layer for every grouped implementation that ran: the largest
+    """The grouped experts' targets on one layer for every grouped implementation that ran: the largest
     cost of an extra S2 chunk (over 2, 4, 8 chunks) in % of the one-chunk step, and the largest
     time over SequentialMLP's (over the variants); each with value, limit and met."""
     out = []

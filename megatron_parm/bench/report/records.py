@@ -27,7 +27,7 @@ TARGETS = {
     "best_parm_time_vs_alltoall_max": ("preset", {None: 1.02}),
     "best_parm_time_vs_bound_median": ("preset", {None: 1.3}),
     "parm_within_5pct_of_best_share": ("preset", {None: 0.95}),  # at least
-    # issue 17: parm's two modes timed side by side (parm:model, parm:measured): 10 and 11 of 12
+    # parm's two modes timed side by side (parm:model, parm:measured): 10 and 11 of 12
     "parm_model_within_5pct_of_best_share": ("preset", {None: 10 / 12}),  # at least
     "parm_measured_within_5pct_of_best_share": ("preset", {None: 11 / 12}),  # at least
     "medians_run_to_run_spread_median": ("timed", {None: 0.05}),
