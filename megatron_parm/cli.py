@@ -259,9 +259,13 @@ def run(main: Callable, argv: Optional[Sequence[str]] = None) -> None:
 
 
 def exit_now(status: int) -> None:
-    """Run the exit handlers, flush the standard streams and end the process."""
+    """Run the exit handlers, flush the standard streams and end the process. A failed run
+    leaves its process groups as they are (a collective stuck on a dead peer would hold their
+    destruction until its timeout)."""
     import atexit
 
+    if status != 0:
+        atexit.unregister(destroy_process_groups)
     try:
         atexit._run_exitfuncs()
     finally:

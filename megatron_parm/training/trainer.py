@@ -15,6 +15,7 @@ and last stage, and the losses, computed on the last stage, are sent to every ra
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import signal
@@ -35,7 +36,7 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 from megatron_parm import device, faults, mcore_compat
 from megatron_parm.tuning import CHUNK_NOTATION
 from megatron_parm.wording import plural
-from megatron_parm.cli import optional_packages_note
+from megatron_parm.cli import destroy_process_groups, optional_packages_note
 from megatron_parm.checkpointing import (
     check_model_flags,
     find_checkpoint,
@@ -68,7 +69,7 @@ def initialize_distributed(timeout_minutes: Optional[float] = None) -> None:
     without RANK, as with plain `python script.py`, a group of one process) with
     --distributed-timeout-minutes (parallel.group_timeout(), set first where given), and apply
     the CPU redirects when there is no GPU. Safe to call more than once. Processes the rank
-    forks from here on (checkpoint writers) die with it."""
+    forks from here on (checkpoint writers) die with it; the groups are destroyed at exit."""
     faults.die_with_parent()
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
@@ -80,6 +81,11 @@ def initialize_distributed(timeout_minutes: Optional[float] = None) -> None:
         device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(device.backend(), timeout=group_timeout(),
                                              **store)
+        # Groups left to the interpreter's teardown are destroyed in no set order, and under
+        # load that has aborted a process at exit ("terminate called without an active
+        # exception"): a script that trains and just returns destroys them first, as
+        # megatron_parm.cli.run does.
+        atexit.register(destroy_process_groups)
     mcore_compat.setup()
 
 

@@ -1,7 +1,9 @@
 """A rank dies; the job ends in bounded time, says what happened, and restarts with nothing lost.
 
 Two launches of `python -m megatron_parm.launch` (GPT-2 MoE tiny, 4 ranks, (2,2,2), parm_s2,
-dropout on, a checkpoint every 2 iterations), shared by the tests through one module fixture:
+dropout on, the distributed optimizer over dp = 2, a checkpoint every 2 iterations: its
+sharded optimizer state is saved, published and resumed under faults as the plain optimizer's,
+which test_checkpoint's crash runs cover), shared by the tests through one module fixture:
   reference  10 iterations, uninterrupted.
   faults     --max-restarts 5, --load = --save: each attempt kills one rank with SIGKILL at
              one point (this file is the training script; the attempt number,
@@ -46,7 +48,7 @@ FLAGS = ["--config", "configs/gpt2_tiny_moe.yaml", "--tensor-model-parallel-size
          "--expert-model-parallel-size", "2", "--sequence-parallel",
          "--moe-token-dispatcher-type", "parm_s2", "--train-iters", str(TRAIN_ITERS),
          "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-         "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--use-distributed-optimizer"]
 # attempt -> (fault, rank, iteration)
 FAULTS = {0: ("forward", 1, 3), 1: ("all_to_all", 2, 5), 2: ("staged", 3, 6),
           3: ("written", 0, 8), 4: ("backward", 1, 9), 5: ("writer", 1, 10)}

@@ -107,11 +107,12 @@ def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
     """scontrol requeue mid-run (as a preemption would): the job restarts under the same id,
     finds the checkpoints it wrote and continues from the latest one to the end. Pipelined
     (PP=2: a layer per stage, ep=2 in each), so the pipeline flags and a pipelined resume
-    pass through the sbatch script too."""
+    pass through the sbatch script too; with the distributed optimizer (dp = 2 per stage), whose
+    sharded state the preempted job saves and the requeued one loads."""
     run_dir = tmp_path / "run"
     env = dict(local_slurm, RUN_DIR=str(run_dir), TP="1", EP="2", PP="2", SAVE_INTERVAL="5")
     job_id = submit(env, tmp_path, "--train-iters", "60", "--log-interval", "5",
-                    "--eval-iters", "1", "--eval-interval", "1000")
+                    "--eval-iters", "1", "--eval-interval", "1000", "--use-distributed-optimizer")
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
     while not tracker.exists() and time.time() < deadline:
