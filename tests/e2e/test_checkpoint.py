@@ -620,8 +620,8 @@ def test_distopt_resume_is_bitwise_for_every_dispatcher(distopt_runs):
 def test_finished_runs_leave_no_threads_behind(distopt_runs):
     """A run's process groups go when the next layout's are made: under gloo each group keeps
     I/O threads, which a finished run's model (through Megatron-Core's DDP hooks) and a cache
-    of the collectives kept alive (before: 6 to 54 more threads per run; 1,312 per rank at
-    the end of this launch). parm_hier's node groups are kept on purpose."""
+    of the collectives kept alive (before: 6 to 54 more threads per run; 1,312 per rank seen
+    midway through this launch). parm_hier's node groups are kept on purpose."""
     _, results, _, _ = distopt_runs
     threads = results["distopt"]["threads"]
     assert len(threads) > 20 and max(threads) - threads[0] < 30, threads
