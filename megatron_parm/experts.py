@@ -33,6 +33,10 @@ Workflow of one call, ``experts(rows, tokens_per_expert, probs)``:
     The count of operators does not depend on the number of local experts: S2's chunks pay
     a fixed handful each, not a handful per expert.
 
+With ``--delay-wgrad-compute`` (Megatron-Core's combined 1F1B schedule) every training call
+defers its weight gradients so, until the schedule calls ``backward_dw()`` after the call's
+backward, while the next micro-batch's dispatch is in flight.
+
 Deferred weight gradients (``with experts.deferring_weight_grads() as deferred``): calls inside
 build a graph for their input gradients only, keep the GEMMs' inputs and output gradients,
 and ``deferred.backward_dw()`` then computes each weight's gradient once, over the rows of
@@ -193,6 +197,9 @@ class TorchGroupedMLP(GroupedMLP):
         # False: calls inside deferring_weight_grads() compute their weight gradients at once
         # (per call, accumulated), as before deferring existed; for comparisons
         self.defer_weight_grads = True
+        # --delay-wgrad-compute: each training call's deferred weight gradients, oldest first,
+        # until the combined 1F1B schedule asks for them (backward_dw)
+        self._delayed: List[DeferredWeightGrads] = []
 
     @contextlib.contextmanager
     def deferring_weight_grads(self):
@@ -204,6 +211,13 @@ class TorchGroupedMLP(GroupedMLP):
             yield deferred
         finally:
             self._deferred = previous
+
+    def backward_dw(self) -> None:
+        """--delay-wgrad-compute (Megatron-Core's combined 1F1B calls it after the experts'
+        backward): the weight gradients of the oldest call not yet done, in one grouped GEMM
+        per weight. Its forward left them out of its backward (input gradients only)."""
+        if self._delayed:
+            self._delayed.pop(0).backward_dw()
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor):
@@ -218,6 +232,10 @@ class TorchGroupedMLP(GroupedMLP):
             rows = rows.clone(memory_format=torch.contiguous_format)
         experts = self.num_local_experts
         deferred = self._deferred
+        if deferred is None and self.config.delay_wgrad_compute and rows.requires_grad \
+                and torch.is_grad_enabled() and not self.activation_recompute:
+            deferred = DeferredWeightGrads(self)
+            self._delayed.append(deferred)
         if (deferred is None or not self.defer_weight_grads or self.activation_recompute
                 or not rows.requires_grad
                 or not torch.is_grad_enabled()

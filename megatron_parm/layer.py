@@ -87,6 +87,14 @@ class ParmMoELayer(MoELayer):
         if self.moe_layer_recompute and (config.fp8 or config.fp4):
             raise ValueError("--recompute-modules moe with fp8 / fp4 is not supported with "
                              f"--moe-token-dispatcher-type {name}")
+        # Megatron-Core's combined 1F1B runs the combine node (which restores a replicated
+        # output) on its communication stream: its AG [TP] gets a group of its own there.
+        self._gather_group = None
+        if self.replicated_input and config.overlap_moe_expert_parallel_comm:
+            from megatron_parm.parallel import twin_group
+
+            self._gather_group = twin_group(self.attn_tp_group)
+        self._node_shard = None  # (layer input, its TP shard) of the nodes' last route call
 
     def set_layer_number(self, layer_number: int):
         super().set_layer_number(layer_number)
@@ -97,6 +105,40 @@ class ParmMoELayer(MoELayer):
     def uses_parm_dispatcher(self) -> bool:
         return not schedules.is_native(self.config.moe_token_dispatcher_type)
 
+    @property
+    def replicated_input(self) -> bool:
+        """The layer input is replicated over TP (TP > 1 without sequence parallelism) and a
+        Parm dispatcher routes this rank's shard of it."""
+        return (self.uses_parm_dispatcher and self.attn_tp_group.size() > 1
+                and not self.config.sequence_parallel)
+
+    # -- the steps Megatron-Core's combined 1F1B nodes call one by one ---------------------
+    # (its attention node: shared_experts_compute, route, preprocess; its combine node:
+    # combine, postprocess), with the layer's input as it comes: a replicated one is sharded
+    # and its output gathered here, as forward does.
+
+    def _shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.replicated_input:
+            return hidden_states
+        if self._node_shard is None or self._node_shard[0] is not hidden_states:
+            self._node_shard = (hidden_states, keep_shard(hidden_states, self.attn_tp_group, "tp"))
+        return self._node_shard[1]
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        return super().route(self._shard(hidden_states), padding_mask)
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                   routing_map: torch.Tensor):
+        hidden_states, self._node_shard = self._shard(hidden_states), None
+        return super().preprocess(hidden_states, probs, routing_map)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
+        if not self.replicated_input:
+            return super().postprocess(output, shared_expert_output)
+        output = gather_replicated(super().postprocess(output, None),
+                                   self._gather_group or self.attn_tp_group, "tp")
+        return output if shared_expert_output is None else output + shared_expert_output
+
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
@@ -106,7 +148,7 @@ class ParmMoELayer(MoELayer):
         if intermediate_tensors is not None or self.fwd_execution_map != FULL_EXECUTION_MAP:
             raise ValueError("partial CUDA-graph capture of the MoE layer is not supported "
                              f"with --moe-token-dispatcher-type {self.config.moe_token_dispatcher_type}")
-        replicated = self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
+        replicated = self.replicated_input
         shared_whole = None
         if replicated and self.use_shared_expert:
             # The shared experts take the replicated input whole, as in Megatron's dense MLP;
@@ -122,10 +164,10 @@ class ParmMoELayer(MoELayer):
                 start = self.attn_tp_group.rank() * rows
                 padding_mask = padding_mask[start : start + rows]
 
-        def moe(hidden_states, padding_mask):
+        def moe(hidden_states, padding_mask):  # on the shard: MoELayer's steps, not the nodes'
             shared_output = None if replicated else self.shared_experts_compute(hidden_states)
-            probs, routing_map = self.route(hidden_states, padding_mask)
-            hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+            probs, routing_map = MoELayer.route(self, hidden_states, padding_mask)
+            hidden_states, probs = MoELayer.preprocess(self, hidden_states, probs, routing_map)
             if self.token_dispatcher.pipelined:
                 # The one place the layer takes a pipelined schedule's fused call (the
                 # catalog's ``pipelined``); MoELayer's dispatch, routed_experts_compute and
@@ -137,7 +179,7 @@ class ParmMoELayer(MoELayer):
                 dispatched, probs = self.dispatch(hidden_states, probs)
                 output, mlp_bias = self.routed_experts_compute(dispatched, probs)
                 output = self.combine(output)
-            return self.postprocess(output, shared_output), mlp_bias
+            return MoELayer.postprocess(self, output, shared_output), mlp_bias
 
         if self.moe_layer_recompute:
             output, mlp_bias = tensor_parallel.checkpoint(moe, False, hidden_states, padding_mask)

@@ -273,6 +273,49 @@ def recompute_problem(granularity: Optional[str], method: Optional[str],
     return None
 
 
+OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
+
+
+def moe_overlap_problem(overlap: bool, delay_wgrad: bool, *, dispatcher: str, ep: int, pp: int,
+                        vpp: Optional[int], half_precision: bool,
+                        recompute_granularity: Optional[str], recompute_modules,
+                        shared_expert_overlap: bool) -> Optional[str]:
+    """Why Megatron-Core 0.16.1's combined 1F1B schedule (--overlap-moe-expert-parallel-comm,
+    --delay-wgrad-compute) cannot run with the other flags, naming the one to change, or
+    None. Its own rules (TransformerConfig's), and one of its nodes: they call the MoE layer's
+    steps one by one, so `--recompute-modules moe` (MoELayer.forward's checkpoint) would be
+    silently dropped."""
+    if delay_wgrad and not overlap:
+        return f"--delay-wgrad-compute needs {OVERLAP_FLAG} (Megatron-Core 0.16.1): add it"
+    if not overlap:
+        return None
+    if dispatcher in ("allgather",):
+        return (f"{OVERLAP_FLAG} runs with --moe-token-dispatcher-type alltoall or one of "
+                f"Parm's (Megatron-Core 0.16.1 refuses {dispatcher}): pick another dispatcher")
+    if ep == 1:
+        return (f"{OVERLAP_FLAG} needs expert parallelism (--expert-model-parallel-size > 1): "
+                f"without it there is no all-to-all to hide; drop the flag")
+    if not half_precision:
+        return (f"{OVERLAP_FLAG} needs --bf16 or --fp16 (Megatron-Core 0.16.1 runs the combined "
+                f"1F1B schedule in half precision only): add one")
+    if pp > 1 and vpp is None:
+        return (f"{OVERLAP_FLAG} with --pipeline-model-parallel-size {pp} needs virtual "
+                f"pipeline stages (Megatron-Core 0.16.1 interleaves only those): add "
+                f"--num-layers-per-virtual-pipeline-stage")
+    if recompute_granularity == "full":
+        return (f"{OVERLAP_FLAG} cannot run with --recompute-granularity full (Megatron-Core "
+                f"0.16.1): use --recompute-granularity selective, or drop {OVERLAP_FLAG}")
+    if "moe" in (recompute_modules or ()):
+        return (f"{OVERLAP_FLAG} cannot recompute the MoE layer (the combined 1F1B schedule's "
+                f"nodes run its steps one by one, without MoELayer.forward's checkpoint): drop "
+                f"moe from --recompute-modules (moe_act recomputes the experts' activation)")
+    if shared_expert_overlap:
+        return (f"--moe-shared-expert-overlap and {OVERLAP_FLAG} exclude each other "
+                f"(Megatron-Core 0.16.1): drop --moe-shared-expert-overlap (the combined "
+                f"schedule overlaps the other micro-batch's work instead)")
+    return None
+
+
 def expert_split_problem(moe_ffn_hidden_size: Optional[int], etp: int) -> Optional[str]:
     """Why each expert's FFN does not split over the ETP ranks, or None."""
     if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:

@@ -100,12 +100,32 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
 # grid, calibration, the test workers) made hundreds of them, whose threads took a core's worth
 # of CPU on the emulated cluster; so a new layout destroys the previous one's groups first.
 _groups_made: list = []
-# parm_hier's node groups by their ranks, made when a layer first needs them and kept: only
-# their members make them (use_local_synchronization), so torch names them by a hash of the
-# ranks, and a group made again under the same name would meet its destroyed predecessor's
-# addresses in the store. They are made after the layout's groups, so a new layout does not
-# destroy them, and a layout met again reuses them.
-_node_group_cache: dict = {}
+# The groups a layer makes for itself (parm_hier's node groups, twin_group's), by their ranks,
+# made when a layer first needs them and kept: only their members make them
+# (use_local_synchronization), so torch names them by a hash of the ranks, and a group made
+# again under the same name would meet its destroyed predecessor's addresses in the store.
+# They are made after the layout's groups, so a new layout does not destroy them, and a
+# layout met again reuses them.
+_local_groups: dict = {}
+
+
+def _local_group(ranks):
+    """The group of RANKS this module made (by its members only), made now if need be."""
+    from torch.distributed import distributed_c10d
+
+    made = _local_groups.get(tuple(ranks))
+    if made is None or made not in distributed_c10d._world.pg_map:  # none in this world
+        _local_groups[tuple(ranks)] = torch.distributed.new_group(
+            list(ranks), use_local_synchronization=True, timeout=group_timeout())
+    return _local_groups[tuple(ranks)]
+
+
+def twin_group(group):
+    """A group of GROUP's ranks besides GROUP itself (made by its members the first time a
+    layer asks, then kept; shared with any other group this module made of those ranks): for
+    collectives issued from another thread than GROUP's own, which must not interleave with
+    them (the combined 1F1B's communication thread on the CPU)."""
+    return _local_group(torch.distributed.get_process_group_ranks(group))
 
 
 def _destroy_groups_made() -> None:
@@ -148,8 +168,6 @@ def node_groups(ep_group, tp_ep_group, etp_rank: int, etp_size: int,
     one of each, so no member waits on a rank that waits on another group first). A split
     equal to the EP group is the EP group itself. Raises ValueError naming
     --parm-ranks-per-node where the EP groups do not split evenly by node."""
-    from torch.distributed import distributed_c10d
-
     dist = torch.distributed
     per_node_ranks = node_rule(dist.get_world_size(), setting)
     ep_ranks = dist.get_process_group_ranks(ep_group)
@@ -166,13 +184,7 @@ def node_groups(ep_group, tp_ep_group, etp_rank: int, etp_size: int,
     position = blocks[node].index(me)
 
     def group(ranks: List[int]):
-        if list(ranks) == list(ep_ranks):
-            return ep_group
-        made = _node_group_cache.get(tuple(ranks))
-        if made is None or made not in distributed_c10d._world.pg_map:  # none in this world
-            _node_group_cache[tuple(ranks)] = dist.new_group(
-                list(ranks), use_local_synchronization=True, timeout=group_timeout())
-        return _node_group_cache[tuple(ranks)]
+        return ep_group if list(ranks) == list(ep_ranks) else _local_group(ranks)
 
     intra = group(blocks[node])
     inter = group([members[position] for members in blocks])

@@ -274,6 +274,13 @@ def _moe_flags() -> List[Flag]:
         Flag("--moe-shared-expert-overlap", moe, kind="switch",
              help="Run the shared experts while the dispatcher's collectives are in flight "
                   "(on a GPU in a stream of their own, as Megatron's alltoall does)."),
+        Flag("--overlap-moe-expert-parallel-comm", moe, kind="switch",
+             help="Megatron-Core's combined 1F1B schedule: one micro-batch's dispatch and "
+                  "combine communication runs while another micro-batch computes (needs "
+                  "--bf16 or --fp16 and expert parallelism; with pipelines, virtual stages)."),
+        Flag("--delay-wgrad-compute", moe, kind="switch",
+             help="With --overlap-moe-expert-parallel-comm: compute the experts' weight "
+                  "gradients after the layer's backward communication has started."),
         *_router_flags(moe),
         Flag("--moe-aux-loss-coeff", moe, float, 1e-2),
         Flag("--moe-router-load-balancing-type", moe, str, "aux_loss",

@@ -265,6 +265,11 @@ class ParmTokenDispatcher(MoETokenDispatcher):
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         self.ep_rank = utils.get_pg_rank(self.ep_group)
         self.etp_rank = utils.get_pg_rank(self.etp_group)
+        # The layer runs as Megatron-Core's combined 1F1B nodes: token_dispatch and
+        # token_combine are the communication stream's nodes (collectives only, their local
+        # work in the phases around them), and a node frees the storage of its inputs once it
+        # has run, so the phases after one hand on tensors of their own storage.
+        self.comm_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
 
     # -- local work ---------------------------------------------------------------------
 
@@ -327,11 +332,17 @@ class ParmTokenDispatcher(MoETokenDispatcher):
         self.plan = self.build_plan(counts)
         return rows, row_probs
 
-    def _sort_for_experts(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        """Rows as received ([source][local expert]) -> expert-major, with tokens per expert."""
+    def _sort_for_experts(self, rows: torch.Tensor, row_probs: torch.Tensor,
+                          new_storage: bool = False):
+        """Rows as received ([source][local expert]) -> expert-major, with tokens per expert;
+        new_storage: in tensors of their own even where the order is already expert-major."""
         self.chunk_sizes = self.plan.gathered_chunk_sizes()
-        rows, row_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes, self.num_local_experts)
-        return rows, self.plan.tokens_per_local_expert(), row_probs
+        sorted_rows, sorted_probs = sort_by_local_expert(rows, row_probs, self.chunk_sizes,
+                                                         self.num_local_experts)
+        if new_storage and sorted_rows.untyped_storage().data_ptr() == \
+                rows.untyped_storage().data_ptr():
+            sorted_rows, sorted_probs = row_order.gather_new((sorted_rows, sorted_probs), None)
+        return sorted_rows, self.plan.tokens_per_local_expert(), sorted_probs
 
     def _unsort_from_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return unsort_by_local_expert(hidden_states, self.chunk_sizes, self.num_local_experts)

@@ -25,6 +25,8 @@ class DSBaselineTokenDispatcher(ParmTokenDispatcher):
     (5) combine_preprocess: unsort; AR [ESP] of the partial sums
     (6) token_combine: A2A [EP] back
     (7) combine_postprocess: unpermute the N tokens and keep this rank's n
+    As the combined 1F1B's nodes (``comm_nodes``), (2)'s AG [TP] and permutation move to (1)
+    (with the other TP collectives, on the compute stream) and (2) keeps the EP ones.
 
     The gate runs on each rank's own n tokens (Megatron's router, so the aux loss keeps
     its definition) and its decisions travel with the AG; DeepSpeed instead recomputes
@@ -41,19 +43,33 @@ class DSBaselineTokenDispatcher(ParmTokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
-        self.routing_map = routing_map
-        return hidden_states.view(-1, self.hidden_shape[-1]), probs
+        tokens = hidden_states.view(-1, self.hidden_shape[-1])
+        if not self.comm_nodes:
+            self.routing_map = routing_map
+            return tokens, probs
+        # As the combined 1F1B's nodes, the AG [TP] and the permutation run here, with the
+        # compute stream's other TP collectives; token_dispatch keeps the EP ones.
+        return self._gather_and_permute(tokens, probs, routing_map)
 
-    def token_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor):
+    def _gather_and_permute(self, tokens: torch.Tensor, probs: torch.Tensor,
+                            routing_map: torch.Tensor):
+        """(2)'s AG [TP] of tokens, probs and routing map; the N tokens permuted by expert."""
         self.num_local_tokens = tokens.shape[0]
         tokens = all_gather(tokens, self.attn_tp_group, "tp")
         probs = all_gather(probs, self.attn_tp_group, "tp")
-        routing_map = start_all_gather(self.routing_map.to(torch.uint8), self.attn_tp_group,
+        routing_map = start_all_gather(routing_map.to(torch.uint8), self.attn_tp_group,
                                        "tp_routing").wait().bool()
-        self.routing_map = None
-        rows, row_probs, counts = self._permute(tokens, routing_map, probs,
-                                                num_routers=utils.get_pg_size(self.attn_tp_group))
-        all_counts = self._exchange_counts(counts, self.ep_group, "ep_counts", 1)
+        rows, row_probs, self.counts = self._permute(
+            tokens, routing_map, probs, num_routers=utils.get_pg_size(self.attn_tp_group))
+        return rows, row_probs
+
+    def token_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor):
+        if self.comm_nodes:
+            rows, row_probs = tokens, probs
+        else:
+            rows, row_probs = self._gather_and_permute(tokens, probs, self.routing_map)
+            self.routing_map = None
+        all_counts = self._exchange_counts(self.counts, self.ep_group, "ep_counts", 1)
         self.plan = RoutingPlan(all_counts, self.ep_rank, 0, self.num_local_experts)
         out_splits, in_splits = self.plan.a2a_output_splits(), self.plan.a2a_input_splits()
         rows = all_to_all(rows, self.ep_group, "ep", out_splits, in_splits)
@@ -61,7 +77,7 @@ class DSBaselineTokenDispatcher(ParmTokenDispatcher):
         return rows, row_probs
 
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
-        return self._sort_for_experts(rows, row_probs)
+        return self._sort_for_experts(rows, row_probs, new_storage=self.comm_nodes)
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         return all_reduce(self._unsort_from_experts(hidden_states), self.etp_group, "expt_tp")

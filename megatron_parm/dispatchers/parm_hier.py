@@ -29,7 +29,7 @@ from megatron.core import utils
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
 from megatron_parm.dispatchers.base import RoutingPlan
-from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher
+from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher, Route
 from megatron_parm.config import parm_setting
 from megatron_parm.parallel import NodeGroups, node_groups
 from megatron_parm import device as devices
@@ -132,6 +132,9 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
     (6) token_combine: A2A [ep_intra] back to the relay, which sums each token's expert
         outputs of the node into its row; A2A [ep_inter] of those rows back to the sources
     (7) combine_postprocess: add the node partial sums of each token
+    As the combined 1F1B's nodes (``comm_nodes``), (2) ends with the AG [ESP] of (3) and (6)
+    begins with the RS [ESP] of (5): the collectives on the communication stream, the sort
+    and unsort around them.
     Degenerate splits: an EP group inside one node has no inter-node stage (the relay is the
     rank itself: S1's data, one row per pair); one EP rank per node has no intra-node stage
     (the relay is the expert's rank; ESP AG/RS still as S1). The routing map may hold dropped
@@ -183,26 +186,38 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         row_of[row_token * K + row_node] = index
         sec_pos = _true_positions(secondary.t().reshape(-1), self.route.sent_secondaries)
         sec_token, sec_node = sec_pos % n, sec_pos // n // by_node.shape[-1]
-        meta_dtype = torch.promote_types(probs.dtype, torch.float32)  # row indices stay exact
-        self._secondaries = torch.stack([flat_probs.index_select(0, sec_pos).to(meta_dtype),
-                                         row_of[sec_token * K + sec_node].to(meta_dtype)], dim=1)
-        return tokens.index_select(0, row_token), flat_probs.index_select(0, row_pos)
+        self._secondary_rows = row_of[sec_token * K + sec_node]
+        # The secondary pairs' probabilities follow the rows' (token_dispatch splits them off):
+        # everything with a gradient reaches token_dispatch through its arguments.
+        return tokens.index_select(0, row_token), flat_probs.index_select(
+            0, torch.cat([row_pos, sec_pos]))
 
     # -- (2) -------------------------------------------------------------------------------
 
-    def token_dispatch(self, rows: torch.Tensor, row_probs: torch.Tensor):
+    def token_dispatch(self, rows: torch.Tensor, probs: torch.Tensor):
         route, groups = self.route, self.groups
+        row_probs, sec_probs = probs.split([rows.shape[0], probs.shape[0] - rows.shape[0]])
+        meta_dtype = torch.promote_types(probs.dtype, torch.float32)  # row indices stay exact
+        secondaries = torch.stack([sec_probs.to(meta_dtype),
+                                   self._secondary_rows.to(meta_dtype)], dim=1)
+        self._secondary_rows = None
         tensors, sent, received = [rows, row_probs.unsqueeze(1)], [route.rows_out] * 2, [route.rows_in] * 2
         if self.has_secondaries:
-            tensors.append(self._secondaries)
+            tensors.append(secondaries)
             sent.append(route.secondaries_out)
             received.append(route.secondaries_in)
-        rows, row_probs, *secondaries = exchange(tensors, sent, received, groups.inter, "ep_inter")
-        secondaries = secondaries[0] if secondaries else self._secondaries
-        self._secondaries = None
+        rows, row_probs, *received_secondaries = exchange(tensors, sent, received, groups.inter,
+                                                          "ep_inter")
+        secondaries = received_secondaries[0] if received_secondaries else secondaries
         pair_rows, pair_probs = self._expand_at_relay(rows, row_probs.squeeze(1), secondaries)
-        return _packed(all_to_all, pair_rows, pair_probs, groups.intra, "ep_intra",
-                       route.pairs_in, route.pairs_out)
+        rows, row_probs = _packed(all_to_all, pair_rows, pair_probs, groups.intra, "ep_intra",
+                                  route.pairs_in, route.pairs_out)
+        if not self.comm_nodes:
+            return rows, row_probs
+        # The combined 1F1B's communication node holds the ESP gather too (S1's, unsorted:
+        # dispatch_postprocess sorts), so that ESP's collectives run where S1's do.
+        self.s1_route = Route(self, self.plan, rows.device, with_ep=False)
+        return self._dispatch(self.s1_route, rows, row_probs, sort=False)
 
     def _expand_at_relay(self, rows: torch.Tensor, row_probs: torch.Tensor,
                          secondaries: torch.Tensor):
@@ -237,6 +252,9 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
     # -- (6), (7) --------------------------------------------------------------------------
 
     def token_combine(self, hidden_states: torch.Tensor):
+        if self.comm_nodes:  # RS [ESP] first (S1's, the unsort was combine_preprocess's)
+            esp, self.s1_route = self.s1_route, None
+            hidden_states = self._combine(esp, hidden_states, unsort=False)
         route, groups = self.route, self.groups
         pairs = all_to_all(hidden_states, groups.intra, "ep_intra", route.pairs_out, route.pairs_in)
         node_rows = pairs.new_zeros((self._relay_rows, pairs.shape[1])).index_add(0, self._pair_row, pairs)

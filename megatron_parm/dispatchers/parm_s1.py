@@ -66,42 +66,52 @@ class _Dispatch(torch.autograd.Function):
     Forward: pack (one pass), the two collectives, sort and unpack (one gather); rows and
     probs come out contiguous. Backward: the two gradients packed with the unsort in
     the same pass, then RS [ESP] -> A2A [EP] back. Dtypes that cannot share a message
-    travel in messages of their own.
+    travel in messages of their own. Without ``sort`` (the combined 1F1B's communication
+    node: collectives only) the rows and probs come out as received, views of the message,
+    and the backward packs the gradients as they come.
     """
 
     @staticmethod
-    def forward(ctx, rows, probs, route: Route):
-        ctx.route = route
+    def forward(ctx, rows, probs, route: Route, sort: bool = True):
+        ctx.route, ctx.sort = route, sort
         message = Message(rows.shape[1], rows.dtype, probs.dtype)
         if not message.packs:
+            if not sort:
+                return route.gather(rows), route.gather(probs)
             return route.sort(route.gather(rows)), route.sort(route.gather(probs))
+        gathered = route.gather(message.pack(rows, probs))
+        if not sort:
+            return message.unpack(gathered)
         # sorted and unpacked in one gather: contiguous rows, as grouped GEMMs need
-        return message.unpack_gathered(route.gather(message.pack(rows, probs)), route.to_expert)
+        return message.unpack_gathered(gathered, route.to_expert)
 
     @staticmethod
     def backward(ctx, grad_rows, grad_probs):
         route = ctx.route
+        order = route.from_expert if ctx.sort else None
         if grad_probs is None:
             grad_probs = grad_rows.new_zeros(grad_rows.shape[0])
         message = Message(grad_rows.shape[1], grad_rows.dtype, grad_probs.dtype, summed=True)
         if not message.packs:
-            return (route.scatter(route.unsort(grad_rows)), route.scatter(route.unsort(grad_probs)),
-                    None)
-        packed = message.pack(grad_rows, grad_probs, order=route.from_expert)
-        return (*message.unpack(route.scatter(packed)), None)
+            return (route.scatter(row_order.gather(grad_rows, order)),
+                    route.scatter(row_order.gather(grad_probs, order)), None, None)
+        packed = message.pack(grad_rows, grad_probs, order=order)
+        return (*message.unpack(route.scatter(packed)), None, None)
 
 
 class _Combine(torch.autograd.Function):
-    """Expert outputs -> unsorted (one gather) -> RS [ESP] -> A2A [EP] back; backward: the dual."""
+    """Expert outputs -> unsorted (one gather) -> RS [ESP] -> A2A [EP] back; backward: the dual.
+    Without ``unsort`` (the combined 1F1B's communication node) the collectives only."""
 
     @staticmethod
-    def forward(ctx, hidden_states, route: Route):
-        ctx.route = route
-        return route.scatter(route.unsort(hidden_states))
+    def forward(ctx, hidden_states, route: Route, unsort: bool = True):
+        ctx.route, ctx.unsort = route, unsort
+        return route.scatter(route.unsort(hidden_states) if unsort else hidden_states)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.route.sort(ctx.route.gather(grad.contiguous())), None
+        gathered = ctx.route.gather(grad.contiguous())
+        return (ctx.route.sort(gathered) if ctx.unsort else gathered), None, None
 
 
 class ParmS1TokenDispatcher(ParmTokenDispatcher):
@@ -123,6 +133,9 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     A subclass that moves the rows over EP its own way overrides token_dispatch and
     token_combine; then (3) runs the ESP stage (AG [ESP], sort) and (5) its dual (unsort,
     RS [ESP]) as one autograd function each.
+    As the combined 1F1B's nodes (``comm_nodes``), (2) and (6) run the collectives only:
+    the sort moves to (3), which gathers the rows into tensors of their own, and the unsort
+    to (5).
     parm_s2 derives from this class: called phase by phase, it runs these phases (S2 at one
     chunk is this dataflow).
     When the layer input is replicated over TP (no sequence parallelism), ParmMoELayer
@@ -132,29 +145,33 @@ class ParmS1TokenDispatcher(ParmTokenDispatcher):
     s1_route: Optional[Route] = None  # this layer call's, from token_dispatch to token_combine
 
     @staticmethod
-    def _dispatch(route: Route, rows: torch.Tensor, row_probs: torch.Tensor):
-        return (rows, row_probs) if route.trivial else _Dispatch.apply(rows, row_probs, route)
+    def _dispatch(route: Route, rows: torch.Tensor, row_probs: torch.Tensor, sort: bool = True):
+        return (rows, row_probs) if route.trivial else _Dispatch.apply(rows, row_probs, route, sort)
 
     @staticmethod
-    def _combine(route: Route, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states if route.trivial else _Combine.apply(hidden_states, route)
+    def _combine(route: Route, hidden_states: torch.Tensor, unsort: bool = True) -> torch.Tensor:
+        return hidden_states if route.trivial else _Combine.apply(hidden_states, route, unsort)
 
     def token_dispatch(self, rows: torch.Tensor, row_probs: torch.Tensor):
         self.s1_route = Route(self, self.plan, rows.device)
-        return self._dispatch(self.s1_route, rows, row_probs)
+        return self._dispatch(self.s1_route, rows, row_probs, sort=not self.comm_nodes)
 
     def dispatch_postprocess(self, rows: torch.Tensor, row_probs: torch.Tensor):
         if self.s1_route is None:  # the rows came over EP another way: the ESP stage here
             self.s1_route = Route(self, self.plan, rows.device, with_ep=False)
             rows, row_probs = self._dispatch(self.s1_route, rows, row_probs)
+        elif self.comm_nodes:  # token_dispatch left the rows as received: sort them here
+            rows, row_probs = row_order.gather_new((rows, row_probs), self.s1_route.to_expert)
         return rows, self.plan.tokens_per_local_expert(), row_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        if not self.s1_route.with_ep:
+        if not self.s1_route.with_ep and not self.comm_nodes:
             route, self.s1_route = self.s1_route, None
             return self._combine(route, hidden_states)
+        if self.comm_nodes:  # token_combine runs the collectives only
+            return self.s1_route.unsort(hidden_states)
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
         route, self.s1_route = self.s1_route, None
-        return self._combine(route, hidden_states)
+        return self._combine(route, hidden_states, unsort=not self.comm_nodes)

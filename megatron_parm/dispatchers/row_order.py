@@ -103,6 +103,13 @@ def gather_contiguous(tensors: Sequence[torch.Tensor], order: Optional[torch.Ten
     return tuple(t.contiguous() if order is None else t.index_select(0, order) for t in tensors)
 
 
+def gather_new(tensors: Sequence[torch.Tensor], order: Optional[torch.Tensor]) -> tuple:
+    """Each of ``tensors`` gathered in ``order`` into new storage, contiguous (None: copied):
+    for a caller that frees the storage it was handed once the tensors are made."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) if order is None
+                 else t.index_select(0, order) for t in tensors)
+
+
 def lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 

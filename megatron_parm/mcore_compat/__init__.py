@@ -138,6 +138,42 @@ def _patch_streams() -> None:
     torch.cuda.synchronize = lambda device=None: None
     # Tensor.record_stream rejects a non-CUDA stream; on CPU there is nothing to record.
     torch.Tensor.record_stream = lambda self, stream: None
+    # NVTX ranges (the combined 1F1B schedule's nodes mark theirs) need a CUDA build.
+    torch.cuda.nvtx.range_push = lambda msg: None
+    torch.cuda.nvtx.range_pop = lambda: None
+
+
+def _patch_combined_1f1b_streams() -> None:
+    from megatron_parm.mcore_compat import comm_stream
+
+    comm_stream.patch(_HOST_STREAM)
+
+
+def _patch_combined_1f1b_bert() -> None:
+    from megatron.core.models.bert.bert_model import BertModel
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.pipeline_parallel import combined_1f1b
+
+    step = combined_1f1b.combined_forward_backward_step
+
+    def combined_forward_backward_step(*args, **kwargs):
+        # The step imports the name GPTModel from gpt_model for its one isinstance check.
+        gpt = gpt_model.GPTModel
+        gpt_model.GPTModel = (gpt, BertModel)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            gpt_model.GPTModel = gpt
+
+    combined_1f1b.combined_forward_backward_step = combined_forward_backward_step
+
+
+def _patch_local_linear_backward_dw() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    if not hasattr(layers.RowParallelLinear, "backward_dw"):
+        # as ColumnParallelLinear's: the weight gradient was computed in the backward
+        layers.RowParallelLinear.backward_dw = lambda self: None
 
 
 # ----------------------------------------------------------------------------------------
@@ -497,6 +533,38 @@ REDIRECTS: Dict[str, Redirect] = {
             'The alltoall dispatcher and shared experts create torch.cuda.Stream objects and '
             'enter torch.cuda.stream(); on CPU work is ordered already, so a do-nothing stream '
             'keeps the call sites working.'
+        )),
+    "combined_1f1b_streams": Redirect(
+        _patch_combined_1f1b_streams, with_cuda=False,
+        why=(
+            "Megatron's combined 1F1B schedule (--overlap-moe-expert-parallel-comm) runs the MoE "
+            'dispatch and combine nodes on a communication stream, so that one micro-batch\'s '
+            "all-to-alls overlap another's compute; with do-nothing streams nothing would "
+            'overlap. That stream becomes a thread that runs the nodes submitted to it in order '
+            '(ScheduleNode._forward/_backward submit there and wait where a result is first '
+            "needed; TransformerModelChunkSchedulePlan.run hands back tensors), and activation "
+            "recompute's _fork_rng excludes its forward nodes (comm_stream.py says why it stays "
+            'exact).'
+        )),
+    "combined_1f1b_bert": Redirect(
+        _patch_combined_1f1b_bert, with_cuda=True,
+        why=(
+            "Megatron-Core's combined 1F1B step (combined_forward_backward_step) asserts that "
+            'the model building its schedule plan is a GPTModel. megatron_parm.training\'s '
+            'ParmBertModel builds Megatron\'s own plan over its encoder layers '
+            '(bert_schedule_plan.py); while the step runs, the name the assertion imports from '
+            'gpt_model stands for (GPTModel, BertModel). No other code of the step imports it. '
+            'Not about CUDA: applied everywhere.'
+        )),
+    "local_linear_backward_dw": Redirect(
+        _patch_local_linear_backward_dw, with_cuda=True,
+        why=(
+            "--delay-wgrad-compute makes the combined 1F1B schedule call backward_dw() on the "
+            "attention's and the MLPs' linear layers. Transformer Engine's compute their weight "
+            "gradients there; Megatron-Core's local ColumnParallelLinear does nothing (its "
+            "weight gradient came with the backward), and RowParallelLinear has no backward_dw, "
+            "so the schedule failed without TE: it gets ColumnParallelLinear's do-nothing one. "
+            'About TE, not CUDA: applied wherever RowParallelLinear lacks it.'
         )),
     "rng_tracker": Redirect(
         _patch_rng_tracker, with_cuda=False,

@@ -20,7 +20,8 @@ from megatron_parm.data.datasets import parse_data_path
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
-    model_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
+    model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
+    virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import ddp, mixed_precision
 from megatron_parm.training.implementation import check_implementation
@@ -215,6 +216,13 @@ def _validate_implementation(args) -> None:
         shared_experts=args.moe_shared_expert_intermediate_size is not None))
     ddp.check_args(args, _cuda_available())
     mixed_precision.validate(args)
+    _refuse(moe_overlap_problem(
+        args.overlap_moe_expert_parallel_comm, args.delay_wgrad_compute,
+        dispatcher=args.moe_token_dispatcher_type, ep=args.expert_model_parallel_size,
+        pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+        half_precision=args.bf16 or args.fp16, recompute_granularity=args.recompute_granularity,
+        recompute_modules=args.recompute_modules,
+        shared_expert_overlap=args.moe_shared_expert_overlap))
     check_implementation(args.transformer_impl, args.moe_grouped_gemm, model_type=args.model_type,
                          num_experts=args.num_experts, dtype=mixed_precision.dtype_name(args),
                          add_bias_linear=not args.disable_bias_linear, cuda=_cuda_available(),

@@ -41,6 +41,7 @@ import weakref
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+from megatron_parm.mcore_compat.comm_stream import on_compute_thread
 from megatron_parm.training import mixed_precision
 
 
@@ -92,7 +93,10 @@ class WeakHookDDP(DistributedDataParallel):
         def hook(*unused):
             ddp = wrapper()
             if ddp is not None:
-                make(ddp, param)(*unused)
+                # A gradient of the combined 1F1B's communication nodes (on the CPU, a thread of
+                # their own) may complete a bucket, whose reduction must keep the compute
+                # thread's order on every rank.
+                on_compute_thread(lambda: make(ddp, param)(*unused))
 
         return hook
 

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.utils import openai_gelu
 
@@ -25,6 +24,7 @@ from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm import device
 from megatron_parm.specs import gpt_block_spec, layer_spec
+from megatron_parm.training.bert_schedule_plan import ParmBertModel
 from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import expert_implementation
 
@@ -84,7 +84,9 @@ def architecture_fields(args) -> dict:
         moe_layer_freq=args.moe_layer_freq,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
-        moe_shared_expert_overlap=args.moe_shared_expert_overlap)
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=args.delay_wgrad_compute)
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
     else:
@@ -188,7 +190,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             **stage,
         )
     else:
-        model = BertModel(
+        model = ParmBertModel(
             config=config,
             num_tokentypes=2 if args.bert_binary_head else 0,
             transformer_layer_spec=layer_spec(args.model_type, args.num_experts,
@@ -253,16 +255,24 @@ def gpt_loss(loss_mask_bs, losses_bs):
     return lm_loss, {"lm loss": lm_loss.detach().clone()}
 
 
-def gpt_forward_step(data_iterator, model):
+def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
     batch = _to_device(next(data_iterator))
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
+                                         batch["attention_mask"], labels=batch["labels"])
+        return plan, partial(gpt_loss, batch["loss_mask"])
     # losses [b, s]: per-token cross entropy (the model computes it from labels)
     losses_bs = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                       labels=batch["labels"])
     return losses_bs, partial(gpt_loss, batch["loss_mask"])
 
 
-def bert_loss(loss_mask_bs, is_random_b, output):
-    losses_bs, binary_logits_b2 = output
+def bert_loss(loss_mask_bs, is_random_b, *output):
+    # output: the model's (losses, binary logits), or, from the combined 1F1B's plan, its
+    # post-process node's outputs as arguments (the losses alone without a binary head)
+    if len(output) == 1 and isinstance(output[0], tuple):
+        output = output[0]
+    losses_bs, binary_logits_b2 = output if len(output) == 2 else (output[0], None)
     lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     if binary_logits_b2 is None:
         return lm_loss, {"lm loss": lm_loss.detach().clone()}
@@ -273,8 +283,14 @@ def bert_loss(loss_mask_bs, is_random_b, output):
                                 "sop loss": sop_loss.detach().clone()}
 
 
-def bert_forward_step(data_iterator, model):
+def bert_forward_step(data_iterator, model, return_schedule_plan=False):
     batch = _to_device(next(data_iterator))
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(
+            batch["text"], batch["padding_mask"],
+            tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
+            lm_labels=batch["labels"])
+        return plan, partial(bert_loss, batch["loss_mask"], batch["is_random"])
     output = model(batch["text"], batch["padding_mask"],
                    tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
                    lm_labels=batch["labels"])

@@ -14,6 +14,11 @@ Categories (ms per iteration, mean over ranks; they add up to the step):
       phases up to the experts, the experts' module, the phases after it; forward and backward.
       A pipelined schedule (parm_s2) interleaves its phases with the experts' chunks: its
       non-expert time is moe_dispatch_combine.
+  moe_comm_wait      --overlap-moe-expert-parallel-comm on the CPU: the compute thread waiting
+                     for the communication stream's nodes (their part that the other
+                     micro-batch's work did not hide). The layers' other work runs in
+                     Megatron-Core's schedule nodes, not in the modules' forward: attention and
+                     the dispatcher's local phases count as rest there, the experts as before.
   attention_dense    the rest of each transformer layer: layer norms, attention, a dense MLP,
                      residuals (their TP/SP collectives excluded)
   tp_sp              Megatron-Core's tensor- and sequence-parallel collectives outside the MoE
@@ -25,6 +30,11 @@ Categories (ms per iteration, mean over ranks; they add up to the step):
   optimizer          optimizer.step(): gradient norm and clipping, Adam, the distributed
                      optimizer's parameter all-gather
   rest               everything else: data, embedding, loss, the loss reduction
+
+With --overlap-moe-expert-parallel-comm on the CPU each logged record also has "comm_stream":
+per kind of communication node (the MoE dispatch and combine, forward and backward), ms per
+iteration it ran on its thread (busy), ms the compute thread waited for it (waited), and the
+share hidden, 1 - waited / busy (mcore_compat.comm_stream measures them).
 
 How: a module's forward is bracketed by its forward pre-hook and hook, its backward by an
 identity autograd function on its input and output (its output's gradient arrives first, its
@@ -47,13 +57,17 @@ import torch
 
 from megatron_parm import device
 from megatron_parm.backward_hook import on_backward
+from megatron_parm.mcore_compat import comm_stream
 
 CATEGORIES = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
-              "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
+              "moe_comm_wait", "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
 SHORT_NAMES = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combine": "combine",
-               "moe_dispatch_combine": "dispatch+combine", "attention_dense": "attn+dense",
-               "tp_sp": "tp/sp comm", "dp_grad_reduce": "dp grad reduce",
-               "optimizer": "optimizer", "rest": "rest"}
+               "moe_dispatch_combine": "dispatch+combine", "moe_comm_wait": "comm wait",
+               "attention_dense": "attn+dense", "tp_sp": "tp/sp comm",
+               "dp_grad_reduce": "dp grad reduce", "optimizer": "optimizer", "rest": "rest"}
+# The combined 1F1B's communication nodes, as the breakdown names them (comm_stream's names).
+COMM_NODES = {"moe_dispatch forward": "dispatch fwd", "moe_combine forward": "combine fwd",
+              "moe_combine backward": "combine bwd", "moe_dispatch backward": "dispatch bwd"}
 
 
 def _mark(value, callback):
@@ -127,6 +141,12 @@ class StepTimer:
         self.in_step, self.last = False, 0.0
         self.interval_tuning = False  # a layer's dispatcher measured candidates (parm's tuning)
         self.handles, self.restore = [], []
+        self.stream = comm_stream.worker_stream() if config.overlap_moe_expert_parallel_comm \
+            else None
+        self.comm = {}  # the interval's comm_stream stats, summed over its steps
+        if self.stream is not None:
+            self.stream.take_stats()  # from this run's first step on
+            self.restore.append(comm_stream.observe_waits(lambda: self.region("moe_comm_wait")))
 
         for chunk in model:
             for module in chunk.modules():
@@ -169,7 +189,7 @@ class StepTimer:
     def push(self, category: str, outside_moe: bool = False) -> None:
         """Open a region; with outside_moe, count it only where no MoE region is open (a TP
         collective inside an MoE layer is that layer's dispatch or combine)."""
-        if not self.in_step:
+        if not self.in_step or comm_stream.on_worker():  # the compute thread's time only
             return
         if outside_moe and any(c.startswith("moe_") for c in self.stack):
             self.stack.append(self.stack[-1])  # keep counting where we are
@@ -178,14 +198,14 @@ class StepTimer:
         self.stack.append(category)
 
     def pop(self) -> None:
-        if not self.in_step or not self.stack:
+        if not self.in_step or not self.stack or comm_stream.on_worker():
             return
         self._advance()
         self.stack.pop()
 
     def _rename_top(self, category: str) -> None:
         """Leave the innermost region and continue in `category` at the same depth."""
-        if self.in_step and self.stack:
+        if self.in_step and self.stack and not comm_stream.on_worker():
             self._advance()
             self.stack[-1] = category
 
@@ -282,6 +302,11 @@ class StepTimer:
         self.interval_tuning |= self._tuning()
         for name, value in (losses or {}).items():
             self.interval_losses[name] = self.interval_losses.get(name, 0.0) + value
+        if self.stream is not None:
+            for name, stats in self.stream.take_stats().items():
+                summed = self.comm.setdefault(name, {"busy_s": 0.0, "waited_s": 0.0})
+                summed["busy_s"] += stats["busy_s"]
+                summed["waited_s"] += stats["waited_s"]
 
     def summary(self) -> dict:
         """The interval's mean ms per iteration per category, averaged over the ranks, and
@@ -289,15 +314,25 @@ class StepTimer:
         steps = max(self.interval_steps, 1)
         values = [self.interval[c] * 1e3 / steps for c in CATEGORIES]
         step_ms = sum(values)
-        mean = torch.tensor(values + [step_ms], dtype=torch.float64, device=device.current())
+        comm = [self.comm.get(name, {}).get(key, 0.0) * 1e3 / steps
+                for name in COMM_NODES for key in ("busy_s", "waited_s")]
+        mean = torch.tensor(values + [step_ms] + comm, dtype=torch.float64,
+                            device=device.current())
         slowest = torch.tensor([step_ms], dtype=torch.float64, device=device.current())
         torch.distributed.all_reduce(mean)
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
         mean = (device.to_host(mean) / torch.distributed.get_world_size()).tolist()
-        record = {"ms": dict(zip(CATEGORIES, mean[:-1])), "step_ms": mean[-1],
+        n = len(CATEGORIES)
+        record = {"ms": dict(zip(CATEGORIES, mean[:n])), "step_ms": mean[n],
                   "slowest_rank_step_ms": device.to_host(slowest).item(),
                   "iterations": self.interval_steps, "tuning": self.interval_tuning,
                   "losses": {k: v / steps for k, v in self.interval_losses.items()}}
+        if self.stream is not None:
+            record["comm_stream"] = {
+                name: {"busy_ms": busy, "waited_ms": waited,
+                       "hidden": 1.0 - waited / busy if busy > 0 else None}
+                for name, busy, waited in zip(COMM_NODES, mean[n + 1::2], mean[n + 2::2])}
+        self.comm = {}
         for category in CATEGORIES:
             self.totals[category] += self.interval[category]
         self.interval = dict.fromkeys(CATEGORIES, 0.0)
@@ -330,5 +365,10 @@ def breakdown_line(record: dict) -> str:
     """' time breakdown (ms/iteration, mean over ranks): dispatch 1.2 | ... | step 20.0'"""
     parts = [f"{SHORT_NAMES[c]} {record['ms'][c]:.1f}" for c in CATEGORIES
              if record["ms"][c] > 0 or c in ("attention_dense", "rest")]
-    return (f" time breakdown (ms/iteration, mean over ranks): {' | '.join(parts)} | "
+    line = (f" time breakdown (ms/iteration, mean over ranks): {' | '.join(parts)} | "
             f"step {record['step_ms']:.1f} (slowest rank {record['slowest_rank_step_ms']:.1f})")
+    nodes = [f"{COMM_NODES[name]} {stats['busy_ms']:.1f} ({100 * stats['hidden']:.0f}% hidden)"
+             for name, stats in record.get("comm_stream", {}).items() if stats["hidden"] is not None]
+    if nodes:
+        line += f"\n comm stream (ms/iteration, share hidden): {' | '.join(nodes)}"
+    return line
