@@ -58,7 +58,7 @@ def test_no_other_module_assigns_into_megatron_or_torch():
     offenders = []
     for path in sorted((REPO / "megatron_parm").rglob("*.py")):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        if module in allowed:
+        if module in allowed or module.startswith("megatron_parm.mcore_compat."):  # its package
             continue
         tree = ast.parse(path.read_text())
         patched_modules = {alias.asname or alias.name.split(".")[0]

@@ -49,6 +49,7 @@ def bare_timer():
     timer.interval = dict.fromkeys(timing.CATEGORIES, 0.0)
     timer.interval_steps, timer.interval_losses, timer.interval_tuning = 0, {}, False
     timer.in_step, timer.last = False, 0.0
+    timer.stream, timer.comm = None, {}
     return timer
 
 
