@@ -210,15 +210,19 @@ def profile_identity(profile) -> str:
 
 
 def cache_key(shape, layout, sequence_parallel: bool, cluster: Dict, profile: str,
-              layer: Optional[int] = None) -> Dict:
+              layer: Optional[int] = None, combined_1f1b: bool = False) -> Dict:
     """What a cached result must match: the layer (its number: layers of one shape may measure
     different winners, and a resumed run must run each layer's own), its shape, its layout,
-    the cluster, the profile."""
+    the cluster, the profile, and whether Megatron-Core's combined 1F1B schedule runs the
+    layer (--overlap-moe-expert-parallel-comm: measured so, a schedule's time is another)."""
     from dataclasses import asdict
 
-    return {"layer": layer, "shape": asdict(shape),
-            "layout": {**asdict(layout), "sequence_parallel": bool(sequence_parallel)},
-            "cluster": dict(cluster), "profile": profile}
+    key = {"layer": layer, "shape": asdict(shape),
+           "layout": {**asdict(layout), "sequence_parallel": bool(sequence_parallel)},
+           "cluster": dict(cluster), "profile": profile}
+    if combined_1f1b:  # (absent otherwise: the keys of earlier files stay valid)
+        key["schedule"] = "combined 1F1B"
+    return key
 
 
 def _encode(schedule):

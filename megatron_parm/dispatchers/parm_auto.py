@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import time
 import warnings
 from typing import Dict, List, Optional
 
@@ -18,6 +19,7 @@ from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import ranks_per_node
 from megatron_parm.config import parm_setting
 from megatron_parm.dispatchers.base import ParmTokenDispatcher
+from megatron_parm.mcore_compat import comm_stream
 from megatron_parm.parallel import stage_group
 from megatron_parm.perf_model import Choice, LayerShape, Layout, choose_schedule, load_profile
 from megatron_parm.perf_model.profile import resolve_profile
@@ -86,6 +88,8 @@ class _Tuning:
         record = self.calls[index]
         if record.get("failed") or self.plan.candidates[self.plan.candidate(index)] in self.failed:
             return tuning.FAILED
+        if "critical_s" in record:  # the combined 1F1B on the CPU (ParmAutoTokenDispatcher)
+            return record["critical_s"]
         return (_seconds(record.get("fwd_start"), record.get("fwd_end"))
                 + _seconds(record.get("bwd_start"), record.get("bwd_end")))
 
@@ -244,7 +248,10 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         choice = choose_schedule(self._shape(num_tokens, dtype), self._layout(), self.profile,
                                  sequence_parallel=bool(cfg.sequence_parallel),
                                  extra_chunks=extra)
-        built = {key: t for key, t in choice.times.items() if tuning._name(key) in self.schedules}
+        # As the combined 1F1B's nodes a chunked schedule runs phase by phase, in one chunk:
+        # its chunk counts are not candidates there.
+        built = {key: t for key, t in choice.times.items() if tuning._name(key) in self.schedules
+                 and not (self.comm_nodes and not isinstance(key, str))}
         if len(built) == len(choice.times):
             return choice
         # a candidate was left out: neither chosen nor timed
@@ -313,7 +320,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         cfg = self.config
         key = tuning.cache_key(self._shape(num_tokens, dtype), self._layout(),
                                bool(cfg.sequence_parallel), self._cluster(),
-                               tuning.profile_identity(self.profile), self.layer_number)
+                               tuning.profile_identity(self.profile), self.layer_number,
+                               combined_1f1b=self.comm_nodes)
         path = parm_setting(cfg, "parm_tune_cache")
         cache = tuning.TuningCache(path) if path else None
         lookup = cache.lookup(key) if cache else tuning.Lookup()
@@ -397,31 +405,62 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 
+    # -- timing a call as the combined 1F1B runs it (CPU) -------------------------------
+    # There the phases run in the schedule's nodes, interleaved with another micro-batch's
+    # work, and the communication ones on their own thread (mcore_compat.comm_stream): a
+    # call's cost is what it leaves on the compute thread's path, its local phases there
+    # (forward) and the compute thread's waits for its communication nodes, forward and
+    # backward. Elsewhere (and on a GPU) a call is timed from its first phase to its last.
+
+    def _critical(self) -> bool:
+        return self._record is not None and "critical_s" in self._record
+
+    def _on_compute_thread(self, call, *args):
+        if not self._critical():
+            return call(*args)
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self._record["critical_s"] += time.perf_counter() - start
+
+    def _charge_waits(self) -> None:
+        if self._critical():
+            record = self._record
+            comm_stream.charge_waits(
+                lambda seconds: record.__setitem__("critical_s", record["critical_s"] + seconds))
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         timed = torch.is_grad_enabled() and (hidden_states.requires_grad or probs.requires_grad)
         self._choose(hidden_states.numel() // hidden_states.shape[-1], hidden_states.dtype,
                      hidden_states.device, timed)
         if self._record is None:
             return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
+        if self.comm_nodes and comm_stream.worker_stream() is not None:
+            self._record["critical_s"] = 0.0
+            return self._on_compute_thread(self._guarded, "dispatch_preprocess", hidden_states,
+                                           routing_map, probs)
         self._record["fwd_start"] = _stamp()
         hidden_states, probs = _Mark.apply(self._record, "bwd_end", hidden_states, probs)
         return self._guarded("dispatch_preprocess", hidden_states, routing_map, probs)
 
     def token_dispatch(self, hidden_states, probs):
+        self._charge_waits()
         return self.active.token_dispatch(hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states, probs):
-        return self.active.dispatch_postprocess(hidden_states, probs)
+        return self._on_compute_thread(self.active.dispatch_postprocess, hidden_states, probs)
 
     def combine_preprocess(self, hidden_states):
-        return self.active.combine_preprocess(hidden_states)
+        return self._on_compute_thread(self.active.combine_preprocess, hidden_states)
 
     def token_combine(self, hidden_states):
+        self._charge_waits()
         return self.active.token_combine(hidden_states)
 
     def combine_postprocess(self, hidden_states):
         output = self.active.combine_postprocess(hidden_states)
-        if self._record is None:
+        if self._record is None or self._critical():
             return output
         (output,) = _Mark.apply(self._record, "bwd_start", output)
         self._record["fwd_end"] = _stamp()

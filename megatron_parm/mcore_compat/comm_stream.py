@@ -56,8 +56,11 @@ _WAIT_OBSERVERS: List[Callable[[], Any]] = []
 class _Task:
     """One node submitted to the worker: its result and the compute-thread calls it queued."""
 
-    def __init__(self, run: Callable[[], Any], name: str):
-        self.run, self.name = run, name
+    def __init__(self, run: Callable[[], Any], name: str, node=None):
+        self.run, self.name, self.node = run, name, node
+        # who is told how long the compute thread waited for it (charge_waits); a node's
+        # backward inherits its forward's
+        self.account: Optional[Callable[[float], None]] = getattr(node, "wait_account", None)
         self.future: Future = Future()
         self.deferred: List[Callable[[], None]] = []
         self.settled = False  # its deferred calls have run on the compute thread
@@ -99,12 +102,12 @@ class WorkerStream:
         self.settle_all()
 
     # -- work ---------------------------------------------------------------------------
-    def submit(self, run: Callable[[], Any], name: str = "node") -> "Promise":
+    def submit(self, run: Callable[[], Any], name: str = "node", node=None) -> "Promise":
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="parm-comm-stream",
                                             daemon=True)
             self._thread.start()
-        task = _Task(run, name)
+        task = _Task(run, name, node)
         self._open.append(task)
         self._queue.put(task)
         return Promise(self, task)
@@ -134,8 +137,10 @@ class WorkerStream:
                     observers.enter_context(observer())
                 start = time.perf_counter()
                 first.future.exception()  # waits; an error is raised by its own Promise
-                self.waited[first.name] = self.waited.get(first.name, 0.0) + \
-                    time.perf_counter() - start
+                waited = time.perf_counter() - start
+            self.waited[first.name] = self.waited.get(first.name, 0.0) + waited
+            if first.account is not None:
+                first.account(waited)
             self.count[first.name] = self.count.get(first.name, 0) + 1
             self._open.pop(0)
             first.settled = True
@@ -203,6 +208,17 @@ def worker_stream() -> Optional[WorkerStream]:
     return stream if isinstance(stream, WorkerStream) else None
 
 
+def charge_waits(account: Callable[[float], None]) -> None:
+    """On the worker, inside a node: ACCOUNT(seconds) is told every wait of the compute
+    thread for this node, and later for its backward (parm's tuning times so what a schedule
+    leaves on the compute thread's path). Elsewhere nothing happens."""
+    task = getattr(_WORKER, "task", None)
+    if task is not None:
+        task.account = account
+        if task.node is not None:
+            task.node.wait_account = account
+
+
 def on_compute_thread(call: Callable[[], None]) -> None:
     """Run CALL now, or, on the worker, when the compute thread resolves the running node."""
     task = getattr(_WORKER, "task", None)
@@ -230,7 +246,8 @@ def _node_call(original: Callable, forward: bool) -> Callable:
                         (RNG_LOCK if forward else contextlib.nullcontext()):
                     return original(node, *resolved_args(args))
 
-            return node.stream.submit(run, f"{node.name} {'forward' if forward else 'backward'}")
+            return node.stream.submit(run, f"{node.name} {'forward' if forward else 'backward'}",
+                                      node)
         return original(node, *resolved_args(args))
 
     return call
