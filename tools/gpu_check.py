@@ -39,6 +39,10 @@ output of every stage goes to OUT_DIR/gpu_check.log.
      tiny configs, the latter also with DeepSeek-V3's router (sigmoid, expert bias, groups) and
      with --moe-shared-expert-overlap (its shared experts in a CUDA stream of their own);
      the losses fall and the overlap keeps them (2e-2 in bf16)
+  i  Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm) on 2 ranks sharing the
+     GPU over gloo (EP 2), bf16, 2 micro-batches: parm, parm_s1, and parm_s1 with
+     --delay-wgrad-compute and grouped experts, each with and without the flag; the losses
+     agree (2e-2 in bf16)
 
 --allow-cpu runs everything on CPU (gloo), as the tests do for a dry run; there stage d counts
 nothing (nothing synchronises without CUDA) and says so. --quick shrinks shapes and iteration
@@ -67,10 +71,11 @@ sys.path.insert(0, str(REPO))
 
 from megatron_parm import cli  # noqa: E402  (a mistake: one line, exit status 2)
 
-STAGES = ("a", "b", "c", "d", "e", "f", "g", "h")
+STAGES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 # Seconds a stage may take at most on a GPU machine (the --budget left can cut it shorter);
 # CPU dry runs get CPU_SLOWDOWN times as long.
-STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150, "g": 150, "h": 120}
+STAGE_TIMEOUT = {"a": 240, "b": 150, "c": 120, "d": 60, "e": 90, "f": 150, "g": 150, "h": 120,
+                 "i": 120}
 CPU_SLOWDOWN = 4
 TRAIN_ITERS = 30
 RESUME_ITERS = 5
@@ -172,8 +177,8 @@ class Check:
                 proc.wait()
                 return 124
 
-    def torchrun(self, worker: str, timeout: float) -> int:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+    def torchrun(self, worker: str, timeout: float, nproc: int = 1) -> int:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "tools/gpu_check.py", "--worker", worker, "--out", self.out]
         return self.run(cmd + (["--quick"] if self.args.quick else []), timeout)
@@ -226,10 +231,10 @@ class Check:
         return dict(result, status="passed" if ok else "failed",
                     reason=None if ok else f"{len(failed)} of {counts['tests']} tests failed")
 
-    def _worker_stage(self, worker: str, stage: str, timeout: float) -> dict:
+    def _worker_stage(self, worker: str, stage: str, timeout: float, nproc: int = 1) -> dict:
         report = self.out / f"{stage}.json"
         report.unlink(missing_ok=True)
-        status = self.torchrun(worker, timeout)
+        status = self.torchrun(worker, timeout, nproc)
         if status == 124:
             return {"status": "failed", "reason": f"timed out after {timeout:.0f} s"}
         if not report.is_file():
@@ -260,6 +265,10 @@ class Check:
         prepare_data()
         return self._worker_stage("modern", "h", timeout)
 
+    def stage_i(self, timeout: float) -> dict:
+        prepare_data()
+        return self._worker_stage("overlap", "i", timeout, nproc=2)
+
     def stage_g(self, timeout: float) -> dict:
         profile = self.out / "g_profile.yaml"
         profile.unlink(missing_ok=True)
@@ -282,7 +291,8 @@ class Check:
 
 
 STAGE_RUNNERS = {"a": Check.stage_a, "b": Check.stage_b, "c": Check.stage_c, "d": Check.stage_d,
-                 "e": Check.stage_e, "f": Check.stage_f, "g": Check.stage_g, "h": Check.stage_h}
+                 "e": Check.stage_e, "f": Check.stage_f, "g": Check.stage_g, "h": Check.stage_h,
+                 "i": Check.stage_i}
 
 # Stage g's calibration flags (--quick: the dry run's small shapes)
 CALIBRATION_BASE = "nvlink_ib_estimate"

@@ -18,7 +18,9 @@
 # d host synchronisations per layer call; e what each S2 chunk costs, with a profile; f the
 # same with SequentialMLP and grouped experts on that layer and a larger one (hidden 2048, FFN
 # 8192), kernel launches and the grouped experts' targets; g calibration on the GPU alone
-# (compute, the chunk cost, the framework terms; OUT_DIR/g_profile.yaml). Writes OUT_DIR/gpu_check.log and
+# (compute, the chunk cost, the framework terms; OUT_DIR/g_profile.yaml); h today's MoE models
+# in bf16; i Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm) with Parm's
+# dispatchers on 2 ranks sharing the GPU over gloo. Writes OUT_DIR/gpu_check.log and
 # OUT_DIR/summary.json.
 # Exit status: 0 every stage passed, 1 some did not, 2 bad arguments or setup, 124 timed out.
 set -uo pipefail

@@ -121,7 +121,7 @@ def test_tool_refusals(tmp_path):
 def dry_run(tmp_path_factory, prepared_data):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = run([sys.executable, TOOL, "--out", str(out), "--allow-cpu", "--quick", "--stages",
-                "b,c,d,e,f,h", "--budget", "1700"], timeout=1800)
+                "b,c,d,e,f,h,i", "--budget", "1700"], timeout=1800)
     summary = json.loads((out / "summary.json").read_text())
     return proc, summary, out
 
@@ -131,7 +131,7 @@ def test_dry_run_passes_every_stage(dry_run):
     assert proc.returncode == 0, (proc.stdout, (out / "gpu_check.log").read_text()[-5000:])
     assert {stage: result["status"] for stage, result in summary["stages"].items()} == \
         {"b": "passed", "c": "passed", "d": "passed", "e": "passed", "f": "passed",
-         "h": "passed"}
+         "h": "passed", "i": "passed"}
     assert "stage b: passed" in (out / "gpu_check.log").read_text()
 
 
@@ -140,6 +140,13 @@ def test_dry_run_training_stage(dry_run):
     assert all(stage["checks"].values()), stage["checks"]
     assert stage["eval_after_loading"] == pytest.approx(stage["eval_after_training"], rel=1e-3)
     assert stage["backend"] == "gloo" and stage["fp16_skipped_iterations"] >= 1
+
+
+def test_dry_run_combined_1f1b_stage(dry_run):
+    stage = dry_run[1]["stages"]["i"]
+    assert all(stage["checks"].values()) and len(stage["checks"]) == 3, stage["checks"]
+    assert stage["backend"] == "gloo"
+    assert set(stage["losses"]) == {"parm", "parm_s1", "parm_s1_delay"}
 
 
 def test_dry_run_modern_models_stage(dry_run):

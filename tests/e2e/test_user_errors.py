@@ -84,6 +84,29 @@ def bad_inputs(run: Path) -> dict:
              "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"],
             "error: Megatron-Core 0.16.1 refuses these flags: shared_experts recompute cannot "
             "work with --moe-shared-expert-overlap."),
+        # the combined 1F1B schedule's rules (layout_rules.moe_overlap_problem)
+        "overlap in fp32": (["--overlap-moe-expert-parallel-comm"],
+                            "error: --overlap-moe-expert-parallel-comm needs --bf16 or --fp16"),
+        "overlap without expert parallelism": (
+            ["--overlap-moe-expert-parallel-comm", "--bf16", "--expert-model-parallel-size", "1"],
+            "error: --overlap-moe-expert-parallel-comm needs expert parallelism "
+            "(--expert-model-parallel-size > 1)"),
+        "overlap with pipelines but no virtual stages": (
+            ["--overlap-moe-expert-parallel-comm", "--bf16", "--tensor-model-parallel-size", "1",
+             "--pipeline-model-parallel-size", "2"],
+            "with --pipeline-model-parallel-size 2 needs virtual pipeline stages"),
+        "overlap with full recompute": (
+            ["--overlap-moe-expert-parallel-comm", "--bf16", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+            "cannot run with --recompute-granularity full"),
+        "overlap with shared-expert overlap": (
+            ["--overlap-moe-expert-parallel-comm", "--bf16", "--moe-shared-expert-overlap",
+             "--moe-shared-expert-intermediate-size", "64"],
+            "error: --moe-shared-expert-overlap and --overlap-moe-expert-parallel-comm exclude "
+            "each other"),
+        "delayed weight gradients without the overlap": (
+            ["--delay-wgrad-compute", "--bf16"],
+            "error: --delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
         # Megatron-LM's data-parallel flags that cannot run here (training/ddp.py)
         "param gather without the distributed optimizer": (
             ["--overlap-grad-reduce", "--overlap-param-gather"],

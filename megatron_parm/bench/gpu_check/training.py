@@ -105,3 +105,46 @@ def worker_modern(out: Path, quick: bool) -> dict:
             "reason": None if all(checks.values()) else
             "failed: " + "; ".join(name for name, ok in checks.items() if not ok),
             "backend": torch.distributed.get_backend(), "checks": checks, "losses": losses}
+
+
+OVERLAP_ITERS = 8
+
+
+def worker_overlap(out: Path, quick: bool) -> dict:
+    """Stage i: Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm) with a Parm
+    dispatcher on 2 ranks sharing the GPU over gloo (expert parallelism needs 2 ranks; NCCL
+    cannot put two on one GPU), bf16, 2 micro-batches per iteration: parm and parm_s1, with the
+    schedule's own CUDA streams, and --delay-wgrad-compute with grouped experts; the losses
+    equal the runs without the flag (bf16 on a GPU: 2e-2, sums in another order)."""
+    import torch
+
+    from megatron_parm import device
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import initialize_distributed, pretrain
+
+    if not torch.distributed.is_initialized():  # gloo, even on the GPU (see the docstring)
+        device.set_device(0)
+        torch.distributed.init_process_group("gloo")
+    initialize_distributed()
+    iters = 4 if quick else OVERLAP_ITERS
+    base = ["--config", "configs/gpt2_tiny_moe.yaml", "--bf16", "--expert-model-parallel-size",
+            "2", "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters",
+            str(iters), "--lr-warmup-iters", "1", "--eval-interval", str(10 * iters),
+            "--eval-iters", "1", "--log-interval", str(max(iters // 2, 1))]
+    runs = {}
+    for name, flags in {"parm": ["--moe-token-dispatcher-type", "parm"],
+                        "parm_s1": ["--moe-token-dispatcher-type", "parm_s1"],
+                        "parm_s1_delay": ["--moe-token-dispatcher-type", "parm_s1",
+                                          "--moe-grouped-gemm"]}.items():
+        extra = ["--delay-wgrad-compute"] if name.endswith("_delay") else []
+        runs[name] = {"without": pretrain(parse_args(base + flags))["losses"],
+                      "with": pretrain(parse_args(base + flags + [
+                          "--overlap-moe-expert-parallel-comm", *extra]))["losses"]}
+    checks = {f"{name}: the overlap keeps the losses (2e-2)":
+              len(r["with"]) == iters and max(abs(a - b) for a, b in
+                                              zip(r["with"], r["without"])) <= 2e-2
+              for name, r in runs.items()}
+    return {"status": "passed" if all(checks.values()) else "failed",
+            "reason": None if all(checks.values()) else
+            "failed: " + "; ".join(name for name, ok in checks.items() if not ok),
+            "backend": torch.distributed.get_backend(), "checks": checks, "losses": runs}
