@@ -186,7 +186,8 @@ def train(cell: dict, model, dispatcher: str, variant: str):
         "--moe-token-dispatcher-type", dispatcher, "--parm-timing-file", timing_file]
     train_iters = cell["warmup"] + cell["iterations"]
     if dispatcher == e2e.AUTO:
-        # a variant's own choice: the combined 1F1B, say, changes what each candidate costs
+        # a file per variant: a variant without a choice yet (the combined 1F1B's is cached
+        # under a key of its own) gets the room for its tuning iterations
         cache = os.path.join(cell["tune_dir"], f"{cell['model']}_{cell['preset']}_"
                              f"{cell['layout'].replace(',', '')}{suffix}.json")
         flags += ["--parm-tune-cache", cache]
