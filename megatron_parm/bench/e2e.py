@@ -2,24 +2,32 @@
 dispatcher, on the emulated cluster's presets and layouts (tools/bench_e2e.py runs it).
 
     MODELS                       name -> Model: the shipped config scaled to fit a CPU machine
-    load_config(path)            a benchmark config, checked (ValueError naming the field);
-                                 its training_flags are added to every run
+    load_config(path)            a benchmark config, checked (ValueError naming the file and
+                                 field); its training_flags are added to every run, each
+                                 variant's flags to its runs
     cells(config)                (pass, model, preset, layout) in run order
-    model_flags(model, layout, world_size)   the training flags of one model in one layout
-    done_keys(records)           what an output file already holds (the benchmark resumes)
-    summarize(records, config)   per configuration and dispatcher: tokens/s, spread, ratios,
-                                 time breakdown, losses against alltoall's; the targets
+    run_order(config, run)       (dispatcher, variant) of one launch, in run order
+    model_flags(model, layout, world_size, train_iters, micro_batches)
+                                 the training flags of one model in one layout
+    in_config(record, config), done_keys(records)   what an output file holds of a config
+                                 (the benchmark resumes)
+    summarize(records, config)   per configuration, variant and dispatcher: tokens/s, spread,
+                                 ratios, time breakdown, losses against alltoall's; the targets
     markdown(summary), plot(summary, path)
 
 Notation: a configuration is (model, preset, layout); a layout "tp,ep,etp" on NODES x
-RANKS_PER_NODE ranks in Megatron's rank order; tokens/s = the global batch's tokens per
-iteration / the slowest rank's step time (the timing breakdown's, training/timing.py);
-warm-up iterations (and parm's tuning iterations, where it measures candidates) are left out.
+RANKS_PER_NODE ranks in Megatron's rank order; a variant is a name and training flags that
+some runs add (say Megatron-Core's combined 1F1B, --overlap-moe-expert-parallel-comm): every
+dispatcher runs under every variant, and a variant's rows are compared with alltoall's of
+the same variant; tokens/s = the global batch's tokens per iteration / the slowest rank's step
+time (the timing breakdown's, training/timing.py); warm-up iterations (and parm's tuning
+iterations, where it measures candidates) are left out.
 
-Every dispatcher of a configuration trains in the same launch from the same seed and data,
-on one learning-rate schedule fixed by iteration (--lr-decay-iters and --lr-warmup-iters given,
-not derived from --train-iters): a dispatcher's loss at iteration i is comparable with every
-other's, however many iterations each ran. Pure Python apart from the plot (matplotlib).
+Every run of a configuration trains in the same launch from the same seed and data, on one
+learning-rate schedule fixed by iteration (--lr-decay-iters and --lr-warmup-iters given, not
+derived from --train-iters): a dispatcher's loss at iteration i is comparable with every
+other's of its variant, however many iterations each ran. Pure Python apart from the
+breakdown's categories (training/timing.py, which imports torch) and the plot (matplotlib).
 """
 
 from __future__ import annotations
@@ -31,22 +39,27 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
+from megatron_parm.layout_rules import OVERLAP_FLAG
+from megatron_parm.training.timing import CATEGORIES, COMM_NODES, SHORT_NAMES
 from megatron_parm.wording import plural
 
 BASELINE = "alltoall"
 DEEPSPEED = "ds_baseline"
 AUTO = "parm"
-# |loss - alltoall's loss| the dispatchers meet over a few iterations in fp32 (the same bound
-# as tests/e2e/test_pretrain.py's 20-iteration curves).
-LOSS_TOLERANCE = 1e-4
+# |loss - alltoall's loss| the dispatchers meet over a few iterations, per dtype of the runs
+# (mixed_precision.dtype_name): in fp32 the same bound as tests/e2e/test_pretrain.py's
+# 20-iteration curves; in bf16 and fp16, where the schedules' sums in another order round
+# differently, tests/e2e/test_mixed_precision.py's 2e-2 relative at the benchmark models'
+# first losses (about 10). The tiny GPT-2 MoE's bf16 runs of tests/e2e/test_bench.py agree to
+# the bit.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 0.2, "fp16": 0.2}
 LOOPBACK = "loopback"  # no emulator: plain torchrun on this machine's loopback (no root)
-# parm tunes as users run it (--parm-tune-steps' default): one call per iteration here (one
-# micro-batch), so tuning.most_calls(candidates, steps) calls per layer are the extra
-# iterations it gets where no cache holds its choice yet. At 1 timed call per candidate, parm
-# chose S2 in BERT MoE's (2,2,1) layers on one call 4-53% ahead of S1's, and its MoE layers
-# then took 1.4-1.5x as long as S1's (docs/benchmark.md, End to end).
-BREAKDOWN = ("moe_dispatch", "moe_experts", "moe_combine", "moe_dispatch_combine",
-             "attention_dense", "tp_sp", "dp_grad_reduce", "optimizer", "rest")
+# parm tunes as users run it (--parm-tune-steps' default): one call per micro-batch, so
+# tuning.most_calls(candidates, steps) calls per layer over the micro-batches per iteration are
+# the extra iterations it gets where no cache holds its choice yet. At 1 timed call per
+# candidate, parm chose S2 in BERT MoE's (2,2,1) layers on one call 4-53% ahead of S1's, and
+# its MoE layers then took 1.4-1.5x as long as S1's (docs/benchmark.md, End to end).
+PARM_DISPATCHERS = schedules.names(schedules.PARM, schedules.AUTO)
 
 
 @dataclass(frozen=True)
@@ -88,11 +101,15 @@ MODELS: Dict[str, Model] = {
 
 _FIELDS = {"name": str, "description": str, "models": list, "presets": list, "layouts": list,
            "dispatchers": list, "nodes": int, "ranks_per_node": int, "warmup": int,
-           "iterations": int, "passes": int, "training_flags": list}
+           "iterations": int, "passes": int, "micro_batches": int, "training_flags": list,
+           "variants": list}
 _DEFAULTS = {"name": "e2e", "description": "", "nodes": 2, "ranks_per_node": 2, "warmup": 2,
-             "iterations": 4, "passes": 2, "training_flags": []}
+             "iterations": 4, "passes": 2, "micro_batches": 1, "training_flags": []}
+# Without a variants field: one variant, unnamed, with no flags of its own (the records of a
+# config without it, and those written before variants existed, are its runs).
+PLAIN = {"name": "", "flags": []}
 # The flags the benchmark sets in each run itself (model_flags and the worker's), which a
-# config's training_flags may not set again.
+# config's training_flags and variants may not set again.
 RUN_FLAGS = ("--moe-token-dispatcher-type", "--parm-timing-file", "--parm-tune-steps",
              "--parm-tune-cache")
 
@@ -112,7 +129,8 @@ def parse_layout(text: str) -> Tuple[int, int, int]:
 
 def load_config(path: str) -> dict:
     """The benchmark config at PATH, defaults filled; ValueError naming the file and field
-    for an unknown field, model, preset or dispatcher, or a layout that cannot run."""
+    for an unknown field, model, preset or dispatcher, a layout that cannot run, a bad variant,
+    or flags the trainer refuses with a model, layout and dispatcher of the config."""
     from megatron_parm.settings import read_config_file
 
     raw = read_config_file(path)
@@ -121,7 +139,7 @@ def load_config(path: str) -> dict:
         message = (f"--config: {path}: unknown field {unknown[0]!r} (fields: "
                    f"{', '.join(_FIELDS)})")
         raise ValueError(message)
-    config = {**_DEFAULTS, **raw}
+    config = {**_DEFAULTS, "variants": [dict(PLAIN)], **raw}
     for key, kind in _FIELDS.items():
         if key not in config:
             raise ValueError(f"--config: {path}: field {key!r} is required")
@@ -140,6 +158,16 @@ def load_config(path: str) -> dict:
             message = (f"--config: {path}: unknown {key[:-1]} {unknown[0]!r} (known: "
                        f"{', '.join(known)})")
             raise ValueError(message)
+    _check_layouts(path, config)
+    config["training_flags"] = [str(flag) for flag in config["training_flags"]]
+    config["variants"] = _checked_variants(path, config)
+    _check_training_flags(path, config)
+    return config
+
+
+def _check_layouts(path: str, config: dict) -> None:
+    """Each layout fits the world, gives each model whole sequences, and runs with each
+    dispatcher; the layouts normalised ("2,2,2")."""
     world_size = config["nodes"] * config["ranks_per_node"]
     for text in config["layouts"]:
         try:
@@ -164,37 +192,74 @@ def load_config(path: str) -> dict:
                            f"{text}: {problem}")
                 raise ValueError(message)
     config["layouts"] = [",".join(map(str, parse_layout(t))) for t in config["layouts"]]
-    _check_training_flags(path, config, world_size)
-    return config
 
 
-def _check_training_flags(path: str, config: dict, world_size: int) -> None:
+def _checked_variants(path: str, config: dict) -> List[dict]:
+    """The config's variants as {name, flags}: each a mapping of a name (letters, digits,
+    '_' or '-'; unique) and flags (a list, may be empty); a variant of the combined 1F1B
+    schedule needs 2 or more micro-batches per iteration (it overlaps one micro-batch's
+    communication with another's compute)."""
+    def needs_micro_batches(where: str, flags: List[str]) -> None:
+        if OVERLAP_FLAG in flags and config["micro_batches"] < 2:
+            raise ValueError(f"{where}: {OVERLAP_FLAG} overlaps one micro-batch's communication "
+                             f"with another's compute: set micro_batches to 2 or more (it is "
+                             f"{config['micro_batches']})")
+
+    needs_micro_batches(f"--config: {path}: training_flags", config["training_flags"])
+    variants = []
+    for index, variant in enumerate(config["variants"]):
+        where = f"--config: {path}: variants[{index}]"
+        if not isinstance(variant, dict) or set(variant) - {"name", "flags"} \
+                or not isinstance(variant.get("name"), str) \
+                or not isinstance(variant.get("flags", []), list):
+            raise ValueError(f"{where} must be {{name: NAME, flags: [FLAG, ...]}}, got "
+                             f"{variant!r}")
+        name, flags = variant["name"], [str(flag) for flag in variant.get("flags", [])]
+        if (name or len(config["variants"]) > 1) and \
+                not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{where}: name {name!r} is not a word (letters, digits, '_', "
+                             f"'-'){'' if name else '; variants need names'}")
+        if name in [v["name"] for v in variants]:
+            raise ValueError(f"{where}: name {name!r} is given twice")
+        needs_micro_batches(f"{where} ({name})", flags)
+        variants.append({"name": name, "flags": flags})
+    return variants
+
+
+def _check_training_flags(path: str, config: dict) -> None:
     """The config's training_flags (added to every run: Megatron-LM's data-parallel flags,
-    say) as the trainer reads them with each model: ValueError naming the flag, where it is
-    unknown, set by the benchmark itself, or refused with its companions (ddp.check_args; the
-    files a run reads are checked when it starts, after the data is prepared)."""
-    flags = [str(flag) for flag in config["training_flags"]]
-    config["training_flags"] = flags
-    if not flags:
-        return
-    from megatron_parm import device, settings
-    from megatron_parm.training import ddp
-    from megatron_parm.training.arguments import build_parser
+    say), then each variant's on top, as the trainer reads them with each model, layout and
+    dispatcher: ValueError naming the flag, where it is unknown, set by the benchmark itself,
+    or refused with its companions (arguments.validate; the files a run reads are checked
+    when it starts, after the data is prepared)."""
+    from megatron_parm import settings
+    from megatron_parm.training.arguments import build_parser, validate
 
+    world_size = config["nodes"] * config["ranks_per_node"]
+    checks = [("training_flags", config["training_flags"])] + [
+        (f"variant {v['name']}", config["training_flags"] + v["flags"])
+        for v in config["variants"] if v["flags"]]
     for model_name in config["models"]:
         model, parser = MODELS[model_name], build_parser(MODELS[model_name].model_type)
-        own = model_flags(model, config["layouts"][0], world_size, 1)
-        for flag in (f.split("=")[0] for f in flags if f.startswith("-")):
-            if flag not in parser._option_string_actions:
-                raise ValueError(f"--config: {path}: training_flags: unknown flag {flag!r}")
-            if flag in RUN_FLAGS or flag in own:
-                raise ValueError(f"--config: {path}: training_flags: {flag} is set by the "
-                                 "benchmark itself (the model, layout or run): drop it")
-        try:
-            ddp.check_args(settings.read(parser, own + flags), device.is_cuda())
-        except ValueError as err:
-            raise ValueError(f"--config: {path}: training_flags with {model_name}: "
-                             f"{err}") from None
+        own = model_flags(model, config["layouts"][0], world_size, 1, config["micro_batches"])
+        for field_name, flags in checks:
+            for flag in (f.split("=")[0] for f in flags if f.startswith("-")):
+                if flag not in parser._option_string_actions:
+                    raise ValueError(f"--config: {path}: {field_name}: unknown flag {flag!r}")
+                if flag in RUN_FLAGS or flag in own:
+                    raise ValueError(f"--config: {path}: {field_name}: {flag} is set by the "
+                                     "benchmark itself (the model, layout or run): drop it")
+            for layout in config["layouts"]:
+                for dispatcher in config["dispatchers"]:
+                    args = settings.read(parser, model_flags(
+                        model, layout, world_size, 1, config["micro_batches"]) + flags
+                        + ["--moe-token-dispatcher-type", dispatcher])
+                    args.model_type = model.model_type
+                    try:
+                        validate(args, world_size, reads_data=False)
+                    except ValueError as err:
+                        raise ValueError(f"--config: {path}: {field_name} with {model_name} "
+                                         f"({layout}) and {dispatcher}: {err}") from None
 
 
 def cells(config: dict) -> List[Tuple[int, str, str, str]]:
@@ -215,10 +280,26 @@ def dispatcher_order(dispatchers: Sequence[str], run: int) -> List[str]:
     return list(dispatchers) if run % 2 else list(reversed(dispatchers))
 
 
-def model_flags(model: Model, layout: str, world_size: int, train_iters: int) -> List[str]:
+def run_order(config: dict, run: int) -> List[Tuple[str, str]]:
+    """(dispatcher, variant name) of one launch in run order: the dispatchers in
+    dispatcher_order, each under every variant in turn, the variants as given where the
+    dispatcher's place in the config and the pass are both odd or both even, else reversed:
+    within a pass half the dispatchers run one variant first, and a dispatcher alternates
+    from pass to pass."""
+    names = [variant["name"] for variant in config["variants"]]
+    order = []
+    for dispatcher in dispatcher_order(config["dispatchers"], run):
+        place = config["dispatchers"].index(dispatcher) + 1
+        order += [(dispatcher, name) for name in (names if (place + run) % 2 == 0
+                                                  else reversed(names))]
+    return order
+
+
+def model_flags(model: Model, layout: str, world_size: int, train_iters: int,
+                micro_batches: int = 1) -> List[str]:
     """The training flags of MODEL in LAYOUT: the shipped config, its overrides, the layout
-    (sequence parallel with TP), one micro-batch per data-parallel rank per iteration of
-    tokens_per_rank tokens per rank, and a schedule fixed by iteration."""
+    (sequence parallel with TP), MICRO_BATCHES micro-batches per data-parallel rank per
+    iteration of tokens_per_rank tokens per rank each, and a schedule fixed by iteration."""
     tp, ep, etp = parse_layout(layout)
     micro_batch = model.tokens_per_rank * tp // model.seq_length
     data_parallel = world_size // tp
@@ -228,7 +309,7 @@ def model_flags(model: Model, layout: str, world_size: int, train_iters: int) ->
     flags += ["--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
               "--expert-tensor-parallel-size", str(etp),
               "--micro-batch-size", str(micro_batch),
-              "--global-batch-size", str(micro_batch * data_parallel),
+              "--global-batch-size", str(micro_batch * data_parallel * micro_batches),
               "--train-iters", str(train_iters), "--lr-warmup-iters", "1",
               "--lr-decay-iters", "1000", "--eval-iters", "0", "--log-interval", "1"]
     if tp > 1:
@@ -238,7 +319,22 @@ def model_flags(model: Model, layout: str, world_size: int, train_iters: int) ->
 
 def record_key(record: dict) -> tuple:
     return (record["pass"], record["model"], record["preset"], record["layout"],
-            record["dispatcher"])
+            record["dispatcher"], record.get("variant", ""))
+
+
+def in_config(record: dict, config: dict) -> bool:
+    """Whether RECORD is a run of CONFIG: its grid, its training flags, micro-batches per
+    iteration and a variant of its with that variant's flags (records written before
+    variants and micro_batches existed: the unnamed variant without flags, 1 micro-batch)."""
+    variants = {variant["name"]: variant["flags"] for variant in config["variants"]}
+    variant = record.get("variant", "")
+    return (record["model"] in config["models"] and record["preset"] in config["presets"]
+            and record["layout"] in config["layouts"]
+            and record["dispatcher"] in config["dispatchers"]
+            and record["pass"] <= config["passes"]
+            and record.get("training_flags", []) == config["training_flags"]
+            and record.get("micro_batches", 1) == config["micro_batches"]
+            and variant in variants and record.get("variant_flags", []) == variants[variant])
 
 
 def read_records(path: str) -> List[dict]:
@@ -267,17 +363,23 @@ def timed_iterations(record: dict, warmup: int) -> List[dict]:
 
 @dataclass
 class Row:
-    """One dispatcher in one configuration, over every pass."""
+    """One dispatcher in one configuration under one variant, over every pass."""
 
     model: str
     preset: str
     layout: str
     dispatcher: str
+    variant: str = ""
     tokens_per_s: float = 0.0  # median over the timed iterations of all passes
     pass_medians: List[float] = field(default_factory=list)
     spread: float = 0.0  # (max - min) / median of the passes' medians
     breakdown_ms: Dict[str, float] = field(default_factory=dict)  # medians per iteration
     step_ms: float = 0.0
+    # the combined 1F1B's communication nodes (timing.COMM_NODES) that ran: median ms per
+    # iteration on their thread (busy_ms) and the share of it hidden, 1 - waited / busy over
+    # the timed iterations
+    comm_stream: Dict[str, dict] = field(default_factory=dict)
+    dtype: str = "fp32"
     final_losses: List[float] = field(default_factory=list)  # per pass, at the common length
     max_loss_diff: Optional[float] = None  # vs alltoall, every common iteration, every pass
     choices: List[str] = field(default_factory=list)
@@ -285,41 +387,63 @@ class Row:
     vs: Dict[str, float] = field(default_factory=dict)  # tokens/s over alltoall's, ds_baseline's
 
 
+def _row(key: tuple, runs: List[dict], warmup: int) -> Row:
+    """The row of one (model, preset, layout, dispatcher, variant) from its runs."""
+    row = Row(*key, dtype=runs[0].get("dtype", "fp32"))
+    pooled, per_category, steps, timed_all = [], {c: [] for c in CATEGORIES}, [], []
+    for run in sorted(runs, key=lambda r: r["pass"]):
+        timed = timed_iterations(run, warmup)
+        rates = [run["tokens_per_iteration"] / (it["slowest_rank_step_ms"] / 1e3)
+                 for it in timed]
+        if rates:
+            row.pass_medians.append(statistics.median(rates))
+        pooled += rates
+        timed_all += timed
+        for it in timed:
+            steps.append(it["slowest_rank_step_ms"])
+            for category in CATEGORIES:
+                per_category[category].append(it["ms"].get(category, 0.0))
+        row.choices += [c for c in run.get("choices", []) if c and c not in row.choices]
+    row.timed = len(pooled)
+    if pooled:
+        row.tokens_per_s = statistics.median(pooled)
+        row.step_ms = statistics.median(steps)
+        row.breakdown_ms = {c: statistics.median(v) for c, v in per_category.items()}
+    if len(row.pass_medians) > 1:
+        row.spread = ((max(row.pass_medians) - min(row.pass_medians))
+                      / statistics.median(row.pass_medians))
+    for name in COMM_NODES:
+        stats = [it["comm_stream"][name] for it in timed_all
+                 if (it.get("comm_stream") or {}).get(name)]
+        busy = sum(s["busy_ms"] for s in stats)
+        if busy > 0:
+            row.comm_stream[name] = {
+                "busy_ms": statistics.median(s["busy_ms"] for s in stats),
+                "hidden": 1.0 - sum(s["waited_ms"] for s in stats) / busy}
+    return row
+
+
+def overlap_variants(config: dict) -> List[str]:
+    """The names of the config's variants that run the combined 1F1B schedule."""
+    return [v["name"] for v in config["variants"]
+            if OVERLAP_FLAG in config["training_flags"] + v["flags"]]
+
+
 def summarize(records: Sequence[dict], config: dict) -> dict:
-    """Rows per configuration and the targets (see docs/benchmark.md)."""
+    """Rows per configuration, variant and dispatcher, and the targets (see
+    docs/benchmark.md)."""
     warmup = config["warmup"]
+    variant_place = {v["name"]: index for index, v in enumerate(config["variants"])}
     groups: Dict[tuple, List[dict]] = {}
     for r in records:
-        groups.setdefault((r["model"], r["preset"], r["layout"], r["dispatcher"]), []).append(r)
-    rows: List[Row] = []
-    for (model, preset, layout, dispatcher), runs in sorted(groups.items()):
-        row = Row(model, preset, layout, dispatcher)
-        pooled, per_category, steps = [], {c: [] for c in BREAKDOWN}, []
-        for run in sorted(runs, key=lambda r: r["pass"]):
-            timed = timed_iterations(run, warmup)
-            rates = [run["tokens_per_iteration"] / (it["slowest_rank_step_ms"] / 1e3)
-                     for it in timed]
-            if rates:
-                row.pass_medians.append(statistics.median(rates))
-            pooled += rates
-            for it in timed:
-                steps.append(it["slowest_rank_step_ms"])
-                for category in BREAKDOWN:
-                    per_category[category].append(it["ms"].get(category, 0.0))
-            row.choices += [c for c in run.get("choices", []) if c and c not in row.choices]
-        row.timed = len(pooled)
-        if pooled:
-            row.tokens_per_s = statistics.median(pooled)
-            row.step_ms = statistics.median(steps)
-            row.breakdown_ms = {c: statistics.median(v) for c, v in per_category.items()}
-        if len(row.pass_medians) > 1:
-            row.spread = ((max(row.pass_medians) - min(row.pass_medians))
-                          / statistics.median(row.pass_medians))
-        rows.append(row)
-
+        groups.setdefault((r["model"], r["preset"], r["layout"], r["dispatcher"],
+                           r.get("variant", "")), []).append(r)
+    rows = [_row(key, runs, warmup) for key, runs in sorted(
+        groups.items(), key=lambda item: (item[0][:4], variant_place.get(item[0][4], 0)))]
     by_config: Dict[tuple, Dict[str, Row]] = {}
     for row in rows:
-        by_config.setdefault((row.model, row.preset, row.layout), {})[row.dispatcher] = row
+        by_config.setdefault((row.model, row.preset, row.layout, row.variant),
+                             {})[row.dispatcher] = row
     loss_problems = []
     for key, table in by_config.items():
         _compare_losses(key, table, groups, loss_problems)
@@ -327,20 +451,24 @@ def summarize(records: Sequence[dict], config: dict) -> dict:
             if other in table and table[other].tokens_per_s:
                 for row in table.values():
                     row.vs[other] = row.tokens_per_s / table[other].tokens_per_s
+    tolerances = {row.dtype: LOSS_TOLERANCE[row.dtype] for row in rows}
     return {"rows": [row.__dict__ for row in rows],
-            "targets": _targets(by_config),
+            "targets": _targets(by_config) + _overlap_targets(by_config, config),
             "losses_equal": not loss_problems, "loss_problems": loss_problems,
-            "loss_tolerance": LOSS_TOLERANCE, "warmup": warmup,
+            "loss_tolerance": max(tolerances.values(), default=LOSS_TOLERANCE["fp32"]),
+            "loss_tolerances": tolerances, "warmup": warmup,
             "passes": max((r["pass"] for r in records), default=0),
-            "training_flags": config["training_flags"],
+            "training_flags": config["training_flags"], "variants": config["variants"],
+            "micro_batches": config["micro_batches"],
             "load": sorted({round(l, 1) for r in records for l in r.get("load", [])[:1]})}
 
 
 def _compare_losses(key, table: Dict[str, Row], groups, problems: list) -> None:
-    """Final loss per pass (at the iteration every dispatcher of the launch reached) and the
-    largest difference from alltoall's losses over those iterations."""
-    model, preset, layout = key
-    runs = {name: {r["pass"]: r["losses"] for r in groups[(model, preset, layout, name)]}
+    """Final loss per pass (at the iteration every dispatcher of the variant in the launch
+    reached) and the largest difference from alltoall's losses (of the same variant) over
+    those iterations."""
+    model, preset, layout, variant = key
+    runs = {name: {r["pass"]: r["losses"] for r in groups[(model, preset, layout, name, variant)]}
             for name in table}
     reference = runs.get(BASELINE, {})
     for name, row in table.items():
@@ -351,68 +479,139 @@ def _compare_losses(key, table: Dict[str, Row], groups, problems: list) -> None:
             if run in reference:
                 diffs += [abs(a - b) for a, b in zip(losses[:common], reference[run][:common])]
         row.max_loss_diff = max(diffs) if diffs else None
-        if row.max_loss_diff is not None and not row.max_loss_diff <= LOSS_TOLERANCE:
-            problems.append(f"{model} {preset} ({layout}) {name}: |loss - alltoall's| up to "
-                            f"{row.max_loss_diff:.2e} > {LOSS_TOLERANCE:g}")
+        tolerance = LOSS_TOLERANCE[row.dtype]
+        if row.max_loss_diff is not None and not row.max_loss_diff <= tolerance:
+            problems.append(f"{model} {preset} ({layout}) {name}{_in_variant(variant)}: "
+                            f"|loss - alltoall's| up to {row.max_loss_diff:.2e} > "
+                            f"{tolerance:g} ({row.dtype})")
+
+
+def _in_variant(variant: str) -> str:
+    return f", variant {variant}" if variant else ""
 
 
 def _targets(by_config) -> List[dict]:
-    """The targets: on pcie at (2,2,2) parm >= 1.3x alltoall and >= 2x ds_baseline
-    per model; everywhere parm >= alltoall within the larger of the two's spreads."""
+    """The targets of each variant: on pcie at (2,2,2) parm >= 1.3x alltoall and >= 2x
+    ds_baseline per model; everywhere parm >= alltoall within the larger of the two's
+    spreads."""
     targets = []
-    for (model, preset, layout), table in sorted(by_config.items()):
+    for (model, preset, layout, variant), table in by_config.items():  # summarize's order
         parm = table.get(AUTO)
         if parm is None or not parm.tokens_per_s:
             continue
+        where = {"model": model, "preset": preset, "layout": layout, "variant": variant}
         if preset == "pcie" and layout == "2,2,2":
             for other, bound in ((BASELINE, 1.3), (DEEPSPEED, 2.0)):
                 if other in parm.vs:
-                    targets.append({"target": f"parm >= {bound}x {other}", "model": model,
-                                    "preset": preset, "layout": layout,
+                    targets.append({"target": f"parm >= {bound}x {other}", **where,
                                     "value": parm.vs[other], "met": parm.vs[other] >= bound})
         if BASELINE in parm.vs:
             spread = max(parm.spread, table[BASELINE].spread)
-            targets.append({"target": "parm >= alltoall within the spread", "model": model,
-                            "preset": preset, "layout": layout, "value": parm.vs[BASELINE],
-                            "spread": spread, "met": parm.vs[BASELINE] >= 1 - spread})
+            targets.append({"target": "parm >= alltoall within the spread", **where,
+                            "value": parm.vs[BASELINE], "spread": spread,
+                            "met": parm.vs[BASELINE] >= 1 - spread})
     return targets
 
 
-_SHORT = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combine": "combine",
-          "moe_dispatch_combine": "disp+comb", "attention_dense": "attn+dense",
-          "tp_sp": "TP/SP", "dp_grad_reduce": "DP grad", "optimizer": "optim", "rest": "rest"}
+# The combined 1F1B's goals, per configuration: the fastest Parm dispatcher with it against
+# alltoall without it, and against alltoall with it.
+OVERLAP_GOALS = {"without": 1.3, "with": 1.15}
+
+
+def _overlap_targets(by_config, config: dict) -> List[dict]:
+    """Per configuration and variant with the combined 1F1B schedule: its fastest Parm
+    dispatcher against alltoall of each variant without it (goal 1.3x) and of its own (goal
+    1.15x)."""
+    overlap = overlap_variants(config)
+    plain = [v["name"] for v in config["variants"] if v["name"] not in overlap]
+    targets = []
+    for (model, preset, layout, variant), table in by_config.items():  # summarize's order
+        parm_rows = [table[d] for d in PARM_DISPATCHERS if d in table and table[d].tokens_per_s]
+        if variant not in overlap or not parm_rows:
+            continue
+        best = max(parm_rows, key=lambda row: row.tokens_per_s)
+        for other, goal in [(name, OVERLAP_GOALS["without"]) for name in plain] + [
+                (variant, OVERLAP_GOALS["with"])]:
+            alltoall = by_config.get((model, preset, layout, other), {}).get(BASELINE)
+            if alltoall is None or not alltoall.tokens_per_s:
+                continue
+            value = best.tokens_per_s / alltoall.tokens_per_s
+            targets.append({"target": f"best Parm [{variant}] >= {goal}x alltoall [{other}]",
+                            "model": model, "preset": preset, "layout": layout,
+                            "dispatcher": best.dispatcher, "value": value, "met": value >= goal})
+    return targets
 
 
 def markdown(summary: dict) -> str:
-    """Tokens/s with ratios and losses, then the time breakdown, per configuration."""
+    """Tokens/s with ratios and losses, then the time breakdown, the combined 1F1B's
+    communication nodes where they ran, per configuration (and variant, where named)."""
+    rows = summary["rows"]
+    named = any(r["variant"] for r in rows)
     lines = ([f"Every run with the training flags {' '.join(summary['training_flags'])}", ""]
              if summary.get("training_flags") else [])
-    lines += ["| model | preset | layout | dispatcher | tokens/s | spread | vs alltoall | "
-             "vs ds_baseline | final loss | max abs loss diff vs alltoall | timed iterations |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in summary["rows"]:
-        name = r["dispatcher"] + (f" ({'; '.join(r['choices'])})" if r["choices"] else "")
+    if summary.get("micro_batches", 1) > 1 or named:
+        lines += [f"{plural(summary.get('micro_batches', 1), 'micro-batch')} per iteration"
+                  + ("; variants: " + "; ".join(
+                      f"{v['name']}: {' '.join(v['flags']) or 'no flags'}"
+                      for v in summary["variants"]) if named else ""), ""]
+    head = "| model | preset | layout | dispatcher | " + ("variant | " if named else "")
+    rule = "|---|---|---|---|" + ("---|" if named else "")
+    lines += [head + "tokens/s | spread | vs alltoall | vs ds_baseline | final loss | "
+              "max abs loss diff vs alltoall | timed iterations |",
+              rule + "---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        choices = f" ({'; '.join(r['choices'])})" if r["choices"] else ""
         diff = "-" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}"
         lines.append(
-            f"| {r['model']} | {r['preset']} | ({r['layout']}) | {name} | {r['tokens_per_s']:.0f} "
+            f"{_cells(r, named, choices)} {r['tokens_per_s']:.0f} "
             f"| {100 * r['spread']:.1f}% | {_ratio(r['vs'].get(BASELINE))} | "
             f"{_ratio(r['vs'].get(DEEPSPEED))} | "
             f"{' / '.join(f'{x:.5f}' for x in r['final_losses'])} | "
             f"{diff} | {r['timed']} |")
+    comm_rows = [r for r in rows if r.get("comm_stream")]
+    categories = [c for c in CATEGORIES if c != "moe_comm_wait" or comm_rows
+                  or any(r["breakdown_ms"].get(c) for r in rows)]
     lines += ["", "Time per iteration (ms, medians over the timed iterations, mean over ranks; "
               "the step is the slowest rank's):", "",
-              "| model | preset | layout | dispatcher | " + " | ".join(_SHORT[c] for c in BREAKDOWN)
-              + " | step |", "|---|---|---|---|" + "---:|" * (len(BREAKDOWN) + 1)]
-    for r in summary["rows"]:
-        lines.append(f"| {r['model']} | {r['preset']} | ({r['layout']}) | {r['dispatcher']} | "
-                     + " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.0f}" for c in BREAKDOWN)
+              head + " | ".join(SHORT_NAMES[c] for c in categories) + " | step |",
+              rule + "---:|" * (len(categories) + 1)]
+    for r in rows:
+        lines.append(f"{_cells(r, named)} "
+                     + " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.0f}" for c in categories)
                      + f" | {r['step_ms']:.0f} |")
-    lines += ["", f"Losses equal to alltoall's within {summary['loss_tolerance']:g}: "
+    if comm_rows:
+        lines += ["", "The combined 1F1B's communication nodes on their thread (ms per "
+                  "iteration they ran, medians; in brackets the share of it the other "
+                  "micro-batch's work hid, 1 - waited / ran):", "",
+                  head + " | ".join(COMM_NODES.values()) + " |",
+                  rule + "---:|" * len(COMM_NODES)]
+        for r in comm_rows:
+            lines.append(f"{_cells(r, named)} " + " | ".join(
+                f"{s['busy_ms']:.0f} ({100 * s['hidden']:.0f}% hidden)" if s else "-"
+                for s in (r["comm_stream"].get(name) for name in COMM_NODES)) + " |")
+    lines += ["", f"Losses equal to alltoall's{' of the same variant' if named else ''} within "
+              f"{_tolerances(summary)}: "
               + ("yes" if summary["losses_equal"] else "NO: " + "; ".join(summary["loss_problems"]))]
     for t in summary["targets"]:
-        lines.append(f"- {t['target']}, {t['model']} {t['preset']} ({t['layout']}): "
+        lines.append(f"- {t['target']}, {t['model']} {t['preset']} ({t['layout']})"
+                     f"{_in_variant(t.get('variant', ''))}: "
+                     f"{t['dispatcher'] + ' ' if 'dispatcher' in t else ''}"
                      f"{t['value']:.2f}x: {'met' if t['met'] else 'missed'}")
     return "\n".join(lines) + "\n"
+
+
+def _cells(row: dict, named: bool, choices: str = "") -> str:
+    """A table line's first cells: model, preset, layout, dispatcher (its choices), variant."""
+    return (f"| {row['model']} | {row['preset']} | ({row['layout']}) | {row['dispatcher']}"
+            f"{choices} |" + (f" {row['variant']} |" if named else ""))
+
+
+def _tolerances(summary: dict) -> str:
+    """'0.0001', or per dtype where any run was not fp32: '0.0001 (fp32), 0.2 (bf16)'."""
+    tolerances = summary.get("loss_tolerances") or {"fp32": summary["loss_tolerance"]}
+    if list(tolerances) == ["fp32"]:
+        return f"{tolerances['fp32']:g}"
+    return ", ".join(f"{value:g} ({dtype})" for dtype, value in sorted(tolerances.items()))
 
 
 def _ratio(value: Optional[float]) -> str:
@@ -424,7 +623,8 @@ PLOT_COLUMNS = 3
 
 def plot(summary: dict, path: str) -> None:
     """Tokens/s per dispatcher (error bars: the passes' medians), one panel per
-    configuration, at most PLOT_COLUMNS panels per row."""
+    configuration, at most PLOT_COLUMNS panels per row; with named variants a bar per
+    dispatcher and variant, the variants after the first hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,16 +638,21 @@ def plot(summary: dict, path: str) -> None:
                              squeeze=False)
     for axis in axes.flat[len(configs):]:
         axis.set_visible(False)
+    first_variant = summary.get("variants", [PLAIN])[0]["name"]
     for axis, key in zip(axes.flat, configs):
         rows = [r for r in summary["rows"] if (r["model"], r["preset"], r["layout"]) == key]
         values = [r["tokens_per_s"] for r in rows]
         low = [v - min(r["pass_medians"] or [v]) for v, r in zip(values, rows)]
         high = [max(r["pass_medians"] or [v]) - v for v, r in zip(values, rows)]
-        axis.bar(range(len(rows)), values, yerr=[low, high], capsize=3,
-                 color=["tab:gray" if r["dispatcher"] in (BASELINE, DEEPSPEED) else "tab:blue"
-                        for r in rows])
+        bars = axis.bar(range(len(rows)), values, yerr=[low, high], capsize=3,
+                        color=["tab:gray" if r["dispatcher"] in (BASELINE, DEEPSPEED)
+                               else "tab:blue" for r in rows])
+        for bar, row in zip(bars, rows):
+            if row["variant"] != first_variant:
+                bar.set_hatch("//")
         axis.set_xticks(range(len(rows)))
-        axis.set_xticklabels([r["dispatcher"] for r in rows], rotation=45, ha="right")
+        axis.set_xticklabels([r["dispatcher"] + (f" [{r['variant']}]" if r["variant"] else "")
+                              for r in rows], rotation=45, ha="right")
         axis.set_title(f"{key[0]}, {key[1]} ({key[2]})", fontsize=9)
         axis.set_ylabel("tokens/s")
     fig.tight_layout()

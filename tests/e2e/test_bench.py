@@ -157,9 +157,16 @@ def test_bad_grid_is_refused(tmp_path):
 # The end-to-end benchmark (tools/bench_e2e.py): one launch of its smoke on plain loopback
 # ---------------------------------------------------------------------------------------------
 
+# bf16 and 2 micro-batches per iteration: what Megatron-Core's combined 1F1B
+# (--overlap-moe-expert-parallel-comm) needs to overlap anything; every dispatcher runs with
+# it and without.
 E2E_SMOKE = ("models: [gpt2_tiny_moe]\npresets: [loopback]\nlayouts: ['2,2,2']\n"
              "dispatchers: [alltoall, parm_s1, parm]\nwarmup: 1\niterations: 2\npasses: 1\n"
-             "training_flags: [--overlap-grad-reduce, --ddp-bucket-size, '20000']\n")
+             "micro_batches: 2\n"
+             "training_flags: [--overlap-grad-reduce, --ddp-bucket-size, '20000', --bf16]\n"
+             "variants: [{name: base, flags: []}, "
+             "{name: overlap, flags: [--overlap-moe-expert-parallel-comm]}]\n")
+E2E_FLAGS = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--bf16"]
 
 
 def bench_e2e(*args):
@@ -172,30 +179,53 @@ def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
     config.write_text(E2E_SMOKE)
     proc = bench_e2e("--config", config, "--output", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "1/1 pass1_gpt2_tiny_moe_loopback_222: alltoall, parm_s1, parm" in proc.stdout
+    # a dispatcher's variants one after the other, which one first alternating
+    order = [("alltoall", "base"), ("alltoall", "overlap"), ("parm_s1", "overlap"),
+             ("parm_s1", "base"), ("parm", "base"), ("parm", "overlap")]
+    assert ("1/1 pass1_gpt2_tiny_moe_loopback_222: "
+            + ", ".join(f"{d} [{v}]" for d, v in order)) in proc.stdout
     records = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
-    assert [r["dispatcher"] for r in records] == ["alltoall", "parm_s1", "parm"]
-    # the config's training flags went into every run
-    assert all(r["training_flags"] == ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
-               for r in records)
+    assert [(r["dispatcher"], r["variant"]) for r in records] == order
+    # the config's training flags went into every run, a variant's into its runs
     for r in records:
+        assert r["training_flags"] == E2E_FLAGS and r["dtype"] == "bf16"
+        assert r["variant_flags"] == (["--overlap-moe-expert-parallel-comm"]
+                                      if r["variant"] == "overlap" else [])
+        # 2 micro-batches of 2 sequences of 64 tokens per data-parallel rank (DP 2)
+        assert r["micro_batches"] == 2 and r["tokens_per_iteration"] == 2 * 2 * 64 * 2
         # parm measured its candidates first: more iterations, the tuning ones marked
         assert len(r["iterations"]) == len(r["losses"]) >= 3
         assert any(it["tuning"] for it in r["iterations"]) == (r["dispatcher"] == "parm")
+        assert all(("comm_stream" in it) == (r["variant"] == "overlap") for it in r["iterations"])
     summary = json.loads((out / "e2e_summary.json").read_text())
     assert summary["losses_equal"] is True
-    rows = {r["dispatcher"]: r for r in summary["rows"]}
-    assert set(rows) == {"alltoall", "parm_s1", "parm"}
-    for row in rows.values():
+    rows = {(r["dispatcher"], r["variant"]): r for r in summary["rows"]}
+    assert set(rows) == set(order)
+    for (dispatcher, variant), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["timed"] >= 2 and row["max_loss_diff"] <= 1e-4
         assert row["breakdown_ms"]["moe_experts"] > 0 and row["breakdown_ms"]["tp_sp"] > 0
-    assert rows["parm"]["choices"] and rows["alltoall"]["vs"]["alltoall"] == 1.0
-    assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 |" in (out / "e2e_table.md").read_text()
+        if variant == "overlap":  # the communication nodes ran on their thread
+            assert set(row["comm_stream"]) == {"moe_dispatch forward", "moe_combine forward",
+                                               "moe_combine backward", "moe_dispatch backward"}
+            assert all(s["busy_ms"] > 0 for s in row["comm_stream"].values())
+            assert row["breakdown_ms"]["moe_comm_wait"] > 0
+        else:
+            assert row["comm_stream"] == {} and row["breakdown_ms"]["moe_comm_wait"] == 0
+    assert rows[("parm", "base")]["choices"] and rows[("parm", "overlap")]["choices"]
+    assert rows[("alltoall", "overlap")]["vs"]["alltoall"] == 1.0
+    table = (out / "e2e_table.md").read_text()
+    assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 | overlap |" in table
+    assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 | base |" in table
+    assert "| comm wait |" in table and "| dispatch fwd | combine fwd | combine bwd |" in table
+    assert "% hidden) |" in table
+    for goal in ("best Parm [overlap] >= 1.3x alltoall [base], gpt2_tiny_moe loopback (2,2,2)",
+                 "best Parm [overlap] >= 1.15x alltoall [overlap], gpt2_tiny_moe loopback"):
+        assert f"- {goal}" in table
     assert (out / "e2e_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second run finds every run in its output: nothing launched, the same report
     again = bench_e2e("--config", config, "--output", out)
     assert again.returncode == 0 and "pass1_gpt2" not in again.stdout, again.stderr[-2000:]
-    assert len((out / "e2e.jsonl").read_text().splitlines()) == 3
+    assert len((out / "e2e.jsonl").read_text().splitlines()) == 6
 
 
 @pytest.mark.parametrize("line, message", [
@@ -206,8 +236,11 @@ def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
      "'--overlap-grad-reducee'"),
     ("training_flags: [--train-iters, '9']", "--train-iters is set by the benchmark itself"),
     # an overlap flag Megatron-Core cannot run without its companions: which one to drop
-    ("training_flags: [--overlap-param-gather]", "training_flags with gpt2_tiny_moe: "
-     "--overlap-param-gather needs --use-distributed-optimizer"),
+    ("training_flags: [--overlap-param-gather]", "training_flags with gpt2_tiny_moe (2,2,2) and "
+     "alltoall: --overlap-param-gather needs --use-distributed-optimizer"),
+    # a variant's flag the trainer refuses with the config's other flags
+    ("training_flags: []", "variant overlap with gpt2_tiny_moe (2,2,2) and alltoall: "
+     "--overlap-moe-expert-parallel-comm needs --bf16 or --fp16"),
 ])
 def test_e2e_config_naming_something_unknown_is_one_line(tmp_path, line, message):
     key = line.split(":")[0]
@@ -218,6 +251,35 @@ def test_e2e_config_naming_something_unknown_is_one_line(tmp_path, line, message
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["micro_batches: 1"], "variants[1] (overlap): --overlap-moe-expert-parallel-comm overlaps "
+     "one micro-batch's communication with another's compute: set micro_batches to 2 or more"),
+    (["variants: [{name: a, flags: [--bf17]}]"], "variant a: unknown flag '--bf17'"),
+    (["variants: [{name: a, flags: [--micro-batch-size, '4']}]"],
+     "variant a: --micro-batch-size is set by the benchmark itself"),
+    (["variants: [{name: a, flags: []}, {name: a, flags: [--bf16]}]"],
+     "variants[1]: name 'a' is given twice"),
+    (["variants: [{name: '', flags: []}, {name: b, flags: []}]"],
+     "variants[0]: name '' is not a word (letters, digits, '_', '-'); variants need names"),
+    (["variants: [{name: a, flag: []}]"], "variants[0] must be {name: NAME, flags: [FLAG, ...]}"),
+    (["variants: [{name: base, flags: []}, {name: 1f1b, flags: [--delay-wgrad-compute]}]"],
+     "variant 1f1b with gpt2_tiny_moe (2,2,2) and alltoall: --delay-wgrad-compute needs "
+     "--overlap-moe-expert-parallel-comm"),
+])
+def test_e2e_config_variants_are_checked(tmp_path, lines, message):
+    """The variants and micro_batches fields, checked in this process (the exit status and
+    one line of a refused config: the test above)."""
+    from megatron_parm.bench import e2e
+
+    keys = [line.split(":")[0] for line in lines]
+    text = "\n".join(l for l in E2E_SMOKE.splitlines() if l.split(":")[0] not in keys)
+    config = tmp_path / "bad.yaml"
+    config.write_text(text + "\n" + "\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as error:
+        e2e.load_config(str(config))
+    assert str(error.value).startswith(f"--config: {config}: ") and message in str(error.value)
 
 
 def test_the_model_table_in_benchmark_md_is_the_tools_output():

@@ -1,5 +1,7 @@
-"""The benchmark report's arithmetic on made-up records: runs pooled, spreads, the bound and
-efficiency, memory, the targets, variants, and the model's time shares."""
+"""The benchmark reports' arithmetic on made-up records: the layer benchmark's (runs pooled,
+spreads, the bound and efficiency, memory, the targets, variants, and the model's time
+shares), and the end-to-end benchmark's (variants side by side, the combined 1F1B's
+communication nodes and targets, and a recorded run's report unchanged)."""
 
 from __future__ import annotations
 
@@ -187,3 +189,155 @@ def test_parm_mode_variants_are_checked():
         moe_layer.parse_variant("parm:fast")
     with pytest.raises(ValueError, match="parm_s1 does not choose"):
         moe_layer.parse_variant("parm_s1:measured")
+
+
+# ---------------------------------------------------------------------------------------------
+# The end-to-end benchmark's report (megatron_parm/bench/e2e.py)
+# ---------------------------------------------------------------------------------------------
+
+E2E_VARIANTS = [{"name": "plain", "flags": []},
+                {"name": "overlap", "flags": ["--overlap-moe-expert-parallel-comm"]}]
+
+
+def e2e_config(**fields):
+    from megatron_parm.bench import e2e
+
+    return {"warmup": 1, "training_flags": [], "micro_batches": 1, "variants": [dict(e2e.PLAIN)],
+            "models": ["gpt2_moe"], "presets": ["pcie"], "layouts": ["2,2,2"],
+            "dispatchers": ["alltoall", "parm", "parm_s1"], "passes": 2, **fields}
+
+
+def e2e_record(dispatcher, variant, run, steps_ms, losses, comm=None, tuning=0):
+    """A run of gpt2_moe on pcie at (2,2,2): one iteration per step time, the first TUNING of
+    them parm's tuning ones; comm: {node: (busy_ms, waited_ms)} in every iteration."""
+    iterations = []
+    for index, step in enumerate(steps_ms, start=1):
+        it = {"iteration": index, "step_ms": step, "slowest_rank_step_ms": step,
+              "tuning": index <= tuning,
+              "ms": {"moe_dispatch": step / 4, "moe_comm_wait": step / 10 if comm else 0.0,
+                     "rest": step / 2}}
+        if comm is not None:
+            it["comm_stream"] = {name: {"busy_ms": busy, "waited_ms": waited,
+                                        "hidden": 1 - waited / busy}
+                                 for name, (busy, waited) in comm.items()}
+        iterations.append(it)
+    return {"pass": run, "model": "gpt2_moe", "preset": "pcie", "layout": "2,2,2",
+            "dispatcher": dispatcher, "variant": variant, "micro_batches": 2, "dtype": "bf16",
+            "variant_flags": [] if variant == "plain" else E2E_VARIANTS[1]["flags"],
+            "training_flags": ["--bf16"], "tokens_per_iteration": 1000, "losses": losses,
+            "choices": ["parm_s1"] if dispatcher == "parm" else [], "iterations": iterations,
+            "load": [0.5]}
+
+
+def test_e2e_variants_side_by_side_with_the_comm_stream_and_targets():
+    """Two variants: rows per (dispatcher, variant) in the config's variant order, ratios and
+    losses against alltoall of the same variant, the comm-stream nodes' medians and hidden
+    shares, the comm wait column, and the combined 1F1B's targets."""
+    from megatron_parm.bench import e2e
+
+    config = e2e_config(variants=E2E_VARIANTS, micro_batches=2, training_flags=["--bf16"])
+    plain_losses, overlap_losses = [9.0, 8.5, 8.0], [9.0, 8.5, 8.01]  # equal within a variant
+    comm = {"moe_dispatch forward": (100.0, 40.0), "moe_combine backward": (50.0, 0.0)}
+    # step ms per timed iteration (the first is warm-up): tokens/s = 1000 / step
+    steps = {("alltoall", "plain"): 1000, ("alltoall", "overlap"): 800,
+             ("parm", "plain"): 900, ("parm", "overlap"): 625,
+             ("parm_s1", "plain"): 950, ("parm_s1", "overlap"): 700}
+    records = []
+    for run in (1, 2):
+        for (dispatcher, variant), step in steps.items():
+            overlap = variant == "overlap"
+            records.append(e2e_record(dispatcher, variant, run, [5000] + [step * run] * 2,
+                                      overlap_losses if overlap else plain_losses,
+                                      comm if overlap else None))
+    summary = e2e.summarize(records, config)
+    rows = {(r["dispatcher"], r["variant"]): r for r in summary["rows"]}
+    assert [(r["dispatcher"], r["variant"]) for r in summary["rows"]] == [
+        (d, v) for d in ("alltoall", "parm", "parm_s1") for v in ("plain", "overlap")]
+    assert rows[("parm", "overlap")]["vs"]["alltoall"] == pytest.approx(800 / 625)
+    assert rows[("parm", "plain")]["vs"]["alltoall"] == pytest.approx(1000 / 900)
+    assert summary["losses_equal"] is True and rows[("parm", "overlap")]["max_loss_diff"] == 0
+    assert rows[("alltoall", "overlap")]["final_losses"] == [8.01, 8.01]
+    stream = rows[("parm_s1", "overlap")]["comm_stream"]
+    assert set(stream) == {"moe_dispatch forward", "moe_combine backward"}
+    assert stream["moe_dispatch forward"] == {"busy_ms": 100.0, "hidden": pytest.approx(0.6)}
+    assert stream["moe_combine backward"]["hidden"] == 1.0
+    assert rows[("parm_s1", "plain")]["comm_stream"] == {}
+    assert rows[("parm", "overlap")]["breakdown_ms"]["moe_comm_wait"] == pytest.approx(93.75)
+    # tokens/s pooled over both passes: steps of 1x and 2x -> 1000 / (1.5 x step), so the
+    # ratios are those of the steps
+    targets = {t["target"]: t for t in summary["targets"] if "best Parm" in t["target"]}
+    assert set(targets) == {"best Parm [overlap] >= 1.3x alltoall [plain]",
+                            "best Parm [overlap] >= 1.15x alltoall [overlap]"}
+    without, within = (targets["best Parm [overlap] >= 1.3x alltoall [plain]"],
+                       targets["best Parm [overlap] >= 1.15x alltoall [overlap]"])
+    assert without["dispatcher"] == within["dispatcher"] == "parm"
+    assert without["value"] == pytest.approx(1000 / 625) and without["met"] is True
+    assert within["value"] == pytest.approx(800 / 625) and within["met"] is True
+    per_variant = [t for t in summary["targets"] if t["target"] == "parm >= 1.3x alltoall"]
+    assert [t["variant"] for t in per_variant] == ["plain", "overlap"]
+    table = e2e.markdown(summary)
+    assert "| model | preset | layout | dispatcher | variant | tokens/s |" in table
+    assert "| gpt2_moe | pcie | (2,2,2) | parm (parm_s1) | overlap | 1200 |" in table
+    assert "| comm wait |" in table
+    assert "| gpt2_moe | pcie | (2,2,2) | parm | overlap | 234 |" in table
+    assert ("| model | preset | layout | dispatcher | variant | dispatch fwd | combine fwd | "
+            "combine bwd | dispatch bwd |") in table
+    assert ("| gpt2_moe | pcie | (2,2,2) | alltoall | overlap | 100 (60% hidden) | - | "
+            "50 (100% hidden) | - |") in table
+    assert "| alltoall | plain | 1" not in table.split("dispatch fwd")[1]  # plain rows: no nodes
+    assert "2 micro-batches per iteration; variants: plain: no flags; overlap: " \
+           "--overlap-moe-expert-parallel-comm" in table
+    assert "within 0.2 (bf16): yes" in table
+    assert ("- best Parm [overlap] >= 1.3x alltoall [plain], gpt2_moe pcie (2,2,2): parm 1.60x: "
+            "met") in table
+    assert "- parm >= 1.3x alltoall, gpt2_moe pcie (2,2,2), variant plain: 1.11x: missed" in table
+    # a loss that leaves alltoall's of its variant is named with the variant
+    records[3]["losses"] = [9.0, 8.5, 8.5]  # parm, overlap, pass 1
+    problems = e2e.summarize(records, config)["loss_problems"]
+    assert problems == ["gpt2_moe pcie (2,2,2) parm, variant overlap: |loss - alltoall's| up to "
+                        "4.90e-01 > 0.2 (bf16)"]
+
+
+def test_e2e_run_order_alternates_the_variants():
+    from megatron_parm.bench import e2e
+
+    config = e2e_config(variants=E2E_VARIANTS, dispatchers=["alltoall", "parm", "parm_s1",
+                                                            "parm_hier"])
+    first, second = e2e.run_order(config, 1), e2e.run_order(config, 2)
+    assert first[:4] == [("alltoall", "plain"), ("alltoall", "overlap"), ("parm", "overlap"),
+                         ("parm", "plain")]
+    assert second[-2:] == [("alltoall", "overlap"), ("alltoall", "plain")]
+    for run in (first, second):  # every run once; each variant first for half the dispatchers
+        assert sorted(run) == sorted((d, v["name"]) for d in config["dispatchers"]
+                                     for v in E2E_VARIANTS)
+        assert [run[i][1] for i in range(0, 8, 2)].count("plain") == 2
+    assert e2e.run_order(e2e_config(), 2) == [("parm_s1", ""), ("parm", ""), ("alltoall", "")]
+
+
+def test_e2e_records_before_variants_report_as_recorded():
+    """The whole grid's recorded run (docs/bench/e2e_grid_2026-12-02, written before variants,
+    micro_batches and the comm wait existed) belongs to its config and reports its table as
+    then, line for line, but for the breakdown's header (training/timing.py's short names)."""
+    import json
+
+    from launch import REPO
+    from megatron_parm.bench import e2e
+
+    folder = REPO / "docs/bench/e2e_grid_2026-12-02"
+    records = e2e.read_records(str(folder / "e2e.jsonl"))
+    config = e2e_config(models=["gpt2_moe", "bert_moe"], presets=["pcie", "nvlink"],
+                        layouts=["2,2,2", "2,2,1", "1,4,1"],
+                        dispatchers=["alltoall", "ds_baseline", "parm", "parm_s1", "parm_s2",
+                                     "parm_hier"])
+    assert len(records) == 144 and all(e2e.in_config(r, config) for r in records)
+    assert not e2e.in_config(records[0], e2e_config(variants=E2E_VARIANTS))
+    assert not e2e.in_config(records[0], {**config, "micro_batches": 2})
+    assert len(e2e.done_keys(records)) == 144
+    new = e2e.markdown(e2e.summarize(records, config)).splitlines()
+    old = (folder / "e2e_table.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(old) if line.startswith("| model") and "step" in line)
+    assert len(new) == len(old)
+    assert new[:header] + new[header + 1:] == old[:header] + old[header + 1:]
+    assert new[header] == ("| model | preset | layout | dispatcher | dispatch | experts | combine "
+                           "| dispatch+combine | attn+dense | tp/sp comm | dp grad reduce | "
+                           "optimizer | rest | step |")
