@@ -3,6 +3,7 @@ and its flags in the ranking (pure Python; measured against Megatron-Core by
 tools/recompute_memory.py, docs/planner.md)."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -303,3 +304,32 @@ def test_plan_ranks_by_step_time_with_the_recomputation_charged():
                                      candidate.vpp, choice)
             if memory.total <= candidate.gpu_memory_bytes:
                 assert step_time(*args, recompute=choice).step_s >= candidate.step.step_s
+
+
+def test_recompute_time_report_reads_turns_against_the_same_turns_none(tmp_path):
+    """tools/recompute_time.py's report from a record (no launch): each choice's steps over
+    the same turn's none's, and the planner's ratio for the same model and layout."""
+    turns = 6
+    record = {"load": [1.0] * turns}
+    for name, scale, losses in (("none", 1.0, [9.0, 8.5]), ("full uniform 1", 1.25, [9.0, 8.5]),
+                                ("selective moe", 1.1, [9.0, 8.6])):
+        seconds = [scale * (1 + turn) for turn in range(turns)]  # the load doubles each turn
+        record[name] = {"seconds": seconds, "cpu_seconds": [value / 2 for value in seconds],
+                        "losses": losses}
+    saved = {"meta": {"date": "today", "machine": "here", "command": "c",
+                      "config": "configs/bench/planner_small_gpt2_moe.yaml", "ep": 2,
+                      "profile": "emulated_pcie_measured", "iterations": turns, "warmup": 1},
+             "record": record}
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(saved))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "recompute_time.py"),
+                           "--from-json", str(path), "--output", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| ---")}
+    assert rows["full uniform 1"][2] == "1.250 (1.250-1.250; 1.250-1.250)"
+    assert rows["selective moe"][4] == "1.100 (1.100-1.100; 1.100-1.100)"
+    predicted = [float(rows[name][6]) for name in ("full uniform 1", "selective moe")]
+    assert predicted[0] > predicted[1] > 1.0
+    assert [row[-1] for row in rows.values()][1:] == ["yes |", "yes |", "no |"]
