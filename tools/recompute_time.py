@@ -28,7 +28,6 @@ import io
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,12 +54,6 @@ CHOICES = (("none", []),
                                "uniform", "--recompute-num-layers", "1"]),
            ("selective moe", ["--recompute-granularity", "selective", "--recompute-modules",
                               "moe"]))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def training_flags(args, flags):
@@ -122,8 +115,8 @@ def worker(args):
 def launch(args):
     """The worker's launch on WORLD ranks: its record."""
     out = os.path.join(tempfile.mkdtemp(prefix="recompute_time"), "record.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-port", str(_free_port()), "tools/recompute_time.py", "--worker", out,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(WORLD), "tools/recompute_time.py", "--worker", out,
            "--config", args.config, "--expert-model-parallel-size",
            str(args.expert_model_parallel_size), "--iterations", str(args.iterations)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
