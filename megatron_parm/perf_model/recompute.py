@@ -32,9 +32,9 @@ transformer_layer, attention, moe_layer and experts):
                Under GQA the K and V that core_attn repeats to a heads are counted as kept
                (an overestimate: the checkpoint keeps them at g heads).
 
-Time: what each choice keeps, it recomputes in the backward pass; step_time.py charges that
-forward work again (full: each recomputed layer's whole forward; selective: the modules'
-forward, e.g. moe's router, dispatcher and experts), recomputed_layers says which layers.
+Time: what a choice does not keep, the backward pass computes again; step_time.py charges
+that forward work (full: each recomputed layer's whole forward; selective: the modules'
+forward, e.g. moe's router, dispatcher and experts); recomputed_layers says which layers.
 """
 
 from dataclasses import dataclass
