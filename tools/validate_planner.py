@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -37,11 +38,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("configs/gpt2_tiny_moe.yaml", "configs/bench/planner_small_gpt2_moe.yaml")
 DATA_PATH = "data/cache/gpt_text_document"
 NNODES, NPROC_PER_NODE = 2, 2
-
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from megatron_parm.training.log import iteration_values  # noqa: E402
+_ITERATION_MS = re.compile(r"^ iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration \(ms\): "
+                           r"([0-9.]+)")
 
 
 def fail(message):
@@ -107,7 +105,8 @@ def spearman(xs, ys):
 
 def iteration_times_ms(log: str):
     """Elapsed milliseconds of each iteration line of a training log (Megatron's format)."""
-    return iteration_values(log, "elapsed time per iteration (ms)")
+    return [float(match.group(1)) for match in map(_ITERATION_MS.match, log.splitlines())
+            if match]
 
 
 # ---------------------------------------------------------------------------------------------

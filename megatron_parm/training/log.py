@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from megatron_parm.wording import plural
 
@@ -46,14 +45,6 @@ def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
     line += f" number of nan iterations: {nan_iterations:3d} |"
     line += f" tokens per second: {tokens_per_second:.1f} |"
     return line
-
-
-def iteration_values(log: str, name: str) -> List[float]:
-    """The value of field `name` (e.g. "elapsed time per iteration (ms)", "lm loss") on each
-    iteration line of a log (iteration_line's format), in order."""
-    field = re.compile(r"^ iteration\s+\d+/\s*\d+ \|.*\| " + re.escape(name)
-                       + r": ([-+0-9.eE]+) \|")
-    return [float(match.group(1)) for match in map(field.match, log.splitlines()) if match]
 
 
 def validation_block(where: str, losses: Dict[str, float]) -> str:
