@@ -10,11 +10,12 @@ global batch 8 of micro-batches of 2) three times, from the same seed, once per
 activation-recompute choice (none; full uniform 1; selective moe), and trains them in turn, one
 iteration each, --iterations times: the three steps of a turn run within seconds of each other,
 so the load of a shared machine falls on each alike (a launch per choice, minutes apart, did
-not: on a machine at load 8-33 one choice's launch measured 0.4x and another's 2.5x the next
-launch of none). A step's time is the slowest rank's, from a barrier to the end of its
-optimizer step. Per choice: the median step over the turns after the first --warmup, its
-interquartile range and min-max, and the median (and IQR) of the turns' step over the same
-turn's none. The prediction is perf_model.step_time with the choice on --parm-profile (the
+not: on a machine at load 8-33 one choice's launch measured 0.4x and another's 2.5x the same
+round's launch of none). A step is timed from a barrier to the end of its optimizer step,
+wall-clock on the slowest rank and in CPU time (user + system, the ranks' mean: what the
+step's own work takes, whatever else holds the cores). Per choice, for each of the two: the
+median step over the turns after the first --warmup, its interquartile range and min-max,
+and the same of each turn's step over that turn's none. The prediction is perf_model.step_time with the choice on --parm-profile (the
 planner's; default emulated_pcie_measured, whose compute and framework terms were measured on
 this project's 2-core machine). The lm losses of every choice are compared with none's
 (recomputation must not change them). Written to --output: recompute_time.json (every step's
