@@ -24,11 +24,10 @@ files of the config (--tokenizer-model, --vocab-file). --tensor-model-parallel-s
 --moe-token-dispatcher-type on the command line restrict the search. Activation
 recomputation: with --recompute-granularity (and --recompute-method, --recompute-num-layers,
 --recompute-modules, Megatron-LM's flags) every candidate is planned with that choice;
-without, a candidate that does not fit is planned with the least recomputation that makes it
-fit (perf_model/recompute.py; its memory only: the step time does not charge the extra
-forward, so such candidates rank after those that fit without), shown in the `fits` column
-and its flags. Bad input prints one line `error: ...` and
-exits 2.
+without, a candidate that does not fit is planned with the fastest recomputation that makes
+it fit (perf_model/recompute.py), shown in the `fits` column with what it adds to the step
+(the forward work it runs again, perf_model/step_time.py: included in `step ms`, and so in
+the ranking) and in its flags. Bad input prints one line `error: ...` and exits 2.
 """
 
 import json
@@ -124,7 +123,8 @@ def render(result, spec, cluster, profile, precision, args):
         m = step.num_microbatches
         fits = "yes" if candidate.fits else f"no, over by {_size(-candidate.spare_bytes)}"
         if candidate.recompute.granularity:
-            fits += f", recompute {candidate.recompute.label()}"
+            fits += (f", recompute {candidate.recompute.label()} "
+                     f"(+{m * step.recompute_s * 1e3:.1f} ms)")
         lines.append(
             f"{index:>3} {layout.tp:>3} {layout.ep:>3} {layout.etp:>3} {layout.pp:>3} "
             f"{candidate.vpp or '-':>3} {candidate.dp:>3}  "
@@ -140,7 +140,9 @@ def render(result, spec, cluster, profile, precision, args):
                  "interleaved); mb: micro-batches per step; MoE / dense / TP ms: their share "
                  "of the step (all micro-batches; with pp, the slowest stage's); bubble: the "
                  "pipeline bubble's share of the micro-batches' time; grad ms: the data-parallel "
-                 "gradient reduction")
+                 "gradient reduction; recompute (+ ms): the forward work activation "
+                 "recomputation runs again (all micro-batches; with pp, the slowest stage's, "
+                 "which also lengthens the bubble), included in step ms")
     script = f"pretrain_scripts/pretrain_{'gpt2' if spec.model_type == 'gpt' else 'bert'}_moe.py"
     for index, candidate in enumerate(result.fitting[:args.show_flags], start=1):
         memory = candidate.memory

@@ -13,9 +13,12 @@ least pp of them; at pp > 1 also interleaved, at each count of virtual stages pe
 that splits the stage's layers evenly and whose micro-batches fill groups of pp) and every
 dispatcher of the schedule catalog that runs there (chunked schedules at each of their chunk
 counts), and estimates per rank the memory (memory.py) and the step time (step_time.py).
-Candidates that fit in memory come first, fastest first (those that fit only with activation
-recomputation, which the step time does not charge, after those that fit without); those
-that do not follow, with by how much.
+A candidate that does not fit without activation recomputation is planned with the fastest
+recompute choice that makes it fit (recompute.search_choices; ties to the least recomputation),
+its step time charged with the forward work that choice runs again. Candidates that fit in
+memory come first, fastest first, recomputing or not; those that do not follow, with by how
+much. Equal step times keep the order of enumeration (pp, tp, ep, etp; the catalog's order;
+chunk counts; virtual stages), so the ranking is deterministic.
 
 Bad input raises PlanError (a ValueError) with one line naming what to change.
 """
@@ -100,7 +103,7 @@ class Candidate:
     # interleaving: the transformer layers of one virtual stage (None: the plain 1F1B
     # schedule); the virtual stages per rank are step.vpp
     layers_per_virtual_stage: Optional[int] = None
-    recompute: Recompute = NONE  # activation recomputation (its memory; no time charged)
+    recompute: Recompute = NONE  # activation recomputation (its memory, and in step its time)
 
     @property
     def dp(self) -> int:
@@ -262,7 +265,7 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
     chunk_candidates: the chunk counts of chunked schedules (default: each one's own, from the
     catalog). dispatchers: only these names (default: every one _dispatchers_for allows).
     recompute: plan every candidate with this activation recomputation; None: none, and
-    where a candidate does not fit so, the first of recompute.search_choices that fits.
+    where a candidate does not fit so, the fastest of recompute.search_choices that fit.
     """
     if micro_batch_size < 1 or global_batch_size < 1:
         raise PlanError("--micro-batch-size and --global-batch-size must be positive")
@@ -288,10 +291,8 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
                         f"{','.join(dispatchers or [])}: "
                         + next(iter(skipped.values()), "no dispatcher allowed"))
     candidates = _merge_equivalents(candidates)
-    # the step time does not charge recomputation's extra forward: a candidate that needs it
-    # ranks after every one that fits without
-    candidates.sort(key=lambda c: (not c.fits, c.recompute != NONE and recompute is None,
-                                   c.step.step_s))
+    # stable: equal step times keep the order of enumeration
+    candidates.sort(key=lambda c: (not c.fits, c.step.step_s))
     if not candidates[0].fits:
         raise PlanError(_nothing_fits(spec, cluster, candidates, micro_batch_size, precision,
                                       distributed_optimizer))
@@ -329,14 +330,18 @@ def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_s
     candidates = []
     for vpp in virtual_stage_counts(spec, layout.pp, num_microbatches):
         virtual_stage = spec.num_layers // (layout.pp * vpp) if vpp else None
-        choice, memory = _recompute_choice(
+        options = _recompute_options(
             recompute, virtual_stage or spec.num_layers // layout.pp, cluster.gpu_memory_bytes,
             lambda option: memory_per_rank(spec, layout, micro_batch_size, precision,
                                            distributed_optimizer, schedule.name,
                                            num_microbatches, vpp, option))
         for count in chunk_counts:
-            step = step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
-                             global_batch_size, precision, distributed_optimizer, vpp)
+            # the fastest option; min keeps the first of equals (the least recomputation)
+            step, choice, memory = min(
+                ((step_time(spec, layout, profile, schedule.name, count, micro_batch_size,
+                            global_batch_size, precision, distributed_optimizer, vpp, choice),
+                  choice, memory) for choice, memory in options),
+                key=lambda option: option[0].step_s)
             candidates.append(Candidate(layout, schedule.name, count, micro_batch_size,
                                         global_batch_size, precision, distributed_optimizer,
                                         memory, step, cluster.gpu_memory_bytes,
@@ -345,20 +350,21 @@ def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_s
     return candidates
 
 
-def _recompute_choice(recompute: Optional[Recompute], layers_per_chunk: int,
-                      gpu_memory_bytes: float, memory_of) -> Tuple[Recompute, MemoryEstimate]:
-    """(the recomputation a candidate runs, its memory): the fixed one; else none where that
-    fits, otherwise the first of search_choices that fits (or none, which does not fit)."""
+def _recompute_options(recompute: Optional[Recompute], layers_per_chunk: int,
+                       gpu_memory_bytes: float, memory_of
+                       ) -> List[Tuple[Recompute, MemoryEstimate]]:
+    """The recomputation choices a candidate may run, with their memory: the fixed one; else
+    none where that fits (recomputing only adds time); else every one of search_choices that
+    fits, in its order (or none, which does not fit)."""
     if recompute is not None:
-        return recompute, memory_of(recompute)
+        return [(recompute, memory_of(recompute))]
     memory = memory_of(NONE)
     if memory.total <= gpu_memory_bytes:
-        return NONE, memory
-    for choice in search_choices(layers_per_chunk):
-        option = memory_of(choice)
-        if option.total <= gpu_memory_bytes:
-            return choice, option
-    return NONE, memory
+        return [(NONE, memory)]
+    fitting = [(choice, option) for choice, option in
+               ((choice, memory_of(choice)) for choice in search_choices(layers_per_chunk))
+               if option.total <= gpu_memory_bytes]
+    return fitting or [(NONE, memory)]
 
 
 def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:

@@ -1,4 +1,4 @@
-"""Activation recomputation as Megatron-Core 0.16.1 runs it, for the memory model.
+"""Activation recomputation as Megatron-Core 0.16.1 runs it: the memory and step-time models.
 
 A choice is Megatron-LM's four flags (--recompute-granularity, --recompute-method,
 --recompute-num-layers, --recompute-modules; megatron_parm/settings.py declares them, the
@@ -32,7 +32,9 @@ transformer_layer, attention, moe_layer and experts):
                Under GQA the K and V that core_attn repeats to a heads are counted as kept
                (an overestimate: the checkpoint keeps them at g heads).
 
-The extra forward passes cost time that step_time.py does not charge (not modelled).
+Time: what a choice does not keep, the backward pass computes again; step_time.py charges
+that forward work (full: each recomputed layer's whole forward; selective: the modules'
+forward, e.g. moe's router, dispatcher and experts); recomputed_layers says which layers.
 """
 
 from dataclasses import dataclass
@@ -116,6 +118,13 @@ class Recompute:
             return [range(start, min(start + step, num_layers))
                     for start in range(0, num_layers, step)]
         return [range(index, index + 1) for index in range(min(self.num_layers, num_layers))]
+
+    def recomputed_layers(self, num_layers: int) -> List[int]:
+        """The local indices of a model chunk's layers whose forward (whole, or the selected
+        modules) runs again in the backward pass."""
+        if self.granularity == "selective":
+            return list(range(num_layers))
+        return [index for unit in self.units(num_layers) for index in unit]
 
 
 NONE = Recompute()

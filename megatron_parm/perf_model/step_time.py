@@ -30,6 +30,19 @@ t > 1); without pipelining the stage is the whole model:
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
                   the real model
+    recompute     activation recomputation (--recompute-granularity; recompute.py) runs
+                  forward work again in the backward pass, as Megatron-Core 0.16.1 does: full
+                  granularity each recomputed layer's whole forward (its GEMMs' forward, its
+                  forward TP collectives, an MoE layer's forward from predict: the dispatcher's
+                  forward stages of the catalog's cost plan, the experts' forward) and
+                  FORWARD_SHARE of its layer_overhead; selective the named modules' forward:
+                  core_attn the scores and context GEMMs, moe the router, the shared experts
+                  (GEMMs and TP collectives) and the MoE layer's forward, mlp a dense layer's
+                  MLP and its TP collectives, shared_experts theirs (a second time where moe is
+                  recomputed too: the checkpoints nest). Element-wise work (the softmax, norms,
+                  activations) lives in the profile's framework terms, which have no split by
+                  module: selective layernorm and moe_act and core_attn's softmax are not
+                  charged, nor the selective modules' share of layer_overhead
 Pipeline (p > 1): stage i runs its own layers (layout_rules.pipeline_stage_layers), the first
 also the embedding (its TP collectives), the last the output layer, loss and their TP
 collectives; every stage pays 1/p of microbatch_overhead per micro-batch (the whole model's
@@ -54,13 +67,14 @@ Per step:
       LayerNorm and router gradients (replicated under sequence parallelism); each stage
       reduces its own parameters (the slowest stage counts), and with p > 1 and tied embeddings
       an AR of the word-embedding gradients between the first and the last stage
+A stage's recomputation lengthens its micro-batch, so it enters the bubble as well.
 Not modelled: the optimizer step itself, overlap of the gradient reduction with the backward
 pass (the trainer reduces after the last micro-batch), overlap of the pipeline's sends with
 compute, data loading.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import batch_problem, microbatch_problem
@@ -69,6 +83,7 @@ from megatron_parm.perf_model.memory import (Precision, layer_shape, stage_layer
                                              stage_parameter_counts)
 from megatron_parm.perf_model.predict import Prediction, stage_time, predict
 from megatron_parm.perf_model.profile import Profile
+from megatron_parm.perf_model.recompute import NONE, Recompute
 from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts, replicated_over_tp
 from megatron_parm.perf_model.volumes import place_stage
 from megatron_parm.schedules import FORWARD, Stage
@@ -93,10 +108,13 @@ class StepTime:
     vpp: Optional[int] = None
     p2p_link: Optional[str] = None  # "intra" or "inter": where the stages' sends cross
     p2p_bytes: float = 0.0  # one send (one rank, one micro-batch, one way)
+    # activation recomputation's forward work, run again in the backward pass (one micro-batch)
+    recompute_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
-        return self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
+        return (self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
+                + self.recompute_s)
 
     @property
     def pipeline_s(self) -> float:
@@ -119,7 +137,7 @@ class StepTime:
     def as_dict(self) -> Dict[str, float]:
         return {"moe_s": self.moe_s, "dense_compute_s": self.dense_compute_s,
                 "tp_comm_s": self.tp_comm_s, "framework_s": self.framework_s,
-                "microbatch_s": self.microbatch_s,
+                "recompute_s": self.recompute_s, "microbatch_s": self.microbatch_s,
                 "num_microbatches": self.num_microbatches, "grad_reduce_s": self.grad_reduce_s,
                 "pp": self.pp, "vpp": self.vpp, "p2p_s": self.p2p_s,
                 "p2p_link": self.p2p_link, "p2p_bytes": self.p2p_bytes,
@@ -150,31 +168,81 @@ def _layers(spec: ModelSpec, num_layers: Optional[int], layers: Optional[Sequenc
     return range(spec.num_layers if num_layers is None else num_layers)
 
 
+def layer_gemm_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int
+                     ) -> Dict[str, Tuple[float, ...]]:
+    """Forward flops of a transformer layer's GEMMs on one rank, by the module that runs them
+    (the names recompute.py and Megatron-Core use): qkv; core_attn (scores, context);
+    projection; mlp (a dense layer's fc1, fc2); router; shared_experts (fc1, fc2, their gate)."""
+    t, h, s = layout.tp, spec.hidden_size, spec.seq_length
+    tokens = s * micro_batch_size  # the whole sequence: attention GEMMs see it all under SP
+    local = tokens // t
+    width, u = spec.attention_width, spec.fc1_factor
+    ffn, shared = spec.dense_ffn_hidden_size, spec.shared_expert_size or 0
+    return {
+        "qkv": (2 * tokens * h * spec.qkv_width / t,),
+        "core_attn": (2 * micro_batch_size * s * s * width / t,) * 2,
+        "projection": (2 * tokens * width * h / t,),
+        "mlp": (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t),
+        "router": (2 * local * h * spec.num_experts,),
+        "shared_experts": (((2 * tokens * h * u * shared / t, 2 * tokens * shared * h / t)
+                            if shared else ())
+                           + ((2 * local * h,) if shared and spec.shared_expert_gate else ())),
+    }
+
+
+# The modules of a dense and of an MoE layer that run GEMMs (layer_gemm_flops), in order.
+LAYER_GEMMS = (("qkv", "core_attn", "projection", "mlp"),
+               ("qkv", "core_attn", "projection", "router", "shared_experts"))
+
+
+def forward_gemms_seconds(profile: Profile, forward_flops) -> float:
+    """The forward pass of GEMMs with these flops (one GEMM each)."""
+    return sum(profile.compute_alpha + flops * profile.compute_beta for flops in forward_flops)
+
+
 def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                           profile: Profile, num_layers: Optional[int] = None,
                           head: bool = True, layers: Optional[Sequence[int]] = None) -> float:
     """The dense GEMMs of `layers` (indices; default the first num_layers, else all) and, with
     head, the output layer."""
-    t, h, s = layout.tp, spec.hidden_size, spec.seq_length
-    tokens = s * micro_batch_size  # the whole sequence: attention GEMMs see it all under SP
-    local = tokens // t
-    width, u = spec.attention_width, spec.fc1_factor
-    attention = (2 * tokens * h * spec.qkv_width / t, 2 * micro_batch_size * s * s * width / t,
-                 2 * micro_batch_size * s * s * width / t, 2 * tokens * width * h / t)
-    ffn = spec.dense_ffn_hidden_size
-    dense_layer = attention + (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t)
-    moe_layer = attention + (2 * local * h * spec.num_experts,)
-    if spec.shared_expert_size:
-        shared = spec.shared_expert_size
-        moe_layer += (2 * tokens * h * u * shared / t, 2 * tokens * shared * h / t)
-        moe_layer += (2 * local * h,) if spec.shared_expert_gate else ()
-    per_kind = (_gemms_seconds(profile, dense_layer), _gemms_seconds(profile, moe_layer))
+    t, h = layout.tp, spec.hidden_size
+    tokens = spec.seq_length * micro_batch_size
+    gemms = layer_gemm_flops(spec, layout, micro_batch_size)
+    per_kind = tuple(_gemms_seconds(profile, [flops for module in modules
+                                              for flops in gemms[module]])
+                     for modules in LAYER_GEMMS)
     head_flops = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
     if spec.model_type == "bert":
-        head_flops.append(2 * local * h * h)
+        head_flops.append(2 * (tokens // t) * h * h)
     moe_layers = spec.moe_layers
     return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
             + (_gemms_seconds(profile, head_flops) if head else 0.0))
+
+
+def layer_tp_collectives(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                         profile: Profile, precision: Precision
+                         ) -> Dict[str, Tuple[float, float]]:
+    """(forward, forward + backward) seconds of the TP collectives of a layer's attention and
+    of one MLP block (a dense layer's MLP, an MoE layer's shared experts), under sequence
+    parallelism; zeros at t = 1 (module docstring)."""
+    t = layout.tp
+    if t == 1:
+        return {"attention": (0.0, 0.0), "mlp": (0.0, 0.0)}
+    tokens = spec.seq_length * micro_batch_size
+    shard = tokens // t * spec.hidden_size * precision.activation_bytes
+    all_gather = collective_seconds(profile, layout, "all_gather", "tp", shard)
+    reduce_scatter = collective_seconds(profile, layout, "reduce_scatter", "tp", shard)
+    # forward AG before the column-parallel GEMM and RS after the row-parallel one; backward
+    # their duals and the AG that re-gathers the input for the weight gradient
+    forward, block = all_gather + reduce_scatter, 3 * all_gather + 2 * reduce_scatter
+    attention_forward, attention = forward, block
+    if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
+        qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
+        gathered = collective_seconds(profile, layout, "all_gather", "tp", qkv_shard)
+        attention_forward += gathered
+        attention += gathered + collective_seconds(profile, layout, "reduce_scatter", "tp",
+                                                   qkv_shard)
+    return {"attention": (attention_forward, attention), "mlp": (forward, block)}
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
@@ -192,13 +260,10 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
     def collective(kind, bytes_per_peer):
         return collective_seconds(profile, layout, kind, "tp", bytes_per_peer)
 
-    all_gather, reduce_scatter = collective("all_gather", shard), collective("reduce_scatter", shard)
-    block = 3 * all_gather + 2 * reduce_scatter  # attention's, or an MLP's, under SP
-    attention = block
-    if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
-        qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
-        attention += collective("all_gather", qkv_shard) + collective("reduce_scatter", qkv_shard)
+    blocks = layer_tp_collectives(spec, layout, micro_batch_size, profile, precision)
+    attention, block = blocks["attention"][1], blocks["mlp"][1]
     per_kind = (attention + block, attention + (block if spec.shared_expert_size else 0.0))
+    all_gather, reduce_scatter = collective("all_gather", shard), collective("reduce_scatter", shard)
     embedding_s = reduce_scatter + all_gather
     output_layer = 2 * all_gather + reduce_scatter
     cross_entropy = 3 * collective("all_reduce", 2.0 * tokens * 4 / t)
@@ -206,6 +271,43 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
     return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
             + (embedding_s if embedding else 0.0)
             + ((output_layer + cross_entropy) if head else 0.0))
+
+
+# The forward pass's share of a layer's framework time (the profile's layer_overhead covers
+# forward and backward): a third, as for the layer's GEMMs, whose backward runs two GEMMs of
+# the forward's flops. A fully recomputed layer pays it again.
+FORWARD_SHARE = 1 / 3
+
+
+def layer_recompute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                            profile: Profile, precision: Precision, moe_forward_s: float,
+                            recompute: Recompute) -> Tuple[float, float]:
+    """(a dense layer's, an MoE layer's) forward work that `recompute` runs again in the
+    backward pass of one micro-batch, for a layer it recomputes (module docstring):
+    moe_forward_s is one MoE layer's forward (predict's, the catalog's forward stages)."""
+    if recompute.granularity is None:
+        return 0.0, 0.0
+    gemms = layer_gemm_flops(spec, layout, micro_batch_size)
+    collectives = layer_tp_collectives(spec, layout, micro_batch_size, profile, precision)
+
+    def forward(*modules):
+        return forward_gemms_seconds(profile, [flops for module in modules
+                                               for flops in gemms[module]])
+
+    attention_tp, mlp_tp = collectives["attention"][0], collectives["mlp"][0]
+    shared = forward("shared_experts") + (mlp_tp if spec.shared_expert_size else 0.0)
+    if recompute.full:  # the whole layer's forward
+        framework = FORWARD_SHARE * profile.layer_overhead
+        return (forward(*LAYER_GEMMS[0]) + attention_tp + mlp_tp + framework,
+                forward(*LAYER_GEMMS[1]) + attention_tp + shared + moe_forward_s + framework)
+    dense = moe = forward("core_attn") if recompute.selects("core_attn") else 0.0
+    if recompute.selects("mlp"):
+        dense += forward("mlp") + mlp_tp
+    if recompute.selects("moe"):  # the MoE layer's forward, its shared experts included
+        moe += forward("router") + shared + moe_forward_s
+    if recompute.selects("shared_experts"):  # again, where moe's recomputation runs them too
+        moe += shared
+    return dense, moe
 
 
 def grad_reduce_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
@@ -287,16 +389,20 @@ def p2p_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
             * precision.activation_bytes)
 
 
-def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: float,
-                micro_batch_size: int, precision: Precision, vpp: Optional[int] = None
-                ) -> List[Dict[str, float]]:
+def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer: Prediction,
+                micro_batch_size: int, precision: Precision, vpp: Optional[int] = None,
+                recompute: Recompute = NONE) -> List[Dict[str, float]]:
     """Per pipeline stage, one micro-batch's terms (forward + backward): moe_s,
-    dense_compute_s, tp_comm_s, framework_s, p2p_s (a single stage without pipelining)."""
-    layers = _stage_layer_lists(spec, layout.pp, vpp)
+    dense_compute_s, tp_comm_s, framework_s, recompute_s, p2p_s (a single stage without
+    pipelining); moe_layer: one MoE layer's prediction."""
+    chunks_of_stages = stage_layer_indices(spec, layout.pp, vpp)
     chunks = vpp or 1
     send = p2p_send_seconds(profile, layout, p2p_bytes(spec, layout, micro_batch_size, precision))
+    recomputed = layer_recompute_seconds(spec, layout, micro_batch_size, profile, precision,
+                                         moe_layer.forward_s, recompute)
     times = []
-    for stage, stage_layers in enumerate(layers):
+    for stage, stage_chunks in enumerate(chunks_of_stages):
+        stage_layers = [index for chunk in stage_chunks for index in chunk]
         num_layers = len(stage_layers)
         first, last = stage == 0, stage == layout.pp - 1
         # Megatron pairs each send with the receive the other way (send_forward_recv_backward
@@ -304,12 +410,15 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: 
         # at once; interleaved, every rank has both neighbours (the chunks wrap around)
         neighbours = (2 if chunks > 1 else (not first) + (not last))
         times.append({
-            "moe_s": sum(spec.moe_layers[index] for index in stage_layers) * moe_layer_s,
+            "moe_s": sum(spec.moe_layers[index] for index in stage_layers) * moe_layer.total_s,
             "dense_compute_s": dense_compute_seconds(spec, layout, micro_batch_size, profile,
                                                      head=last, layers=stage_layers),
             "tp_comm_s": tp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
                                          embedding=first, head=last, layers=stage_layers),
             "framework_s": framework_seconds(spec, profile, num_layers, layout.pp),
+            "recompute_s": sum(recomputed[spec.moe_layers[chunk[local]]]
+                               for chunk in stage_chunks
+                               for local in recompute.recomputed_layers(len(chunk))),
             "p2p_s": chunks * neighbours * send,
         })
     return times
@@ -318,9 +427,10 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: 
 def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str,
               num_chunks: Optional[int], micro_batch_size: int, global_batch_size: int,
               precision: Precision, distributed_optimizer: bool = False,
-              vpp: Optional[int] = None) -> StepTime:
+              vpp: Optional[int] = None, recompute: Recompute = NONE) -> StepTime:
     """Predicted step of `spec` on `layout` with `dispatcher` (a schedule with a cost plan in
-    the catalog; num_chunks for a chunked one); vpp virtual stages per rank (interleaving)."""
+    the catalog; num_chunks for a chunked one); vpp virtual stages per rank (interleaving),
+    with activation recomputation `recompute` (recompute.py)."""
     data_parallel = layout.group_size("dp")
     per_step = micro_batch_size * data_parallel
     problem = batch_problem(global_batch_size, micro_batch_size, data_parallel)
@@ -330,8 +440,8 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         raise ValueError(problem)
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
-    stages = stage_times(spec, layout, profile, moe_layer.total_s, micro_batch_size, precision,
-                         vpp)
+    stages = stage_times(spec, layout, profile, moe_layer, micro_batch_size, precision, vpp,
+                         recompute)
     totals = [sum(stage.values()) for stage in stages]
     slowest = stages[totals.index(max(totals))]
     return StepTime(
@@ -339,6 +449,7 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         dense_compute_s=slowest["dense_compute_s"],
         tp_comm_s=slowest["tp_comm_s"],
         framework_s=slowest["framework_s"],
+        recompute_s=slowest["recompute_s"],
         num_microbatches=num_microbatches,
         grad_reduce_s=grad_reduce_seconds(spec, layout, profile, precision,
                                           distributed_optimizer, vpp),

@@ -10,6 +10,8 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
   * reference: pp=1 (tp=2, ep=2, etp=1, sequence parallel), alltoall;
   * pp=2 (the same tp, ep, etp): alltoall for 10 iterations (saving at 5 and 10), every other
     dispatcher for 5;
+  * pp=2 with activation recompute, full (uniform, one layer) and selective (`moe core_attn
+    layernorm`), with alltoall, parm_s2 (pipelined) and parm, iterations 2-4 each;
   * pp=2 interleaved (2 virtual stages of one layer), alltoall;
   * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
   * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each;
@@ -20,8 +22,9 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
   * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
     iteration each.
 The tests then check that the pipelined losses (GPT's and BERT's) follow the reference (1e-4,
-as the dispatchers follow alltoall in test_pretrain.py), that a same-layout resume repeats them
-bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
+as the dispatchers follow alltoall in test_pretrain.py), that recompute leaves a dispatcher's
+pipelined losses as they are without it (1e-6; parm, which tunes, 1e-4) while each step routes
+again once per layer and micro-batch, that a same-layout resume repeats them bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
 that the converter and the inspector read pipelined checkpoints.
 """
 
@@ -49,6 +52,14 @@ PP2 = REFERENCE + ["--pipeline-model-parallel-size", "2"]
 BERT = ["--config", "configs/bert_tiny_moe.yaml"] + MODEL[2:]
 CURVE_TOLERANCE = 1e-4  # relative, as the dispatchers meet against alltoall
 LOAD_TOLERANCE = 1e-6  # relative: the same weights in another layout, one iteration
+# Megatron-LM's activation-recompute flags (as tests/e2e/test_pretrain.py runs them at pp=1),
+# each with these dispatchers at pp=2, iterations 2-4
+RECOMPUTE = {"full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"],
+             "selective": ["--recompute-granularity", "selective", "--recompute-modules", "moe",
+                           "core_attn", "layernorm"]}
+RECOMPUTE_DISPATCHERS = ("alltoall", "parm_s2", "parm")
+RECOMPUTE_ITERS = ["--exit-interval", "4"]
 
 
 def dispatchers():
@@ -61,19 +72,29 @@ def worker(world: str, run_dir: str) -> None:
     """Every rank runs this under torchrun; rank 0 writes RUN_DIR/results_<world>.json."""
     sys.path.insert(0, str(REPO))
     import torch
+    from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_parm.training.arguments import parse_args
     from megatron_parm.training.trainer import pretrain
 
     run = Path(run_dir)
     start = str(run / "start")
+    routed = [0]  # the routers' forward calls on this rank (its stage's MoE layers)
+    route = TopKRouter.forward
+
+    def counted(self, *args, **kwargs):
+        routed[0] += 1
+        return route(self, *args, **kwargs)
+
+    TopKRouter.forward = counted
 
     def train(*flags, dispatcher="alltoall", model="gpt"):
         args = parse_args((MODEL if model == "gpt" else BERT) + list(flags)
                           + ["--moe-token-dispatcher-type", dispatcher], model_type=model)
-        began = time.time()
+        began, routed[0] = time.time(), 0
         summary = pretrain(args)
-        return {"losses": summary["losses"], "seconds": time.time() - began}
+        return {"losses": summary["losses"], "seconds": time.time() - began,
+                "forwards": routed[0]}
 
     results = {}
     if world == "4":
@@ -86,6 +107,10 @@ def worker(world: str, run_dir: str) -> None:
             if name != "alltoall":
                 results["pp2"][name] = train(*PP2, "--load", start, "--exit-interval", "6",
                                              dispatcher=name)
+        results["recompute"] = {
+            f"{kind} {name}": train(*PP2, *flags, "--load", start, *RECOMPUTE_ITERS,
+                                    dispatcher=name)
+            for kind, flags in RECOMPUTE.items() for name in RECOMPUTE_DISPATCHERS}
         results["interleaved"] = train(*PP2, "--num-layers-per-virtual-pipeline-stage", "1",
                                        "--load", start)
         iter5 = f"{saved}/iter_0000005"
@@ -162,6 +187,26 @@ def test_every_dispatcher_follows_alltoall_under_pipelining(runs):
     for name, run in results["pp2"].items():
         _close(run["losses"], alltoall[:len(run["losses"])], CURVE_TOLERANCE)
         assert len(run["losses"]) >= 5, name
+
+
+def test_activation_recompute_under_pipelining_leaves_the_losses(runs):
+    """Full and selective recompute at pp=2: each dispatcher's losses are those of its run
+    without recompute (1e-6, fp32; parm within 1e-4, as it tunes), and every step routes again
+    once per layer of the stage and micro-batch (rank 0: stage 0's 2 layers, 4 micro-batches)."""
+    results, _, _ = runs
+    plain, recomputed = results["pp2"], results["recompute"]
+    assert set(recomputed) == {f"{kind} {name}" for kind in RECOMPUTE
+                               for name in RECOMPUTE_DISPATCHERS}
+
+    def per_iteration(run):
+        return run["forwards"] / len(run["losses"])
+
+    for case, run in recomputed.items():
+        reference = plain[case.split()[1]]
+        assert len(run["losses"]) == 3, (case, run)
+        tolerance = 1e-4 if case.endswith("parm") else 1e-6
+        assert run["losses"] == pytest.approx(reference["losses"][:3], abs=tolerance), case
+        assert per_iteration(run) - per_iteration(reference) == 2 * 4, (case, run, reference)
 
 
 def test_parm_chooses_per_layer_on_each_stage(runs):

@@ -213,7 +213,7 @@ def test_pipelined_step_time():
     step = step_time(spec, lay, PROFILE, "alltoall", None, 2, 16, fp32)
     assert step.num_microbatches == 4  # 16 / (2 x dp 2)
     assert step.p2p_link == "inter" and step.p2p_bytes == 64 * 2 * 64 * 4  # [s, b, h] fp32
-    stages = [sum(stage.values()) for stage in stage_times(spec, lay, PROFILE, step.moe_layer.total_s,
+    stages = [sum(stage.values()) for stage in stage_times(spec, lay, PROFILE, step.moe_layer,
                                                            2, fp32)]
     assert step.bubble_s == pytest.approx(sum(stages) - max(stages))
     assert step.microbatch_s + step.p2p_s == pytest.approx(max(stages))
@@ -274,7 +274,7 @@ def test_plan_ranks_interleaved_pipelines():
     # the candidate carries its vpp through the step model: (sum - max) / vpp of its stages
     lay, m = interleaved.layout, interleaved.step.num_microbatches
     stages = [sum(stage.values()) for stage in stage_times(
-        spec, lay, PROFILE, interleaved.step.moe_layer.total_s, 2, fp32, vpp=2)]
+        spec, lay, PROFILE, interleaved.step.moe_layer, 2, fp32, vpp=2)]
     assert interleaved.step.bubble_s == pytest.approx((sum(stages) - max(stages)) / 2)
     assert interleaved.step.bubble_s < plain.step.bubble_s
     # ... and the memory model: more (micro-batch, model chunk) pairs in flight
