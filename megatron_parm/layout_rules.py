@@ -42,6 +42,13 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
+def pre_softmax_routing(moe_router_pre_softmax: bool, topk: int) -> bool:
+    """Whether the router takes the softmax over all experts before its top-k: as
+    --moe-router-pre-softmax says, and always at top-1 (Megatron-Core refuses a softmax over
+    one expert)."""
+    return moe_router_pre_softmax or topk == 1
+
+
 def moe_layer_pattern(moe_layer_freq, num_layers: int) -> list:
     """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads --moe-layer-freq (an int N: every
     N-th layer from the first; a list: as given)."""

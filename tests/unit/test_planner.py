@@ -115,9 +115,10 @@ def test_activations_shrink_with_tp_and_grow_with_the_batch():
         activation_bytes(spec, layout(2, 2, 1), 4, fp32, "parm_s1")
     assert activation_bytes(tiny(hidden_dropout=0.1, attention_dropout=0.1), layout(1, 1, 1),
                             4, fp32) > one
-    # BERT's pooler all-gathers the sequence-parallel shards for its first token: s b h p more
+    # BERT's binary head: token-type ids (8 b s), and the pooler all-gathers the
+    # sequence-parallel shards for its first token: s b h p more
     bert = tiny(model_type="bert")
-    for tp, extra in ((1, 0), (2, 64 * 4 * 64 * 4)):
+    for tp, extra in ((1, 8 * 4 * 64), (2, 8 * 4 * 64 + 64 * 4 * 64 * 4)):
         assert activation_bytes(bert, layout(tp, 1, 1), 4, fp32) - activation_bytes(
             dataclasses.replace(bert, bert_binary_head=False), layout(tp, 1, 1), 4, fp32) == extra
 
