@@ -21,11 +21,20 @@ t > 1); without pipelining the stage is the whole model:
     TP collectives (t > 1) per layer, bytes n h p per peer: forward AG before QKV and RS after
                   the projection; backward the duals plus the AG that re-gathers QKV's input for
                   its weight gradient (Megatron keeps only the shard); the same again for a
-                  dense layer's MLP and for the shared experts (not overlapped with the
-                  dispatcher: --moe-shared-expert-overlap is not modelled); with fewer
+                  dense layer's MLP and for the shared experts (with
+                  --moe-shared-expert-overlap their own AG forward and RS backward, no
+                  re-gather: their fc1 keeps the gathered input); with fewer
                   key/value heads than t (g < t) an AG of the QKV output forward, its RS
                   backward. Embedding: RS forward, AG backward; output layer: AG forward, AG +
                   RS backward; the vocab-parallel cross entropy: three AR of s b fp32 values
+    shared-expert overlap (--moe-shared-expert-overlap): the shared experts' GEMMs run on a
+                  stream of their own while the dispatcher's collectives are in flight
+                  (Megatron's alltoall points, forward and backward): per MoE layer and pass
+                  the step saves e * min(their GEMMs' seconds, the seconds the layer's compute
+                  waits on its collectives, Prediction.comm_wait_s), e the profile's
+                  overlap_efficiency (the one share of an ideal overlap a cluster delivers, as
+                  for parm_s2's chunks; not measured for this overlap); their TP collectives
+                  stay charged (they may share a link with the dispatcher's)
     framework     the profile's microbatch_overhead + L * layer_overhead: the time of a
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
@@ -93,10 +102,14 @@ class StepTime:
     vpp: Optional[int] = None
     p2p_link: Optional[str] = None  # "intra" or "inter": where the stages' sends cross
     p2p_bytes: float = 0.0  # one send (one rank, one micro-batch, one way)
+    # --moe-shared-expert-overlap: minus the seconds of the shared experts' GEMMs (in
+    # dense_compute_s) hidden behind the dispatchers' collectives, one micro-batch (<= 0)
+    shared_overlap_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
-        return self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
+        return (self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
+                + self.shared_overlap_s)
 
     @property
     def pipeline_s(self) -> float:
@@ -124,7 +137,8 @@ class StepTime:
                 "pp": self.pp, "vpp": self.vpp, "p2p_s": self.p2p_s,
                 "p2p_link": self.p2p_link, "p2p_bytes": self.p2p_bytes,
                 "bubble_s": self.bubble_s, "bubble_share": self.bubble_share,
-                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s}
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+                "shared_overlap_s": self.shared_overlap_s}
 
 
 def collective_seconds(profile: Profile, layout: Layout, kind: str, group: str,
@@ -163,11 +177,8 @@ def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int
                  2 * micro_batch_size * s * s * width / t, 2 * tokens * width * h / t)
     ffn = spec.dense_ffn_hidden_size
     dense_layer = attention + (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t)
-    moe_layer = attention + (2 * local * h * spec.num_experts,)
-    if spec.shared_expert_size:
-        shared = spec.shared_expert_size
-        moe_layer += (2 * tokens * h * u * shared / t, 2 * tokens * shared * h / t)
-        moe_layer += (2 * local * h,) if spec.shared_expert_gate else ()
+    moe_layer = (attention + (2 * local * h * spec.num_experts,)
+                 + _shared_expert_flops(spec, layout, micro_batch_size))
     per_kind = (_gemms_seconds(profile, dense_layer), _gemms_seconds(profile, moe_layer))
     head_flops = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
     if spec.model_type == "bert":
@@ -175,6 +186,32 @@ def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int
     moe_layers = spec.moe_layers
     return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
             + (_gemms_seconds(profile, head_flops) if head else 0.0))
+
+
+def _shared_expert_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int) -> tuple:
+    """Forward flops of each GEMM of an MoE layer's shared experts on one rank: fc1 and fc2
+    over the whole sequence, split over TP, and their gate (none without shared experts)."""
+    if not spec.shared_expert_size:
+        return ()
+    t, h, shared = layout.tp, spec.hidden_size, spec.shared_expert_size
+    tokens = spec.seq_length * micro_batch_size
+    gemms = (2 * tokens * h * spec.fc1_factor * shared / t, 2 * tokens * shared * h / t)
+    return gemms + ((2 * (tokens // t) * h,) if spec.shared_expert_gate else ())
+
+
+def shared_expert_overlap_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                                  profile: Profile, moe_layer: Prediction) -> float:
+    """Seconds of one MoE layer's forward + backward that --moe-shared-expert-overlap hides:
+    per pass e * min(the shared experts' GEMMs, the seconds the layer's compute waits on its
+    collectives) (module docstring); 0 without the flag."""
+    if not (spec.shared_expert_overlap and spec.shared_expert_size):
+        return 0.0
+    flops = _shared_expert_flops(spec, layout, micro_batch_size)
+    gemms = {"forward": sum(profile.compute_time(f) for f in flops),  # backward: two each
+             "backward": sum(2 * profile.compute_time(f) for f in flops)}
+    return profile.overlap_efficiency * sum(
+        min(seconds, moe_layer.comm_wait_s.get(direction, 0.0))
+        for direction, seconds in gemms.items())
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
@@ -198,7 +235,9 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
     if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
         qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
         attention += collective("all_gather", qkv_shard) + collective("reduce_scatter", qkv_shard)
-    per_kind = (attention + block, attention + (block if spec.shared_expert_size else 0.0))
+    # overlapped shared experts gather their input once (their fc1 keeps it: no re-gather)
+    shared = block - (all_gather if spec.shared_expert_overlap else 0.0)
+    per_kind = (attention + block, attention + (shared if spec.shared_expert_size else 0.0))
     embedding_s = reduce_scatter + all_gather
     output_layer = 2 * all_gather + reduce_scatter
     cross_entropy = 3 * collective("all_reduce", 2.0 * tokens * 4 / t)
@@ -288,10 +327,12 @@ def p2p_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
 
 
 def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: float,
-                micro_batch_size: int, precision: Precision, vpp: Optional[int] = None
-                ) -> List[Dict[str, float]]:
+                micro_batch_size: int, precision: Precision, vpp: Optional[int] = None,
+                shared_overlap_s: float = 0.0) -> List[Dict[str, float]]:
     """Per pipeline stage, one micro-batch's terms (forward + backward): moe_s,
-    dense_compute_s, tp_comm_s, framework_s, p2p_s (a single stage without pipelining)."""
+    dense_compute_s, tp_comm_s, framework_s, p2p_s (a single stage without pipelining), and
+    shared_overlap_s: minus the stage's MoE layers times shared_overlap_s, the seconds one MoE
+    layer's shared-expert overlap hides (shared_expert_overlap_seconds)."""
     layers = _stage_layer_lists(spec, layout.pp, vpp)
     chunks = vpp or 1
     send = p2p_send_seconds(profile, layout, p2p_bytes(spec, layout, micro_batch_size, precision))
@@ -311,6 +352,8 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer_s: 
                                          embedding=first, head=last, layers=stage_layers),
             "framework_s": framework_seconds(spec, profile, num_layers, layout.pp),
             "p2p_s": chunks * neighbours * send,
+            "shared_overlap_s": -sum(spec.moe_layers[index] for index in stage_layers)
+                                * shared_overlap_s,
         })
     return times
 
@@ -331,7 +374,8 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
     stages = stage_times(spec, layout, profile, moe_layer.total_s, micro_batch_size, precision,
-                         vpp)
+                         vpp, shared_expert_overlap_seconds(spec, layout, micro_batch_size,
+                                                            profile, moe_layer))
     totals = [sum(stage.values()) for stage in stages]
     slowest = stages[totals.index(max(totals))]
     return StepTime(
@@ -350,4 +394,5 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         vpp=vpp,
         p2p_link=pipeline_link(layout),
         p2p_bytes=p2p_bytes(spec, layout, micro_batch_size, precision) if layout.pp > 1 else 0.0,
+        shared_overlap_s=slowest["shared_overlap_s"],
     )
