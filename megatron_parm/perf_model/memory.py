@@ -51,12 +51,12 @@ u: transformer.py; w = a c, the attention's width):
                             over E the aux loss takes; a second index tensor, saved to make the
                             routing map, is dropped with its graph before the forward ends;
                             with --moe-router-pre-softmax the softmax over all E replaces the
-                            one over k: n (8 k + 8 E)); the permutation's n_r (5 E) + 8 q (the
-                            routing map, the probabilities by expert in fp32, the int64 row
-                            index: n_r tokens routed, n or ds_baseline's t n, q = E
-                            rows_per_expert(n_r) rows, k n_r dropless); a chunked schedule
-                            (parm_s2, at its 2 or more chunks) keeps the row index a second
-                            time, in chunk order, 8 q;
+                            one over k: n (8 k + 8 E)); the permutation's 5 E bytes per token
+                            it routes (n, ds_baseline's t n: the routing map, the probabilities
+                            by expert in fp32) and its int64 row index, 8 bytes per permuted
+                            row (E rows_per_expert of those tokens: k per token dropless); a
+                            chunked schedule (parm_s2, at its 2 or more chunks) keeps the row
+                            index a second time, in chunk order;
                             experts r (h + (j + 1) F / x) p + 4 r (fc1 input, fc1 output and
                             activation j F: j = 2 for GeLU, 5 for SwiGLU (fc1's 2 F, SiLU's
                             output, the linear half plus Megatron's glu_linear_offset, their
@@ -113,6 +113,7 @@ stage holds in one training step of Megatron-Core's 1F1B schedule.
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_parm import schedules
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
@@ -122,7 +123,6 @@ from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
 from megatron_parm.perf_model.transformer import (ModelSpec, ParameterCounts,
                                                   layer_parameter_counts, parameter_counts)
 from megatron_parm.perf_model.volumes import build_plan
-from megatron_parm import schedules
 from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
 
 PRECISIONS = ("fp32", "bf16", "fp16")
