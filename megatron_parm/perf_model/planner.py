@@ -94,6 +94,7 @@ class Candidate:
     memory: MemoryEstimate
     step: StepTime
     gpu_memory_bytes: float
+    shared_expert_overlap: bool = False  # --moe-shared-expert-overlap
     # dispatchers predicted exactly as fast, with the same memory, on this layout (listed
     # here instead of as rows of their own: alltoall and parm_s1 share a cost plan, and at
     # tp = 1 ds_baseline moves what S1 moves)
@@ -102,7 +103,6 @@ class Candidate:
     # schedule); the virtual stages per rank are step.vpp
     layers_per_virtual_stage: Optional[int] = None
     recompute: Recompute = NONE  # activation recomputation (its memory; no time charged)
-    shared_expert_overlap: bool = False  # --moe-shared-expert-overlap
 
     @property
     def dp(self) -> int:
@@ -301,7 +301,8 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
     candidates = _merge_equivalents(candidates)
     # the step time does not charge recomputation's extra forward: a candidate that needs it
     # ranks after every one that fits without
-    candidates.sort(key=lambda c: _rank_key(c, recompute)[:3])
+    candidates.sort(key=lambda c: (not c.fits, c.recompute != NONE and recompute is None,
+                                   c.step.step_s))
     if not candidates[0].fits:
         raise PlanError(_nothing_fits(spec, cluster, candidates, micro_batch_size, precision,
                                       distributed_optimizer))
@@ -333,17 +334,17 @@ def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_s
     and each virtual-stage count (virtual_stage_counts), with `recompute` (plan's); for a
     model with shared experts whose flags leave --moe-shared-expert-overlap off, each with the
     overlap where it helps (_overlap_choice, _rank_key)."""
-    planned = _planned_candidates(spec, layout, schedule, profile, cluster, micro_batch_size,
-                                  global_batch_size, precision, distributed_optimizer,
-                                  chunk_candidates, recompute)
+    def planned(overlap: bool) -> List[Candidate]:
+        return [replace(candidate, shared_expert_overlap=overlap) for candidate in
+                _planned_candidates(replace(spec, shared_expert_overlap=overlap), layout,
+                                    schedule, profile, cluster, micro_batch_size,
+                                    global_batch_size, precision, distributed_optimizer,
+                                    chunk_candidates, recompute)]
+
     if not _overlap_choice(spec, recompute):
-        return planned
-    overlapped = _planned_candidates(replace(spec, shared_expert_overlap=True), layout,
-                                     schedule, profile, cluster, micro_batch_size,
-                                     global_batch_size, precision, distributed_optimizer,
-                                     chunk_candidates, recompute)
+        return planned(spec.shared_expert_overlap)
     return [min(plain, other, key=lambda candidate: _rank_key(candidate, recompute))
-            for plain, other in zip(planned, overlapped)]
+            for plain, other in zip(planned(False), planned(True))]
 
 
 def _overlap_choice(spec: ModelSpec, recompute: Optional[Recompute]) -> bool:
@@ -355,8 +356,8 @@ def _overlap_choice(spec: ModelSpec, recompute: Optional[Recompute]) -> bool:
 
 
 def _rank_key(candidate: Candidate, recompute: Optional[Recompute]) -> tuple:
-    """The planner's order (plan's sort), then less memory: fitting first, those needing no
-    recomputation it chose first, fastest first."""
+    """The planner's order (plan's sort: fitting first, those needing no recomputation it
+    chose first, fastest first), then less memory."""
     return (not candidate.fits, candidate.recompute != NONE and recompute is None,
             candidate.step.step_s, candidate.memory.total)
 
@@ -385,8 +386,7 @@ def _planned_candidates(spec, layout, schedule, profile, cluster, micro_batch_si
                                         global_batch_size, precision, distributed_optimizer,
                                         memory, step, cluster.gpu_memory_bytes,
                                         layers_per_virtual_stage=virtual_stage,
-                                        recompute=choice,
-                                        shared_expert_overlap=spec.shared_expert_overlap))
+                                        recompute=choice))
     return candidates
 
 

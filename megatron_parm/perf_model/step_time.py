@@ -21,9 +21,8 @@ t > 1); without pipelining the stage is the whole model:
     TP collectives (t > 1) per layer, bytes n h p per peer: forward AG before QKV and RS after
                   the projection; backward the duals plus the AG that re-gathers QKV's input for
                   its weight gradient (Megatron keeps only the shard); the same again for a
-                  dense layer's MLP and for the shared experts (with
-                  --moe-shared-expert-overlap their own AG forward and RS backward, no
-                  re-gather: their fc1 keeps the gathered input); with fewer
+                  dense layer's MLP and for the shared experts (overlapped or not: what the
+                  overlap saves is its own term below); with fewer
                   key/value heads than t (g < t) an AG of the QKV output forward, its RS
                   backward. Embedding: RS forward, AG backward; output layer: AG forward, AG +
                   RS backward; the vocab-parallel cross entropy: three AR of s b fp32 values
@@ -33,8 +32,10 @@ t > 1); without pipelining the stage is the whole model:
                   the step saves e * min(their GEMMs' seconds, the seconds the layer's compute
                   waits on its collectives, Prediction.comm_wait_s), e the profile's
                   overlap_efficiency (the one share of an ideal overlap a cluster delivers, as
-                  for parm_s2's chunks; not measured for this overlap); their TP collectives
-                  stay charged (they may share a link with the dispatcher's)
+                  for parm_s2's chunks; not measured for this overlap), and at t > 1 the AG
+                  that re-gathers their input for fc1's weight gradient (they gather it once
+                  and their fc1 keeps it whole); their other TP collectives stay charged (they
+                  may share a link with the dispatcher's)
     framework     the profile's microbatch_overhead + L * layer_overhead: the time of a
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
@@ -96,15 +97,16 @@ class StepTime:
     grad_reduce_s: float
     tokens_per_step: int
     moe_layer: Prediction  # one MoE layer, for the breakdown
+    # --moe-shared-expert-overlap: minus what it saves of one micro-batch (<= 0): the shared
+    # experts' GEMMs (in dense_compute_s) hidden behind the dispatchers' collectives, their AG
+    # (in tp_comm_s) not repeated
+    shared_overlap_s: float = 0.0
     p2p_s: float = 0.0  # the pipeline's sends of one micro-batch on that stage, both ways
     bubble_s: float = 0.0  # the pipeline bubble of one step
     pp: int = 1
     vpp: Optional[int] = None
     p2p_link: Optional[str] = None  # "intra" or "inter": where the stages' sends cross
     p2p_bytes: float = 0.0  # one send (one rank, one micro-batch, one way)
-    # --moe-shared-expert-overlap: minus the seconds of the shared experts' GEMMs (in
-    # dense_compute_s) hidden behind the dispatchers' collectives, one micro-batch (<= 0)
-    shared_overlap_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
@@ -177,8 +179,11 @@ def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int
                  2 * micro_batch_size * s * s * width / t, 2 * tokens * width * h / t)
     ffn = spec.dense_ffn_hidden_size
     dense_layer = attention + (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t)
-    moe_layer = (attention + (2 * local * h * spec.num_experts,)
-                 + _shared_expert_flops(spec, layout, micro_batch_size))
+    moe_layer = attention + (2 * local * h * spec.num_experts,)
+    if spec.shared_expert_size:
+        shared = spec.shared_expert_size
+        moe_layer += (2 * tokens * h * u * shared / t, 2 * tokens * shared * h / t)
+        moe_layer += (2 * local * h,) if spec.shared_expert_gate else ()
     per_kind = (_gemms_seconds(profile, dense_layer), _gemms_seconds(profile, moe_layer))
     head_flops = [2 * tokens * h * padded_vocab_size(spec.vocab_size, t) / t]
     if spec.model_type == "bert":
@@ -186,32 +191,6 @@ def dense_compute_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int
     moe_layers = spec.moe_layers
     return (sum(per_kind[moe_layers[index]] for index in _layers(spec, num_layers, layers))
             + (_gemms_seconds(profile, head_flops) if head else 0.0))
-
-
-def _shared_expert_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int) -> tuple:
-    """Forward flops of each GEMM of an MoE layer's shared experts on one rank: fc1 and fc2
-    over the whole sequence, split over TP, and their gate (none without shared experts)."""
-    if not spec.shared_expert_size:
-        return ()
-    t, h, shared = layout.tp, spec.hidden_size, spec.shared_expert_size
-    tokens = spec.seq_length * micro_batch_size
-    gemms = (2 * tokens * h * spec.fc1_factor * shared / t, 2 * tokens * shared * h / t)
-    return gemms + ((2 * (tokens // t) * h,) if spec.shared_expert_gate else ())
-
-
-def shared_expert_overlap_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
-                                  profile: Profile, moe_layer: Prediction) -> float:
-    """Seconds of one MoE layer's forward + backward that --moe-shared-expert-overlap hides:
-    per pass e * min(the shared experts' GEMMs, the seconds the layer's compute waits on its
-    collectives) (module docstring); 0 without the flag."""
-    if not (spec.shared_expert_overlap and spec.shared_expert_size):
-        return 0.0
-    flops = _shared_expert_flops(spec, layout, micro_batch_size)
-    gemms = {"forward": sum(profile.compute_time(f) for f in flops),  # backward: two each
-             "backward": sum(2 * profile.compute_time(f) for f in flops)}
-    return profile.overlap_efficiency * sum(
-        min(seconds, moe_layer.comm_wait_s.get(direction, 0.0))
-        for direction, seconds in gemms.items())
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
@@ -235,9 +214,7 @@ def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, prof
     if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
         qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
         attention += collective("all_gather", qkv_shard) + collective("reduce_scatter", qkv_shard)
-    # overlapped shared experts gather their input once (their fc1 keeps it: no re-gather)
-    shared = block - (all_gather if spec.shared_expert_overlap else 0.0)
-    per_kind = (attention + block, attention + (shared if spec.shared_expert_size else 0.0))
+    per_kind = (attention + block, attention + (block if spec.shared_expert_size else 0.0))
     embedding_s = reduce_scatter + all_gather
     output_layer = 2 * all_gather + reduce_scatter
     cross_entropy = 3 * collective("all_reduce", 2.0 * tokens * 4 / t)
@@ -299,6 +276,38 @@ def framework_seconds(spec: ModelSpec, profile: Profile, num_layers: Optional[in
     whole model's (fitted without pipelining), so a stage pays its 1 / num_stages share."""
     num_layers = spec.num_layers if num_layers is None else num_layers
     return profile.microbatch_overhead / num_stages + num_layers * profile.layer_overhead
+
+
+def _shared_expert_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int) -> tuple:
+    """Forward flops of each GEMM of an MoE layer's shared experts on one rank: fc1 and fc2
+    over the whole sequence, split over TP, and their gate (none without shared experts); the
+    same GEMMs as dense_compute_seconds charges."""
+    if not spec.shared_expert_size:
+        return ()
+    t, h, shared = layout.tp, spec.hidden_size, spec.shared_expert_size
+    tokens = spec.seq_length * micro_batch_size
+    gemms = (2 * tokens * h * spec.fc1_factor * shared / t, 2 * tokens * shared * h / t)
+    return gemms + ((2 * (tokens // t) * h,) if spec.shared_expert_gate else ())
+
+
+def shared_expert_overlap_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                                  profile: Profile, precision: Precision,
+                                  moe_layer: Prediction) -> float:
+    """Seconds of one MoE layer's forward + backward that --moe-shared-expert-overlap saves:
+    per pass e * min(the shared experts' GEMMs, the seconds the layer's compute waits on its
+    collectives), and the AG over TP they no longer repeat (module docstring); 0 without the
+    flag."""
+    if not (spec.shared_expert_overlap and spec.shared_expert_size):
+        return 0.0
+    flops = _shared_expert_flops(spec, layout, micro_batch_size)
+    gemms = {"forward": sum(profile.compute_time(f) for f in flops),  # backward: two each
+             "backward": sum(2 * profile.compute_time(f) for f in flops)}
+    hidden = profile.overlap_efficiency * sum(
+        min(seconds, moe_layer.comm_wait_s.get(direction, 0.0))
+        for direction, seconds in gemms.items())
+    shard = (spec.seq_length * micro_batch_size // layout.tp * spec.hidden_size
+             * precision.activation_bytes)
+    return hidden + collective_seconds(profile, layout, "all_gather", "tp", shard)
 
 
 def pipeline_link(layout: Layout) -> Optional[str]:
@@ -375,7 +384,7 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
     stages = stage_times(spec, layout, profile, moe_layer.total_s, micro_batch_size, precision,
                          vpp, shared_expert_overlap_seconds(spec, layout, micro_batch_size,
-                                                            profile, moe_layer))
+                                                            profile, precision, moe_layer))
     totals = [sum(stage.values()) for stage in stages]
     slowest = stages[totals.index(max(totals))]
     return StepTime(

@@ -673,15 +673,19 @@ def test_shared_expert_overlap_hides_their_gemms_behind_the_dispatcher():
 
 def test_overlapped_shared_experts_gather_their_input_once():
     """At tp > 1 the overlapped shared experts all-gather their input themselves and their
-    fc1 keeps it: one AG less per MoE layer (no re-gather for the weight gradient), and
-    t n h p more activations, less one SwiGLU tensor n S p (no glu_linear_offset sum)."""
+    fc1 keeps it: one AG less per MoE layer (no re-gather for the weight gradient; the
+    overlap's term gives it back, tp_comm_s still holds it), and t n h p more activations,
+    less one SwiGLU tensor n S p (no glu_linear_offset sum)."""
     spec, fp32 = ModelSpec(**DEEPSEEK_LIKE), Precision("fp32")
     lay = layout(2, 2, 1)
     plain, overlapped = _steps(spec, lay, PROFILE)
     shard = 64 * 4 // 2 * 64 * 4  # n h p: s b / t tokens of h fp32
     all_gather = collective_seconds(PROFILE, lay, "all_gather", "tp", shard)
-    assert plain.tp_comm_s - overlapped.tp_comm_s == pytest.approx(
-        spec.num_moe_layers * all_gather)
+    gemms, wait = _shared_gemm_seconds(spec, lay, 4, PROFILE), plain.moe_layer.comm_wait_s
+    hidden = PROFILE.overlap_efficiency * sum(min(gemms[d], wait[d]) for d in gemms)
+    assert overlapped.tp_comm_s == plain.tp_comm_s
+    assert -overlapped.shared_overlap_s == pytest.approx(
+        spec.num_moe_layers * (hidden + all_gather))
     n = 64 * 4 // 2
     memory = [activation_bytes(dataclasses.replace(spec, shared_expert_overlap=overlap), lay,
                                4, fp32) for overlap in (False, True)]
