@@ -42,6 +42,13 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
+def pre_softmax_routing(moe_router_pre_softmax: bool, topk: int) -> bool:
+    """Whether the router takes the softmax over all experts before its top-k: as
+    --moe-router-pre-softmax says, and always at top-1 (Megatron-Core refuses a softmax over
+    one expert)."""
+    return moe_router_pre_softmax or topk == 1
+
+
 def moe_layer_pattern(moe_layer_freq, num_layers: int) -> list:
     """1 (MoE) or 0 (dense) per layer, as Megatron-Core reads --moe-layer-freq (an int N: every
     N-th layer from the first; a list: as given)."""
@@ -240,7 +247,8 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
 
 def recompute_problem(granularity: Optional[str], method: Optional[str],
                       num_layers: Optional[int], modules, *, layers_per_stage: int,
-                      grouped_gemm: bool, shared_experts: bool = False) -> Optional[str]:
+                      grouped_gemm: bool, shared_experts: bool = False,
+                      shared_expert_overlap: bool = False) -> Optional[str]:
     """Why the activation-recompute flags cannot go together (Megatron-LM's and Megatron-Core
     0.16.1's rules, and what this project's models have), or None."""
     if granularity is None:
@@ -270,6 +278,14 @@ def recompute_problem(granularity: Optional[str], method: Optional[str],
     if "shared_experts" in (modules or ()) and not shared_experts:
         return ("--recompute-modules shared_experts needs shared experts "
                 "(--moe-shared-expert-intermediate-size)")
+    return shared_expert_recompute_problem(modules, shared_expert_overlap)
+
+
+def shared_expert_recompute_problem(modules, shared_expert_overlap: bool) -> Optional[str]:
+    """Why the shared experts cannot be both recomputed and overlapped, or None."""
+    if "shared_experts" in (modules or ()) and shared_expert_overlap:
+        return ("--recompute-modules shared_experts cannot go with --moe-shared-expert-overlap "
+                "(Megatron-Core 0.16.1 refuses the two together)")
     return None
 
 

@@ -18,7 +18,8 @@ from typing import Optional
 
 import megatron_parm.settings as declared
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
-from megatron_parm.layout_rules import default_ffn_hidden_size, precision_problem
+from megatron_parm.layout_rules import (default_ffn_hidden_size, precision_problem,
+                                        pre_softmax_routing)
 from megatron_parm.perf_model.profile import shipped_profiles
 from megatron_parm.perf_model.recompute import Recompute
 from megatron_parm.perf_model.transformer import MODEL_TYPES, ModelSpec
@@ -36,6 +37,7 @@ MODEL_FLAGS = (
     "--swiglu", "--group-query-attention", "--num-query-groups", "--kv-channels",
     "--qk-layernorm", "--normalization", "--position-embedding-type", "--no-position-embedding",
     "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate",
+    "--moe-shared-expert-overlap", "--moe-router-pre-softmax",
     # activation recomputation: plan with this choice (default: none, or what fits)
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
     "--recompute-modules")
@@ -49,7 +51,7 @@ LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-para
 # from the command line.
 CANDIDATE_KEYS = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",
                   "use_distributed_optimizer", "recompute_granularity", "recompute_method",
-                  "recompute_num_layers", "recompute_modules"}
+                  "recompute_num_layers", "recompute_modules", "moe_shared_expert_overlap"}
 
 
 def profiles_help() -> str:
@@ -164,6 +166,9 @@ def build_spec(settings, model_type):
         moe_layer_freq=settings["moe_layer_freq"],
         shared_expert_size=settings.get("moe_shared_expert_intermediate_size"),
         shared_expert_gate=settings["moe_shared_expert_gate"],
+        shared_expert_overlap=settings["moe_shared_expert_overlap"],
+        router_pre_softmax=pre_softmax_routing(settings["moe_router_pre_softmax"],
+                                               settings["moe_router_topk"]),
     )
 
 

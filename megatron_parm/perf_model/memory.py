@@ -29,35 +29,55 @@ u: transformer.py; w = a c, the attention's width):
                 attention:  QKV input n h p; the Q, K, V the matmuls keep, n w p each
                             where it is a tensor of its own (Q and K after rope or the q/k
                             norms, K and V repeated from g to a heads by the local attention
-                            under GQA), and the QKV output t n (a/t + 2 g_t) c p where one of
+                            under GQA, and Q wherever a rank holds several key/value groups
+                            under GQA, g_t > 1 and a > g: its heads are then copied out of the
+                            interleaved QKV output, a copy the q norm keeps too, n w p more),
+                            and the QKV output t n (a/t + 2 g_t) c p where one of
                             them is a view of it or the q/k norms keep it (g_t = g / t
                             key/value heads a rank computes; at g < t Megatron all-gathers the
-                            whole QKV output, t n (a + 2 g) c p); softmax output b (a/t) s^2 q,
+                            QKV output of every head over the whole sequence, t n (a + 2 g) c p,
+                            and g_t = 1); softmax output b (a/t) s^2 q,
                             projection input n w p
                             (q = 4 in fp32; 6 in bf16/fp16: the softmax runs in fp32 and its
                             fp32 output and the 2-byte copy for the next matmul are both kept)
                 rope:       the cos and sin of Q and of K, 4 s c p
-                q/k norms:  (--qk-layernorm) their fp32 statistics t n (a/t + g_t) y / 2
+                q/k norms:  (--qk-layernorm) their fp32 statistics t n (a/t + g_t) y
                 dropout (when > 0): attention mask and output b (a/t) s^2 (m + p), two
                             residual masks 2 n h m (m: bytes of a dropout mask, 1 on GPUs,
                             whose fused dropout keeps a bool mask; p on CPUs, where
                             torch keeps the scaled noise tensor)
-                MoE layer:  router input n h p, routing tensors n (24 k + 9 E),
+                MoE layer:  router input n h p; the router's tensors n (12 k + 4 E) (the
+                            int64 top-k index, the fp32 softmax over the top k, the fp32 scores
+                            over E the aux loss takes; a second index tensor, saved to make the
+                            routing map, is dropped with its graph before the forward ends;
+                            with --moe-router-pre-softmax the softmax over all E replaces the
+                            one over k: n (8 k + 8 E)); the permutation's 5 E bytes per token
+                            it routes (n, ds_baseline's t n: the routing map, the probabilities
+                            by expert in fp32) and its int64 row index, 8 bytes per permuted
+                            row (E rows_per_expert of those tokens: k per token dropless); a
+                            chunked schedule (parm_s2, at its 2 or more chunks) keeps the row
+                            index a second time, in chunk order;
                             experts r (h + (j + 1) F / x) p + 4 r (fc1 input, fc1 output and
                             activation j F: j = 2 for GeLU, 5 for SwiGLU (fc1's 2 F, SiLU's
                             output, the linear half plus Megatron's glu_linear_offset, their
                             product), probability-scaled activation; the row probabilities in
                             fp32); shared experts j n S p (their input is the router's), their
-                            gate n h p + 3 n p
+                            gate n h p + n p; with --moe-shared-expert-overlap the shared
+                            experts keep (j - 1) n S p for SwiGLU (their overlapped forward
+                            has no glu_linear_offset tensor) and, at t > 1, the input they
+                            all-gather themselves, t n h p (their fc1 keeps it whole)
                 dense layer: MLP fc1 input n h p, fc1 output and activation j n D p
     On CPUs (fused_norms False) torch's RMSNorm is not fused and also keeps its normalised
     input, n h p per norm (t n (a/t + g_t) c p for the q/k norms).
-    model       token / position (/ token type) ids 8 b s each, attention mask b s^2 (bool),
+    model       token ids 8 b s (t > 1: + b s, the vocab-parallel embedding's mask), learned
+                position ids 8 b s (BERT's: 8 s, one row broadcast), BERT's token types
+                8 b s, attention mask b s^2 (bool),
                 embedding dropout n h m, final LayerNorm n h p + 8 n,
                 head: GPT output-layer input n h p; BERT pooler/lm_head inputs 4 n h p + 8 n
                 (t > 1: + s b h p, the pooler all-gathers the sequence for its first token),
                 loss: the fp32 softmax of the logits s b V / t * 4 (the vocab-parallel cross
-                entropy keeps it in fp32 in every precision) + 9 s b
+                entropy keeps it in fp32 in every precision) + 13 s b (labels, their
+                mask, the fp32 loss mask)
 
 Pipeline parallelism (p = pp stages, Megatron's order: layout.py). Stage i holds its L_i
 transformer layers (layout_rules.pipeline_stage_layers: L / p each); the first stage the
@@ -93,6 +113,7 @@ stage holds in one training step of Megatron-Core's 1F1B schedule.
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_parm import schedules
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import pipeline_stage_layers
 from megatron_parm.perf_model.layout import Layout
@@ -249,7 +270,7 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
         attention += 4 * s * spec.head_channels * p
     if spec.qk_layernorm:
         rows = t * n * (heads // t + max(spec.query_groups // t, 1))  # (token, head) pairs
-        attention += rows * statistics // 2
+        attention += rows * statistics
         attention += rows * spec.head_channels * p if unfused_rms else 0
     scores_bytes = scores * softmax_bytes
     if spec.attention_dropout > 0:
@@ -264,7 +285,12 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                              dense_mlp=dense_mlp)
 
     mask = b * s * s  # bool
-    ids = (3 if spec.model_type == "bert" else 2) * 8 * b * s
+    bert = spec.model_type == "bert"
+    ids = 8 * b * s + (b * s if t > 1 else 0)  # tokens; the vocab-parallel embedding's mask
+    if spec.position_table:  # BERT's position ids are one row, broadcast over the batch
+        ids += 8 * s if bert else 8 * b * s
+    if bert and spec.bert_binary_head:  # token types
+        ids += 8 * b * s
     first = ids + (n * h * m if spec.hidden_dropout > 0 else 0)
     last = n * h * p * (2 if unfused_rms else 1) + n * statistics  # final norm
     if spec.model_type == "bert":
@@ -274,7 +300,7 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     else:
         last += n * h * p
     vocab = padded_vocab_size(spec.vocab_size, t)
-    last += s * b * vocab // t * 4 + 9 * s * b
+    last += s * b * vocab // t * 4 + 13 * s * b
     return layer, mask, first, last
 
 
@@ -291,14 +317,28 @@ def _moe_terms(spec: ModelSpec, layout: Layout, shape: LayerShape, dispatcher: s
     rows = expert_rows(shape, layout, dispatcher)
     kept = _mlp_kept(spec)
     channels = spec.moe_ffn_hidden_size / layout.etp
-    moe = (n * h * p + n * (24 * k + 9 * spec.num_experts)
+    experts = spec.num_experts
+    router = 8 * k + 8 * experts if spec.router_pre_softmax else 12 * k + 4 * experts
+    schedule = schedules.get(dispatcher)
+    # ds_baseline permutes all t n tokens of its TP group (schedules.baseline_cost)
+    routed = layout.tp * n if schedule.kind == schedules.BASELINE else n
+    permuted_rows = experts * shape.rows_per_expert(routed)
+    indices = 2 if schedule.chunked else 1  # parm_s2's second, in chunk order
+    moe = (n * h * p + n * router + routed * 5 * experts + 8 * indices * permuted_rows
            + rows * (h + (kept + 1) * channels) * p + 4 * rows)
     # moe_act: all but fc1's u F outputs of the (j + 1) F per row
     expert_activation = rows * (kept + 1 - spec.fc1_factor) * channels * p
-    shared = kept * n * spec.shared_expert_size * p if spec.shared_expert_size else 0.0
+    shared = 0.0
+    if spec.shared_expert_size:
+        overlapped = spec.shared_expert_overlap
+        # overlapped, SwiGLU keeps no glu_linear_offset sum (SharedExpertMLP's own forward)
+        per_channel = kept - 1 if overlapped and spec.swiglu else kept
+        shared = per_channel * n * spec.shared_expert_size * p
+        if overlapped and layout.tp > 1:  # their own gather of the input, kept by fc1
+            shared += layout.tp * n * h * p
     moe += shared
     if spec.shared_expert_size and spec.shared_expert_gate:
-        moe += n * h * p + 3 * n * p
+        moe += n * h * p + n * p  # the gated output's input and the sigmoid's output
     return moe, expert_activation, shared
 
 
@@ -308,10 +348,15 @@ def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
     heads, groups = spec.num_attention_heads // t, max(spec.query_groups // t, 1)
     repeated = heads != groups  # GQA: K and V repeated to the queries' heads
     transformed = spec.position_embedding_type == "rope" or spec.qk_layernorm
-    own = (transformed, transformed or repeated, repeated)  # Q, K, V: tensors of their own
-    qkv = spec.qkv_width if spec.query_groups < t else t * (heads + 2 * groups) * spec.head_channels
+    # Q's heads of several groups cannot be a view of the interleaved QKV output: a copy
+    q_copy = spec.num_attention_heads > spec.query_groups and groups > 1
+    own = (transformed or q_copy, transformed or repeated, repeated)  # Q, K, V: own tensors
+    # the QKV output of the rank's sequence (t n tokens): at g < t every head's, gathered
+    qkv = t * (spec.qkv_width if spec.query_groups < t else (heads + 2 * groups) * spec.head_channels)
     keeps_qkv = spec.qk_layernorm or not all(own)
-    return sum(own) * n * spec.attention_width * p + (n * qkv * p if keeps_qkv else 0)
+    q_norm_input = spec.qk_layernorm and q_copy  # the q norm keeps the copy it normalises
+    return ((sum(own) + q_norm_input) * n * spec.attention_width * p
+            + (n * qkv * p if keeps_qkv else 0))
 
 
 def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int],
@@ -414,14 +459,15 @@ def stage_parameter_counts(spec: ModelSpec, layout: Layout, stage: int, num_laye
 def stage_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
                            precision: Precision, stage: int, num_microbatches: int,
                            vpp: Optional[int] = None, dispatcher: str = "alltoall",
-                           dropout_mask_bytes: int = 1, recompute: Recompute = NONE
-                           ) -> Tuple[float, int]:
+                           dropout_mask_bytes: int = 1, recompute: Recompute = NONE,
+                           fused_norms: bool = True) -> Tuple[float, int]:
     """(bytes, micro-batches in flight): the activations one rank of pipeline stage `stage`
     holds at its peak (module docstring); without pipelining, one micro-batch's. With
     recomputation the peak may come in a backward pass, while one chunk of one micro-batch
-    recomputes a checkpoint (recompute.py) and the others in flight keep theirs."""
+    recomputes a checkpoint (recompute.py) and the others in flight keep theirs.
+    dropout_mask_bytes, fused_norms: as activation_bytes'."""
     layer, mask, first, last = _activation_terms(spec, layout, micro_batch_size, precision,
-                                                 dispatcher, dropout_mask_bytes)
+                                                 dispatcher, dropout_mask_bytes, fused_norms)
     chunks = stage_layer_indices(spec, layout.pp, vpp)[stage]
     in_flight = microbatches_in_flight(layout.pp, stage, num_microbatches)
     chunk_pairs = microbatches_in_flight(layout.pp, stage, num_microbatches, vpp)

@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
 from megatron_parm.layout_rules import (batch_problem, experts_problem, microbatch_problem,
-                                        pipeline_stage_layers, size_problem)
+                                        pipeline_stage_layers, shared_expert_recompute_problem,
+                                        size_problem)
 from megatron_parm.perf_model.layout import Layout
 from megatron_parm.wording import plural
 from megatron_parm.perf_model.memory import GIB, MemoryEstimate, Precision, memory_per_rank
@@ -96,6 +97,7 @@ class Candidate:
     memory: MemoryEstimate
     step: StepTime
     gpu_memory_bytes: float
+    shared_expert_overlap: bool = False  # --moe-shared-expert-overlap
     # dispatchers predicted exactly as fast, with the same memory, on this layout (listed
     # here instead of as rows of their own: alltoall and parm_s1 share a cost plan, and at
     # tp = 1 ds_baseline moves what S1 moves)
@@ -142,8 +144,9 @@ class Candidate:
     def describe(self) -> str:
         """The layout and the schedule this candidate runs, e.g. `tp=1 ep=4 etp=1 pp=2 vpp=2
         parm_s2(c=2)` (the dispatcher of its flags, without its equivalents)."""
-        return f"{self.layout_label()} {self.schedule()}" + (
-            f" recompute {self.recompute.label()}" if self.recompute.granularity else "")
+        return (f"{self.layout_label()} {self.schedule()}"
+                + (" shared-expert-overlap" if self.shared_expert_overlap else "")
+                + (f" recompute {self.recompute.label()}" if self.recompute.granularity else ""))
 
     def flags(self) -> List[str]:
         """The command-line flags (Megatron-LM's names) that run this candidate."""
@@ -161,6 +164,8 @@ class Candidate:
         flags += ["--moe-token-dispatcher-type", self.dispatcher]
         if self.num_chunks:
             flags += [schedules.CHUNKS_FLAG, str(self.num_chunks)]
+        if self.shared_expert_overlap:
+            flags.append("--moe-shared-expert-overlap")
         flags += ["--micro-batch-size", str(self.micro_batch_size),
                   "--global-batch-size", str(self.global_batch_size)]
         if self.precision.mixed:
@@ -177,7 +182,8 @@ class Candidate:
                 "equivalent_dispatchers": list(self.equivalents), "label": self.describe(),
                 "step": self.step.as_dict(), "memory_bytes": self.memory.as_dict(),
                 "fits": self.fits, "spare_bytes": self.spare_bytes,
-                "recompute": self.recompute.label(), "flags": self.flags()}
+                "recompute": self.recompute.label(),
+                "shared_expert_overlap": self.shared_expert_overlap, "flags": self.flags()}
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,11 @@ def plan(spec: ModelSpec, cluster: Cluster, profile: Profile, micro_batch_size: 
         raise PlanError("--micro-batch-size and --global-batch-size must be positive")
     for name in dispatchers or ():
         schedules.get(name)  # an unknown name: ValueError listing the valid ones
+    problem = recompute and shared_expert_recompute_problem(
+        recompute.modules if recompute.granularity == "selective" else (),
+        spec.shared_expert_overlap)
+    if problem:
+        raise PlanError(problem)
     layouts, skipped = enumerate_layouts(spec, cluster, micro_batch_size, global_batch_size,
                                          fixed)
     candidates = []
@@ -321,7 +332,39 @@ def _schedule_candidates(spec, layout, schedule, profile, cluster, micro_batch_s
                          global_batch_size, precision, distributed_optimizer,
                          chunk_candidates, recompute=None) -> List[Candidate]:
     """One schedule's candidates on a layout: at each of its chunk counts (chunked schedules)
-    and each virtual-stage count (virtual_stage_counts), with `recompute` (plan's)."""
+    and each virtual-stage count (virtual_stage_counts), with `recompute` (plan's); for a
+    model with shared experts whose flags leave --moe-shared-expert-overlap off, each with the
+    overlap where it helps (_overlap_choice, _rank_key)."""
+    def planned(overlap: bool) -> List[Candidate]:
+        return [replace(candidate, shared_expert_overlap=overlap) for candidate in
+                _planned_candidates(replace(spec, shared_expert_overlap=overlap), layout,
+                                    schedule, profile, cluster, micro_batch_size,
+                                    global_batch_size, precision, distributed_optimizer,
+                                    chunk_candidates, recompute)]
+
+    if not _overlap_choice(spec, recompute):
+        return planned(spec.shared_expert_overlap)
+    return [min(plain, other, key=_rank_key)
+            for plain, other in zip(planned(False), planned(True))]
+
+
+def _overlap_choice(spec: ModelSpec, recompute: Optional[Recompute]) -> bool:
+    """Whether the planner may add --moe-shared-expert-overlap: the model has shared experts,
+    its flags leave the overlap off, and no fixed recomputation of the shared experts
+    (Megatron-Core refuses the two together)."""
+    return bool(spec.shared_expert_size and not spec.shared_expert_overlap
+                and not (recompute and recompute.selects("shared_experts")))
+
+
+def _rank_key(candidate: Candidate) -> tuple:
+    """The planner's order (plan's sort: fitting first, fastest first), then less memory."""
+    return (not candidate.fits, candidate.step.step_s, candidate.memory.total)
+
+
+def _planned_candidates(spec, layout, schedule, profile, cluster, micro_batch_size,
+                        global_batch_size, precision, distributed_optimizer,
+                        chunk_candidates, recompute=None) -> List[Candidate]:
+    """_schedule_candidates for the model as `spec` has it."""
     tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
     num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
     counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
@@ -375,7 +418,8 @@ def _merge_equivalents(candidates: List[Candidate]) -> List[Candidate]:
         layout = candidate.layout
         key = (layout.tp, layout.ep, layout.etp, layout.pp, candidate.vpp,
                candidate.num_chunks, round(candidate.step.step_s, 12),
-               round(candidate.memory.total), candidate.recompute)
+               round(candidate.memory.total), candidate.recompute,
+               candidate.shared_expert_overlap)
         if key in merged:
             kept = merged[key]
             merged[key] = replace(kept, equivalents=kept.equivalents + (candidate.dispatcher,))

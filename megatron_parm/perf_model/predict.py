@@ -41,7 +41,7 @@ measured one collective at a time, and inside the layer the same work takes long
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 from megatron_parm import schedules
@@ -90,6 +90,10 @@ class Prediction:
     # direction -> resource ("inter", "intra", "compute") -> busy seconds per chunk
     resources: Dict[str, Dict[str, float]]
     bwd_num_chunks: int = 1
+    # direction -> seconds of that pass the compute units wait on the layer's collectives (the
+    # pass less its compute, both as the layer runs them, before the chunks' own costs): the
+    # collective stages' sum unchunked; what work on another stream can fill (step_time.py)
+    comm_wait_s: Dict[str, float] = field(default_factory=dict)
 
     def chunks(self, direction: str) -> int:
         return self.num_chunks if direction == "forward" else self.bwd_num_chunks
@@ -189,7 +193,7 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
 
     stages = tuple(stage_time(step, profile, chunks[step.direction])
                    for step in build_plan(dispatcher, shape, layout, sequence_parallel))
-    totals, resources = {}, {}
+    totals, resources, waits = {}, {}, {}
     extra = chunk_costs(shape, layout, profile, chunks)
     for direction in ("forward", "backward"):
         count = chunks[direction]
@@ -207,10 +211,12 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
         efficiency = profile.overlap_efficiency
         overlapped = efficiency * pipelined + (1.0 - efficiency) * count * one_chunk
         totals[direction] = profile.layer_scale * overlapped + extra[direction]
+        waits[direction] = profile.layer_scale * max(0.0, overlapped - count * busy["compute"])
     return Prediction(dispatcher=dispatcher, num_chunks=chunks["forward"],
                       total_s=totals["forward"] + totals["backward"],
                       forward_s=totals["forward"], backward_s=totals["backward"],
-                      stages=stages, resources=resources, bwd_num_chunks=chunks["backward"])
+                      stages=stages, resources=resources, bwd_num_chunks=chunks["backward"],
+                      comm_wait_s=waits)
 
 
 def _chunk_pairs(schedule, chunk_candidates, extra_chunks) -> Tuple[Tuple[int, int], ...]:

@@ -21,11 +21,21 @@ t > 1); without pipelining the stage is the whole model:
     TP collectives (t > 1) per layer, bytes n h p per peer: forward AG before QKV and RS after
                   the projection; backward the duals plus the AG that re-gathers QKV's input for
                   its weight gradient (Megatron keeps only the shard); the same again for a
-                  dense layer's MLP and for the shared experts (not overlapped with the
-                  dispatcher: --moe-shared-expert-overlap is not modelled); with fewer
+                  dense layer's MLP and for the shared experts (overlapped or not: what the
+                  overlap saves is its own term below); with fewer
                   key/value heads than t (g < t) an AG of the QKV output forward, its RS
                   backward. Embedding: RS forward, AG backward; output layer: AG forward, AG +
                   RS backward; the vocab-parallel cross entropy: three AR of s b fp32 values
+    shared-expert overlap (--moe-shared-expert-overlap): the shared experts' GEMMs run on a
+                  stream of their own while the dispatcher's collectives are in flight
+                  (Megatron's alltoall points, forward and backward): per MoE layer and pass
+                  the step saves e * min(their GEMMs' seconds, the seconds the layer's compute
+                  waits on its collectives, Prediction.comm_wait_s), e the profile's
+                  overlap_efficiency (the one share of an ideal overlap a cluster delivers, as
+                  for parm_s2's chunks; not measured for this overlap), and at t > 1 the AG
+                  that re-gathers their input for fc1's weight gradient (they gather it once
+                  and their fc1 keeps it whole); their other TP collectives stay charged (they
+                  may share a link with the dispatcher's)
     framework     the profile's microbatch_overhead + L * layer_overhead: the time of a
                   micro-batch that no GEMM or collective above accounts for (Python, autograd,
                   element-wise kernels, Megatron's schedule), fitted by tools/calibrate.py on
@@ -102,6 +112,10 @@ class StepTime:
     grad_reduce_s: float
     tokens_per_step: int
     moe_layer: Prediction  # one MoE layer, for the breakdown
+    # --moe-shared-expert-overlap: minus what it saves of one micro-batch (<= 0): the shared
+    # experts' GEMMs (in dense_compute_s) hidden behind the dispatchers' collectives, their AG
+    # (in tp_comm_s) not repeated
+    shared_overlap_s: float = 0.0
     p2p_s: float = 0.0  # the pipeline's sends of one micro-batch on that stage, both ways
     bubble_s: float = 0.0  # the pipeline bubble of one step
     pp: int = 1
@@ -114,7 +128,7 @@ class StepTime:
     @property
     def microbatch_s(self) -> float:
         return (self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
-                + self.recompute_s)
+                + self.recompute_s + self.shared_overlap_s)
 
     @property
     def pipeline_s(self) -> float:
@@ -142,7 +156,8 @@ class StepTime:
                 "pp": self.pp, "vpp": self.vpp, "p2p_s": self.p2p_s,
                 "p2p_link": self.p2p_link, "p2p_bytes": self.p2p_bytes,
                 "bubble_s": self.bubble_s, "bubble_share": self.bubble_share,
-                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s}
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+                "shared_overlap_s": self.shared_overlap_s}
 
 
 def collective_seconds(profile: Profile, layout: Layout, kind: str, group: str,
@@ -364,6 +379,32 @@ def framework_seconds(spec: ModelSpec, profile: Profile, num_layers: Optional[in
     return profile.microbatch_overhead / num_stages + num_layers * profile.layer_overhead
 
 
+def shared_expert_overlap_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int,
+                                  profile: Profile, precision: Precision,
+                                  moe_layer: Prediction) -> float:
+    """Seconds of one MoE layer's forward + backward that --moe-shared-expert-overlap saves:
+    per pass e * min(the shared experts' GEMMs, the seconds the layer's compute waits on its
+    collectives), and the AG over TP they no longer repeat (module docstring); 0 without the
+    flag."""
+    if not (spec.shared_expert_overlap and spec.shared_expert_size):
+        return 0.0
+    flops = layer_gemm_flops(spec, layout, micro_batch_size)["shared_experts"]
+    gemms = {"forward": sum(profile.compute_time(f) for f in flops),  # backward: two each
+             "backward": sum(2 * profile.compute_time(f) for f in flops)}
+    hidden = profile.overlap_efficiency * sum(
+        min(seconds, moe_layer.comm_wait_s.get(direction, 0.0))
+        for direction, seconds in gemms.items())
+    shard = (spec.seq_length * micro_batch_size // layout.tp * spec.hidden_size
+             * precision.activation_bytes)
+    return hidden + collective_seconds(profile, layout, "all_gather", "tp", shard)
+
+
+def _stage_layer_lists(spec: ModelSpec, pp: int, vpp: Optional[int]) -> List[List[int]]:
+    """Each stage's layer indices, its virtual stages together."""
+    return [[index for chunk in chunks for index in chunk]
+            for chunks in stage_layer_indices(spec, pp, vpp)]
+
+
 def pipeline_link(layout: Layout) -> Optional[str]:
     """"inter" where a stage's send to the next stage (rank r to r + S, layout.py) crosses
     nodes for some rank, else "intra"; None without pipelining."""
@@ -391,10 +432,13 @@ def p2p_bytes(spec: ModelSpec, layout: Layout, micro_batch_size: int,
 
 def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer: Prediction,
                 micro_batch_size: int, precision: Precision, vpp: Optional[int] = None,
-                recompute: Recompute = NONE) -> List[Dict[str, float]]:
+                recompute: Recompute = NONE,
+                shared_overlap_s: float = 0.0) -> List[Dict[str, float]]:
     """Per pipeline stage, one micro-batch's terms (forward + backward): moe_s,
     dense_compute_s, tp_comm_s, framework_s, recompute_s, p2p_s (a single stage without
-    pipelining); moe_layer: one MoE layer's prediction."""
+    pipelining), and shared_overlap_s: minus the stage's MoE layers times shared_overlap_s, the
+    seconds one MoE layer's shared-expert overlap hides (shared_expert_overlap_seconds);
+    moe_layer: one MoE layer's prediction."""
     chunks_of_stages = stage_layer_indices(spec, layout.pp, vpp)
     chunks = vpp or 1
     send = p2p_send_seconds(profile, layout, p2p_bytes(spec, layout, micro_batch_size, precision))
@@ -420,6 +464,8 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer: Pr
                                for chunk in stage_chunks
                                for local in recompute.recomputed_layers(len(chunk))),
             "p2p_s": chunks * neighbours * send,
+            "shared_overlap_s": -sum(spec.moe_layers[index] for index in stage_layers)
+                                * shared_overlap_s,
         })
     return times
 
@@ -441,7 +487,8 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
     stages = stage_times(spec, layout, profile, moe_layer, micro_batch_size, precision, vpp,
-                         recompute)
+                         recompute, shared_expert_overlap_seconds(
+                             spec, layout, micro_batch_size, profile, precision, moe_layer))
     totals = [sum(stage.values()) for stage in stages]
     slowest = stages[totals.index(max(totals))]
     return StepTime(
@@ -461,4 +508,5 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         vpp=vpp,
         p2p_link=pipeline_link(layout),
         p2p_bytes=p2p_bytes(spec, layout, micro_batch_size, precision) if layout.pp > 1 else 0.0,
+        shared_overlap_s=slowest["shared_overlap_s"],
     )

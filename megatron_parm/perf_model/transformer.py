@@ -33,9 +33,10 @@ Dense parameters are those every EP rank holds (their gradients are reduced over
 data-parallel group, size W / t): the shared experts are dense parameters. Expert parameters
 are sharded over e * x ranks (reduced over the expert-data-parallel group, size W / (e * x)).
 Biases in brackets exist unless --disable-bias-linear. tests/distributed/test_planner_memory.py
-checks these counts against the model Megatron-Core builds, per rank, for several layouts, and
-tests/unit/test_planner.py for the real-size configs (Mixtral, Qwen3, DeepSeek-V2-Lite) and
-every architecture flag at TP 1.
+checks these counts against the model Megatron-Core builds, per rank, for several layouts and
+pipeline stages (the real-size Mixtral, Qwen3 and DeepSeek-V2-Lite configs among them, at 4
+layers), and tests/unit/test_planner_models.py those configs whole and every architecture flag
+at TP 1.
 """
 
 from dataclasses import dataclass
@@ -84,6 +85,10 @@ class ModelSpec:
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1  # an int N or 0/1 per layer
     shared_expert_size: Optional[int] = None  # S
     shared_expert_gate: bool = False
+    # --moe-shared-expert-overlap: the shared experts run while the dispatcher's collectives
+    # are in flight (their memory: memory.py; the time they hide: step_time.py)
+    shared_expert_overlap: bool = False
+    router_pre_softmax: bool = False  # the softmax over all experts before the top-k
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -133,8 +138,9 @@ class ModelSpec:
             num_query_groups=self.num_query_groups or 1,
             position_embedding_type=self.position_embedding_type,
             qk_layernorm=self.qk_layernorm, shared_expert_size=self.shared_expert_size,
-            shared_expert_gate=self.shared_expert_gate, add_bias_linear=self.add_bias_linear,
-            sequence_parallel=tp > 1)
+            shared_expert_gate=self.shared_expert_gate,
+            shared_expert_overlap=self.shared_expert_overlap,
+            add_bias_linear=self.add_bias_linear, sequence_parallel=tp > 1)
 
     @property
     def positions(self) -> int:

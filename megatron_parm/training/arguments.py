@@ -213,7 +213,8 @@ def _validate_implementation(args) -> None:
         args.recompute_modules,
         layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         grouped_gemm=bool(args.moe_grouped_gemm),
-        shared_experts=args.moe_shared_expert_intermediate_size is not None))
+        shared_experts=args.moe_shared_expert_intermediate_size is not None,
+        shared_expert_overlap=args.moe_shared_expert_overlap))
     ddp.check_args(args, _cuda_available())
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(

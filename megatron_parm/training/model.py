@@ -22,6 +22,7 @@ from megatron_parm import tuning
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
 from megatron_parm.config import ParmTransformerConfig
 from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
 from megatron_parm.specs import gpt_block_spec, layer_spec
 from megatron_parm.training.bert_schedule_plan import ParmBertModel
@@ -97,8 +98,8 @@ def architecture_fields(args) -> dict:
 def router_fields(args) -> dict:
     """The config's router fields from Megatron-LM's flags."""
     return dict(
-        # Megatron takes the softmax over all experts before top-1 (it refuses top-1 otherwise).
-        moe_router_pre_softmax=args.moe_router_pre_softmax or args.moe_router_topk == 1,
+        moe_router_pre_softmax=pre_softmax_routing(args.moe_router_pre_softmax,
+                                                   args.moe_router_topk),
         moe_router_score_function=args.moe_router_score_function,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
         moe_router_num_groups=args.moe_router_num_groups,

@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 4 tests/distributed/planner_memory_worker.py CASES.json OUT.json
 
 CASES.json: a list of {"config", "model_type", "tp", "ep", "etp", "pp", "dispatcher",
-"flags", "meta"}. For each case every rank builds the model (training/model.py) in that layout
-and reports its parameter count; with "meta" the model is built on the meta device (no memory,
-for the big configs), otherwise one forward of a synthetic micro-batch runs under
+"flags", "meta"} (and "vocab_size" for a config whose tokenizer files are not shipped). For
+each case every rank builds the model (training/model.py) in that layout, its pipeline stage's
+part at pp > 1, and reports its parameter count; with "meta" the model is built on the meta
+device (no memory, for the big configs), otherwise one forward of a synthetic micro-batch runs under
 torch.autograd.graph.saved_tensors_hooks (SavedStorages) and the rank reports the bytes of the
 distinct storages autograd saved for backward (parameters excluded), the activation memory of
 one micro-batch, and the peak of those it held at once (the same, unless autograd drops some
@@ -184,7 +185,8 @@ MEASURED = ("parameters", "activation_bytes", "peak_bytes", "stage", "num_microb
 
 def measure(args, vocab_size: int, case: dict) -> dict:
     """This rank's MEASURED values for one case (those that apply)."""
-    if args.pipeline_model_parallel_size > 1 or case.get("step"):
+    meta = case.get("meta", False)
+    if (args.pipeline_model_parallel_size > 1 or case.get("step")) and not meta:
         model, _, _ = build_model_and_optimizer(args, vocab_size)
         record = {}
         if case.get("rss"):
@@ -201,9 +203,9 @@ def measure(args, vocab_size: int, case: dict) -> dict:
                 "peak_bytes": tracker.peak, "peak_microbatches": tracker.peak_microbatches,
                 "stage": parallel_state.get_pipeline_model_parallel_rank(),
                 "num_microbatches": args.num_microbatches}
-    meta = case.get("meta", False)
     model = build(args, vocab_size, meta)
-    record = {"parameters": sum(p.numel() for p in model.parameters())}
+    record = {"parameters": sum(p.numel() for p in model.parameters()),
+              "stage": parallel_state.get_pipeline_model_parallel_rank()}
     if not meta:
         model.train()
         record["activation_bytes"], record["peak_bytes"] = saved_activation_bytes(
@@ -226,7 +228,10 @@ def main(cases_path: str, out_path: str) -> None:
                 *case.get("flags", [])]
         if case["tp"] > 1:
             argv.append("--sequence-parallel")
-        args = parse_args(argv, model_type=case["model_type"], world_size=world)
+        # a real-size config without its tokenizer files: the case gives the vocabulary
+        given_vocab = case.get("vocab_size")
+        args = parse_args(argv, model_type=case["model_type"], world_size=world,
+                          reads_data=given_vocab is None)
         initialize_model_parallel(args.tensor_model_parallel_size,
                                   args.expert_model_parallel_size,
                                   args.expert_tensor_parallel_size, args.num_experts,
@@ -234,7 +239,7 @@ def main(cases_path: str, out_path: str) -> None:
                                   pp=args.pipeline_model_parallel_size)
         set_seed(args.seed)
         get_moe_layer_wise_logging_tracker().clear()  # sized by the previous case's layers
-        vocab_size = build_tokenizer(args).vocab_size
+        vocab_size = given_vocab or build_tokenizer(args).vocab_size
         record = measure(args, vocab_size, case)
         record["process_groups"] = len(distributed_c10d._world.pg_map)
         gathered = [None] * world

@@ -1,27 +1,35 @@
 """The planner's memory model against the model Megatron-Core builds (one 4-rank launch).
 
-Parameters: exact, per rank, for every shipped config (the big ones built on the meta device)
-in several (tp, ep, etp) layouts, and per pipeline stage (stage_parameter_counts) for the tiny
-configs at pp = 2 and GPT's at pp = 4. Activations: the bytes of the storages autograd saves
-for backward in one forward of a micro-batch (tests/distributed/planner_memory_worker.py),
-within 20% of perf_model.memory.activation_bytes for the tiny configs, per layout and
-dispatcher, with and without dropout; one layer alone (4 layers minus 2) within 2% on the mean
-over the ranks. Pipelined (GPT and BERT tiny at (tp, ep, etp, pp) = (1, 2, 1, 2) and
-(2, 1, 1, 2), GPT with 4 layers at (1, 1, 1, 4)): one training step of 4 micro-batches through
-Megatron-Core's 1F1B schedule, as the trainer builds and runs it; per rank the peak of the
-bytes autograd holds for backward, within 20% of stage_activation_bytes (measured: 1.000-1.002
-without expert parallelism; on the EP ranks, whose routing differs, GPT 0.97-1.03 and BERT
-0.86-1.19; 0.99-1.00 on a stage's mean), and the micro-batches held at once exactly the model's
-min(pp - stage, m) (2 and 1 at pp = 2; 4, 3, 2, 1 at pp = 4). The tracker that measures the
-peak is checked against the distinct saved bytes on every single-forward case. With full
-activation recomputation (GPT tiny at (1, 2, 1, 2), --recompute-granularity full, uniform, 1
-layer) the same peak, which then comes while the backward pass recomputes a layer, against
-stage_activation_bytes with that choice (tools/recompute_memory.py measures every choice on
-GPT-2-small-MoE's layers, docs/planner.md).
+Parameters: exact, per rank, for every shipped config (the big ones built on the meta device;
+the real-size Mixtral, Qwen3 and DeepSeek configs at their widths with 4 layers) in several
+(tp, ep, etp) layouts, and per pipeline stage (stage_parameter_counts) for the tiny configs at
+pp = 2, GPT's at pp = 4 and the real-size Qwen3 and DeepSeek (a dense first layer) at pp = 2.
+Activations: the bytes of the storages autograd saves for backward in one forward of a
+micro-batch (tests/distributed/planner_memory_worker.py), within 20% of
+perf_model.memory.activation_bytes per rank for the tiny configs, per layout and dispatcher,
+with and without dropout; one layer alone (4 layers minus 2) within 2% on the mean over the
+ranks. Pipelined (GPT and BERT tiny at (tp, ep, etp, pp) = (1, 2, 1, 2) and (2, 1, 1, 2), GPT
+with 4 layers at (1, 1, 1, 4), DeepSeek-style at (2, 1, 1, 2), Qwen3-style at (1, 1, 1, 2)):
+one training step of 4 micro-batches through Megatron-Core's 1F1B schedule, as the trainer
+builds and runs it; per rank the peak of the bytes autograd holds for backward, within 20% of
+stage_activation_bytes (measured 2026-12-04: 0.9998-1.0000 without expert parallelism; on the
+EP ranks, whose routing differs, GPT 0.97-1.03 and BERT 0.86-1.19), and the micro-batches held
+at once exactly the model's min(pp - stage, m) (2 and 1 at pp = 2; 4, 3, 2, 1 at pp = 4).
+Today's architectures (Qwen3-, Mixtral- and DeepSeek-style tiny configs: GQA at tp 1, 2 and 4,
+q/k norms, SwiGLU experts over EP and ETP, shared experts overlapped and gated, dense first
+layers, every dispatcher) are held to 0.2% (test_todays_architectures_activations_are_exact).
+The tracker that measures the peak is checked against the distinct saved bytes on every
+single-forward case. With full activation recomputation (GPT tiny at (1, 2, 1, 2),
+--recompute-granularity full, uniform, 1 layer) the same peak, which then comes while the
+backward pass recomputes a layer, against stage_activation_bytes with that choice
+(tools/recompute_memory.py measures every choice on GPT-2-small-MoE's layers, docs/planner.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 
 import pytest
@@ -32,11 +40,24 @@ from megatron_parm.perf_model.layout import Layout
 from megatron_parm.perf_model.memory import (
     Precision, activation_bytes, microbatches_in_flight, stage_activation_bytes,
     stage_layers, stage_parameter_counts)
-from megatron_parm.perf_model.recompute import Recompute
+from megatron_parm import planner_inputs
+from megatron_parm.perf_model.recompute import NONE, Recompute
 from megatron_parm.perf_model.transformer import ModelSpec
 
 GPT_TINY, BERT_TINY = "configs/gpt2_tiny_moe.yaml", "configs/bert_tiny_moe.yaml"
 BIG = ("configs/gpt2_small_moe.yaml", "configs/gpt2_medium_moe.yaml", "configs/bert_base_moe.yaml")
+# today's architectures, tiny (built and run) and at real size (built on the meta device; their
+# tokenizers are not shipped, so the case gives the embedding's vocabulary)
+QWEN_TINY, DEEPSEEK_TINY = "configs/qwen3_tiny_moe.yaml", "configs/deepseek_v2_lite_tiny_moe.yaml"
+MIXTRAL_TINY = "configs/mixtral_tiny_moe.yaml"
+MODERN_TINY = (QWEN_TINY, DEEPSEEK_TINY, MIXTRAL_TINY)
+REAL_SIZE = {"configs/mixtral_8x7b.yaml": 32000, "configs/qwen3_30b_a3b.yaml": 151936,
+             "configs/deepseek_v2_lite.yaml": 102400}
+MIXTRAL, QWEN, DEEPSEEK = REAL_SIZE
+# DeepSeek-style stages at pp = 2: a dense layer and an MoE layer on the first, two MoE on the last
+DEEPSEEK_4_LAYERS = ["--num-layers", "4", "--moe-layer-freq", "[0]*1+[1]*3"]
+OVERLAP = ["--moe-shared-expert-overlap", "--moe-shared-expert-gate"]
+FOUR_LAYERS = ["--num-layers", "4"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
@@ -45,9 +66,12 @@ NUM_MICROBATCHES = 4  # of a pipelined case's step: more than the first stage's 
 
 
 def _case(config, tp, ep, etp, dispatcher="alltoall", flags=(), meta=False, pp=1):
-    return {"config": config, "model_type": "bert" if "bert" in config else "gpt", "tp": tp,
+    case = {"config": config, "model_type": "bert" if "bert" in config else "gpt", "tp": tp,
             "ep": ep, "etp": etp, "pp": pp, "dispatcher": dispatcher, "flags": list(flags),
             "meta": meta}
+    if config in REAL_SIZE:
+        case["vocab_size"] = REAL_SIZE[config]
+    return case
 
 
 def _micro_batch(record) -> int:
@@ -78,43 +102,49 @@ CASES = [
     _pipelined(GPT_TINY, 1, 1, 1, 4, flags=["--num-layers", "4"]),
     _pipelined(BERT_TINY, 1, 2, 1, 2), _pipelined(BERT_TINY, 2, 1, 1, 2),
     _pipelined(GPT_TINY, 1, 2, 1, 2, flags=FULL_RECOMPUTE),
+    # today's architectures: GQA with a key/value group per rank (Qwen3 at tp 2), fewer groups
+    # than TP ranks (tp 4: the gathered QKV), several groups per rank (tp 1: Q copied out of
+    # the QKV; Mixtral without q/k norms), SwiGLU experts over ETP with shared experts and a
+    # dense first layer (DeepSeek), their overlap and gate, pipeline stages with dense layers
+    _case(QWEN_TINY, 2, 2, 1), _case(QWEN_TINY, 4, 4, 1, "parm_s1"),
+    _case(QWEN_TINY, 1, 4, 1, "parm_s2"), _case(MIXTRAL_TINY, 1, 4, 1),
+    _case(DEEPSEEK_TINY, 2, 2, 2, "ds_baseline"), _case(DEEPSEEK_TINY, 2, 2, 1, flags=OVERLAP),
+    _pipelined(DEEPSEEK_TINY, 2, 1, 1, 2, flags=DEEPSEEK_4_LAYERS),
+    _pipelined(QWEN_TINY, 1, 1, 1, 2),
+    # real widths at 4 layers (whole depths: tests/unit/test_planner_models.py at tp 1; even
+    # on the meta device SequentialMLP builds its experts a module at a time, 10-40 s a model)
+    _case(MIXTRAL, 4, 1, 4, meta=True, flags=FOUR_LAYERS),
+    _case(QWEN, 2, 2, 2, meta=True, flags=FOUR_LAYERS),
+    _case(QWEN, 1, 2, 1, meta=True, pp=2, flags=FOUR_LAYERS),
+    _case(DEEPSEEK, 2, 2, 1, meta=True, pp=2, flags=DEEPSEEK_4_LAYERS),
 ]
 
 
 def _settings(record) -> dict:
-    """The config of a case with its flag overrides."""
-    with open(REPO / record["config"]) as handle:
-        config = yaml.safe_load(handle)
-    flags, position = record["flags"], 0
-    while position < len(flags):  # "--flag value" or a bare "--switch"
-        key = flags[position][2:].replace("-", "_")
-        takes_value = position + 1 < len(flags) and not flags[position + 1].startswith("--")
-        config[key] = yaml.safe_load(flags[position + 1]) if takes_value else True
-        position += 2 if takes_value else 1
-    return config
+    """The planner's settings of a case (tools/plan_layout.py's reading of its config and
+    flags), with the vocabulary the worker built."""
+    return _planner_settings(record["config"], tuple(record["flags"]), record["model_type"],
+                             record["vocab_size"])
+
+
+@functools.lru_cache(maxsize=None)
+def _planner_settings(config, flags, model_type, vocab_size) -> dict:
+    parser = planner_inputs.build_parser()
+    with contextlib.redirect_stderr(io.StringIO()):  # its note on the config's other keys
+        _, settings, _ = planner_inputs.resolve_settings(parser, [
+            "--config", config, *flags, "--model-type", model_type, "--vocab-size",
+            str(vocab_size), "--nproc-per-node", str(WORLD), "--parm-profile",
+            "nvlink_ib_estimate"])
+    return settings
 
 
 def recompute_of(record) -> Recompute:
-    config = _settings(record)
-    return Recompute(config.get("recompute_granularity"), config.get("recompute_method"),
-                     config.get("recompute_num_layers"))
+    return planner_inputs.recompute_of(_settings(record)) or NONE
 
 
 def spec_of(record) -> ModelSpec:
     """The planner's model for a case, from the config and the case's flag overrides."""
-    config = _settings(record)
-    return ModelSpec(
-        model_type=record["model_type"], num_layers=config["num_layers"],
-        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
-        seq_length=config["seq_length"], vocab_size=record["vocab_size"],
-        num_experts=config["num_experts"],
-        moe_ffn_hidden_size=config.get("moe_ffn_hidden_size") or config["ffn_hidden_size"],
-        topk=config["moe_router_topk"],
-        max_position_embeddings=config.get("max_position_embeddings"),
-        add_bias_linear=not config.get("disable_bias_linear", False),
-        untie_embeddings_and_output_weights=config.get("untie_embeddings_and_output_weights",
-                                                       False),
-        hidden_dropout=config["hidden_dropout"], attention_dropout=config["attention_dropout"])
+    return planner_inputs.build_spec(_settings(record), record["model_type"])
 
 
 def _layout(record) -> Layout:
@@ -125,9 +155,11 @@ def _layout(record) -> Layout:
 def _estimate(record) -> float:
     layout = _layout(record)
     precision = Precision("fp32")
-    # CPU torch keeps dropout masks as p-byte noise tensors (GPUs: 1-byte masks)
+    # CPU torch keeps dropout masks as p-byte noise tensors (GPUs: 1-byte masks), and its
+    # RMSNorm is not fused (it keeps its normalised input too)
     return activation_bytes(spec_of(record), layout, _micro_batch(record), precision,
-                            record["dispatcher"], dropout_mask_bytes=precision.activation_bytes)
+                            record["dispatcher"], dropout_mask_bytes=precision.activation_bytes,
+                            fused_norms=False)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +184,7 @@ def _stages(record):
 def test_parameters_per_rank_are_exact(records):
     assert len(records) == len(CASES)
     configs = {record["config"] for record in records}
-    assert configs == {GPT_TINY, BERT_TINY, *BIG}  # every shipped config
+    assert configs == {GPT_TINY, BERT_TINY, *BIG, *MODERN_TINY, *REAL_SIZE}  # every shipped one
     assert {record["pp"] for record in records} == {1, 2, 4}
     for record in records:
         spec, layout = spec_of(record), _layout(record)
@@ -173,12 +205,13 @@ def test_a_new_layout_replaces_the_previous_ones_groups(records):
 def test_tracker_peak_is_the_saved_bytes(records):
     """The live-bytes tracker the pipelined cases are measured with, on one forward: its peak
     is the bytes of the distinct storages saved, less the few autograd drops during the
-    forward (measured 16 bytes a token per layer: 0.06-0.09%)."""
+    forward (the router's index tensor that makes the routing map, 8 k bytes a token per MoE
+    layer: 0.06-0.09% at top-2, up to 0.2% at Qwen3's top-8)."""
     single = [record for record in records if record["pp"] == 1 and not record["meta"]]
     assert single
     for record in single:
         for distinct, peak in zip(record["activation_bytes"], record["peak_bytes"]):
-            assert peak == pytest.approx(distinct, rel=2e-3), (_name(record), distinct, peak)
+            assert peak == pytest.approx(distinct, rel=3e-3), (_name(record), distinct, peak)
 
 
 def test_activations_within_20_percent(records):
@@ -217,7 +250,7 @@ def test_pipeline_stage_activations(records):
     first stage holds the most), and the peak of its saved bytes is within 20% of
     stage_activation_bytes per rank (routing varies per rank, as at pp = 1), within 3% on the
     mean over a stage's ranks."""
-    pipelined = [record for record in records if record["pp"] > 1]
+    pipelined = [record for record in records if record["pp"] > 1 and not record["meta"]]
     assert {(record["config"], record["pp"]) for record in pipelined} >= {
         (GPT_TINY, 2), (BERT_TINY, 2)}
     for record in pipelined:
@@ -229,7 +262,7 @@ def test_pipeline_stage_activations(records):
             estimate, in_flight = stage_activation_bytes(
                 spec, layout, _micro_batch(record), Precision("fp32"), stage, NUM_MICROBATCHES,
                 dispatcher=record["dispatcher"], dropout_mask_bytes=4,
-                recompute=recompute_of(record))
+                recompute=recompute_of(record), fused_norms=False)
             assert held == in_flight == microbatches_in_flight(layout.pp, stage,
                                                                NUM_MICROBATCHES), _name(record)
             assert 0.8 <= estimate / measured <= 1.2, (_name(record), stage, estimate, measured)
@@ -253,3 +286,37 @@ def test_full_recomputation_peak(records):
         peaks = [[peak for peak, held in zip(record["peak_bytes"], _stages(record))
                   if held == stage] for record in (recomputed, plain)]
         assert max(peaks[0]) < min(peaks[1]), (stage, peaks)
+
+
+def test_todays_architectures_activations_are_exact(records):
+    """GQA (a key/value group per rank, fewer groups than TP ranks, several per rank), q/k
+    norms, rope, SwiGLU experts over EP and ETP, shared experts overlapped and gated, dense
+    first layers, the untied head, pipeline stages: the bytes autograd holds at the peak
+    (one forward; at pp > 1 one training step) against the planner's estimate. Routing moves
+    expert rows between EP ranks (measured 2026-12-04 per rank 0.981-1.011), never their sum:
+    the mean over a case's ranks is held to 0.05% (measured 0.99987-0.99999; DeepSeek's
+    sequence-level aux loss keeps 0.013% the planner does not model; a forgotten int64 per
+    routed row is 0.2%, Q's copy under GQA 1.7%, the gathered QKV at g < t 10%); the
+    pipelined cases have no expert parallelism, so every rank is held to 0.05% (measured
+    0.9998-1.0000)."""
+    modern = [record for record in records
+              if record["config"] in MODERN_TINY and not record["meta"]]
+    assert {record["config"] for record in modern} == set(MODERN_TINY)
+    assert {record["pp"] for record in modern} == {1, 2}
+    for record in modern:
+        spec, layout = spec_of(record), _layout(record)
+        if record["pp"] == 1:
+            estimate = _estimate(record)
+            mean = sum(record["peak_bytes"]) / len(record["peak_bytes"])
+            assert estimate / mean == pytest.approx(1.0, abs=5e-4), (_name(record), estimate,
+                                                                     record["peak_bytes"])
+            for measured in record["peak_bytes"]:
+                assert estimate / measured == pytest.approx(1.0, abs=0.03), _name(record)
+            continue
+        assert layout.ep == 1, _name(record)
+        for stage, measured in zip(_stages(record), record["peak_bytes"]):
+            estimate, _ = stage_activation_bytes(
+                spec, layout, _micro_batch(record), Precision("fp32"), stage, NUM_MICROBATCHES,
+                dispatcher=record["dispatcher"], dropout_mask_bytes=4, fused_norms=False)
+            assert estimate / measured == pytest.approx(1.0, abs=5e-4), (_name(record), stage,
+                                                                         estimate, measured)

@@ -20,7 +20,7 @@ from megatron_parm.perf_model.memory import (GIB, Precision, activation_bytes, l
 from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_for,
                                               _merge_equivalents, enumerate_layouts, plan,
                                               virtual_stage_counts)
-from megatron_parm.perf_model.recompute import NONE
+from megatron_parm.perf_model.recompute import NONE, Recompute
 from megatron_parm.perf_model.step_time import (collective_seconds, pipeline_link, stage_times,
                                                 step_time)
 from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
@@ -115,9 +115,10 @@ def test_activations_shrink_with_tp_and_grow_with_the_batch():
         activation_bytes(spec, layout(2, 2, 1), 4, fp32, "parm_s1")
     assert activation_bytes(tiny(hidden_dropout=0.1, attention_dropout=0.1), layout(1, 1, 1),
                             4, fp32) > one
-    # BERT's pooler all-gathers the sequence-parallel shards for its first token: s b h p more
+    # BERT's binary head: token-type ids (8 b s), and the pooler all-gathers the
+    # sequence-parallel shards for its first token: s b h p more
     bert = tiny(model_type="bert")
-    for tp, extra in ((1, 0), (2, 64 * 4 * 64 * 4)):
+    for tp, extra in ((1, 8 * 4 * 64), (2, 8 * 4 * 64 + 64 * 4 * 64 * 4)):
         assert activation_bytes(bert, layout(tp, 1, 1), 4, fp32) - activation_bytes(
             dataclasses.replace(bert, bert_binary_head=False), layout(tp, 1, 1), 4, fp32) == extra
 
@@ -607,6 +608,143 @@ def test_gqa_and_widths_are_checked_against_tp():
         ModelSpec(**dict(DEEPSEEK_LIKE, moe_layer_freq=(0, 1)))
 
 
+# ---------------------------------------------------------------- shared-expert overlap
+
+def _shared_gemm_seconds(spec, lay, micro_batch_size, profile):
+    """Per pass, the shared experts' GEMMs of one MoE layer, from their sizes: fc1 (SwiGLU:
+    2 S outputs) and fc2 over the whole sequence split over TP; backward two GEMMs each."""
+    tokens, h, shared = spec.seq_length * micro_batch_size, spec.hidden_size, spec.shared_expert_size
+    forward = sum(profile.compute_time(flops) for flops in (
+        2 * tokens * h * 2 * shared / lay.tp, 2 * tokens * shared * h / lay.tp))
+    return {"forward": forward, "backward": 2 * forward}
+
+
+def _steps(spec, lay, profile, dispatcher="alltoall", chunks=None):
+    fp32 = Precision("fp32")
+    return [step_time(dataclasses.replace(spec, shared_expert_overlap=overlap), lay, profile,
+                      dispatcher, chunks, 4, 16, fp32) for overlap in (False, True)]
+
+
+def test_comm_wait_is_the_layers_collectives():
+    """Prediction.comm_wait_s: what the dispatcher's collectives keep the compute waiting, the
+    window the shared experts' stream fills: unchunked, every collective stage (layer_scale
+    applied); chunked, the pipelined pass less its compute."""
+    spec = ModelSpec(**DEEPSEEK_LIKE)
+    lay = layout(1, 4, 1)
+    prediction = predict("alltoall", layer_shape(spec, lay, 4, Precision("fp32")), lay, PROFILE)
+    for direction in ("forward", "backward"):
+        collectives = sum(stage.seconds for stage in prediction.stages
+                          if stage.direction == direction and stage.kind != "compute")
+        assert collectives > 0
+        assert prediction.comm_wait_s[direction] == pytest.approx(
+            PROFILE.layer_scale * collectives)
+    chunked = predict("parm_s2", layer_shape(spec, lay, 4, Precision("fp32")), lay, PROFILE, 4)
+    assert 0 < chunked.comm_wait_s["forward"] < chunked.forward_s
+
+
+def test_shared_expert_overlap_hides_their_gemms_behind_the_dispatcher():
+    """Per MoE layer and pass the step saves e * min(shared GEMMs, comm wait): all of the
+    GEMMs where the collectives take longer, the collectives' time where they are shorter,
+    nothing without a collective to hide behind."""
+    spec, fp32 = ModelSpec(**DEEPSEEK_LIKE), Precision("fp32")
+    lay = layout(1, 4, 1)
+    plain, overlapped = _steps(spec, lay, PROFILE)
+    moe_layers = spec.num_moe_layers
+    gemms = _shared_gemm_seconds(spec, lay, 4, PROFILE)
+    wait = plain.moe_layer.comm_wait_s
+    hidden = PROFILE.overlap_efficiency * sum(min(gemms[d], wait[d]) for d in gemms)
+    assert hidden > 0
+    assert overlapped.shared_overlap_s == pytest.approx(-moe_layers * hidden)
+    assert plain.microbatch_s - overlapped.microbatch_s == pytest.approx(moe_layers * hidden)
+    assert overlapped.dense_compute_s == plain.dense_compute_s  # the GEMMs still run
+    assert overlapped.as_dict()["shared_overlap_s"] < 0 == plain.shared_overlap_s
+    # communication-bound: shared experts 64x wider hide only the collectives' time
+    wide = dataclasses.replace(spec, shared_expert_size=64 * 128)
+    gemms = _shared_gemm_seconds(wide, lay, 4, PROFILE)
+    assert all(gemms[d] > wait[d] for d in gemms)
+    plain, overlapped = _steps(wide, lay, PROFILE)
+    assert plain.step_s - overlapped.step_s == pytest.approx(
+        plain.num_microbatches * moe_layers * PROFILE.overlap_efficiency * sum(wait.values()))
+    # nothing in flight on one rank: the flag saves no time
+    alone = layout(1, 1, 1, nodes=1, ranks_per_node=1)
+    plain, overlapped = _steps(spec, alone, PROFILE)
+    assert overlapped.step_s == plain.step_s and overlapped.shared_overlap_s == 0
+
+
+def test_overlapped_shared_experts_gather_their_input_once():
+    """At tp > 1 the overlapped shared experts all-gather their input themselves and their
+    fc1 keeps it: one AG less per MoE layer (no re-gather for the weight gradient; the
+    overlap's term gives it back, tp_comm_s still holds it), and t n h p more activations,
+    less one SwiGLU tensor n S p (no glu_linear_offset sum)."""
+    spec, fp32 = ModelSpec(**DEEPSEEK_LIKE), Precision("fp32")
+    lay = layout(2, 2, 1)
+    plain, overlapped = _steps(spec, lay, PROFILE)
+    shard = 64 * 4 // 2 * 64 * 4  # n h p: s b / t tokens of h fp32
+    all_gather = collective_seconds(PROFILE, lay, "all_gather", "tp", shard)
+    gemms, wait = _shared_gemm_seconds(spec, lay, 4, PROFILE), plain.moe_layer.comm_wait_s
+    hidden = PROFILE.overlap_efficiency * sum(min(gemms[d], wait[d]) for d in gemms)
+    assert overlapped.tp_comm_s == plain.tp_comm_s
+    assert -overlapped.shared_overlap_s == pytest.approx(
+        spec.num_moe_layers * (hidden + all_gather))
+    n = 64 * 4 // 2
+    memory = [activation_bytes(dataclasses.replace(spec, shared_expert_overlap=overlap), lay,
+                               4, fp32) for overlap in (False, True)]
+    assert memory[1] - memory[0] == spec.num_moe_layers * (2 * n * 64 * 4 - n * 128 * 4)
+    one = layout(1, 4, 1)
+    memory = [activation_bytes(dataclasses.replace(spec, shared_expert_overlap=overlap), one,
+                               4, fp32) for overlap in (False, True)]
+    assert memory[0] - memory[1] == spec.num_moe_layers * 2 * n * 128 * 4  # tp 1: no gather
+
+
+def test_plan_adds_the_shared_expert_overlap_where_it_helps():
+    """The planner runs each candidate of a model with shared experts with the overlap where
+    that ranks better (faster; as fast and smaller) and prints the flag there; where its
+    memory (at tp > 1 its fc1 keeps the gathered input) fits only with recomputation, that
+    recomputation's time is weighed too."""
+    # shared experts of 64: the gathered input (t n h p) outweighs the SwiGLU tensor it saves
+    spec, fp32 = ModelSpec(**dict(DEEPSEEK_LIKE, shared_expert_size=64)), Precision("fp32")
+    cluster = Cluster(nodes=2, ranks_per_node=2, gpu_memory_bytes=80 * GIB)
+    fixed = {"tp": 2, "ep": 2, "etp": 1, "pp": 1}
+    roomy = plan(spec, cluster, PROFILE, 4, 16, fp32, fixed=fixed, dispatchers=["alltoall"])
+    (best,) = roomy.candidates
+    plain, overlapped = _steps(spec, best.layout, PROFILE)
+    assert best.shared_expert_overlap and best.step.step_s == overlapped.step_s < plain.step_s
+    assert "--moe-shared-expert-overlap" in best.flags()
+    assert "shared-expert-overlap" in best.describe()
+    memory = [memory_per_rank(dataclasses.replace(spec, shared_expert_overlap=overlap),
+                              best.layout, 4, fp32, num_microbatches=2).total
+              for overlap in (False, True)]
+    assert memory[0] < memory[1]
+    tight = dataclasses.replace(cluster, gpu_memory_bytes=sum(memory) / 2)
+    (best,) = plan(spec, tight, PROFILE, 4, 16, fp32, fixed=fixed,
+                   dispatchers=["alltoall"]).candidates
+    # too tight for the overlap as it is: it fits only recomputing, charged in its time; the
+    # faster of that and the plain candidate wins
+    assert best.fits
+    assert best.step.step_s <= plain.step_s
+    if best.shared_expert_overlap:
+        assert best.recompute != NONE and "--moe-shared-expert-overlap" in best.flags()
+    else:
+        assert best.recompute == NONE and "--moe-shared-expert-overlap" not in best.flags()
+    # one rank: nothing to hide behind, as fast, but one SwiGLU tensor less a layer
+    alone = plan(spec, Cluster(1, 1, 80 * GIB), PROFILE, 4, 16, fp32).candidates
+    assert all(c.shared_expert_overlap for c in alone)
+    assert alone[0].memory.total < memory_per_rank(spec, alone[0].layout, 4, fp32,
+                                                   num_microbatches=4).total
+    assert not any(c.shared_expert_overlap for c in
+                   plan(dataclasses.replace(spec, shared_expert_size=None), cluster, PROFILE, 4,
+                        16, fp32).candidates)
+    given = plan(dataclasses.replace(spec, shared_expert_overlap=True), cluster, PROFILE, 4, 16,
+                 fp32)
+    assert all(c.shared_expert_overlap for c in given.candidates)
+    recomputed = Recompute("selective", modules=("shared_experts",))
+    assert not any(c.shared_expert_overlap for c in plan(
+        spec, cluster, PROFILE, 4, 16, fp32, recompute=recomputed).candidates)
+    with pytest.raises(PlanError, match="--moe-shared-expert-overlap"):
+        plan(dataclasses.replace(spec, shared_expert_overlap=True), cluster, PROFILE, 4, 16,
+             fp32, recompute=recomputed)
+
+
 @pytest.mark.parametrize("config,vocab", [("mixtral_8x7b", 32000), ("qwen3_30b_a3b", 151936),
                                           ("deepseek_v2_lite", 102400)])
 def test_real_size_configs_rank_layouts(config, vocab):
@@ -617,3 +755,6 @@ def test_real_size_configs_rank_layouts(config, vocab):
     assert result.returncode == 0, result.stderr
     assert "SwiGLU" in result.stdout and "rope" in result.stdout
     assert "#1 " in result.stdout and "--use-distributed-optimizer" in result.stdout
+    # DeepSeek's shared experts overlap the dispatcher's all-to-all on its best layouts
+    overlap = "--moe-shared-expert-overlap" in result.stdout.split("#1 ")[1]
+    assert overlap == (config == "deepseek_v2_lite"), result.stdout

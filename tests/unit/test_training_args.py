@@ -434,6 +434,9 @@ def test_shared_experts_need_no_biases_and_overlap_needs_sp(tmp_path):
     assert "needs --sequence-parallel" in error(
         shared + ["--moe-shared-expert-overlap", "--tensor-model-parallel-size", "2",
                   "--expert-model-parallel-size", "2"])
+    assert "--recompute-modules shared_experts cannot go with --moe-shared-expert-overlap" in \
+        error(shared + ["--moe-shared-expert-overlap", "--recompute-granularity", "selective",
+                        "--recompute-modules", "shared_experts"], world_size=1)
 
 
 def test_bert_refuses_gpt_only_architecture_flags():
