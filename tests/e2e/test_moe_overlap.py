@@ -54,16 +54,16 @@ def dispatchers():
 def cases():
     """name -> (model type, flags): each is trained without and with OVERLAP."""
     out = {f"bf16_{d}": ("gpt", GPT + TP_SP + TWO + BF16 + ["--moe-token-dispatcher-type", d])
-           for d in ("alltoall", "parm_s1", "parm")}
+           for d in ("alltoall", "parm")}
     out.update({f"fp32_{d}": ("gpt", GPT + TP_SP + TWO + ["--moe-token-dispatcher-type", d])
                 for d in dispatchers()})
     out.update({f"bert_{d}": ("bert", BERT + TP_SP + TWO + BF16 + ["--moe-token-dispatcher-type", d])
                 for d in ("alltoall", "parm")})
     out.update({f"pp2_vpp2_{d}": ("gpt", GPT + PIPELINE + BF16 + ["--moe-token-dispatcher-type", d])
-                for d in ("alltoall", "parm_s1", "parm")})
+                for d in ("alltoall", "parm")})
     out.update({f"deepseek_{d}": ("gpt", DEEPSEEK + TP_SP + TWO + BF16
                                   + ["--moe-token-dispatcher-type", d])
-                for d in ("alltoall", "parm_hier")})
+                for d in ("parm_hier",)})
     out["deepseek_replicated_parm"] = ("gpt", DEEPSEEK + TWO + BF16 + [
         "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
         "--moe-token-dispatcher-type", "parm"])
