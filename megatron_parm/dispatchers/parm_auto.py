@@ -92,9 +92,9 @@ class _Tuning:
 
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     """parm: per layer, the performance model predicts every candidate schedule of the
-    catalog (parm_s1, parm_s2 at several chunk counts, ...); the fastest predicted one runs,
-    or, with tuning (--parm-tune; the default without --parm-profile), the fastest measured
-    of the model's best few.
+    catalog (parm_s1, parm_s2 at several chunk counts, parm_hier, Megatron's allgather); the
+    fastest predicted one runs, or, with tuning (--parm-tune; the default without
+    --parm-profile), the fastest measured of the model's best few.
 
     Workflow: at the first dispatch of a token count n (known only then), build the layer's
     shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from
@@ -132,8 +132,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
         self.attn_tp_size = utils.get_pg_size(self.attn_tp_group)
         self.etp_size = utils.get_pg_size(self.etp_group)
-        runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size,
-                                                  bool(config.sequence_parallel))
+        runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size)
         # Agreement and tuning collectives: this pipeline stage's ranks (the world without
         # pipelining); the other stages run other layers meanwhile.
         self.stage_group = stage_group()
