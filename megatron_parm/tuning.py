@@ -210,15 +210,16 @@ def profile_identity(profile) -> str:
 
 
 def cache_key(shape, layout, sequence_parallel: bool, cluster: Dict, profile: str,
-              layer: Optional[int] = None) -> Dict:
+              layer: Optional[int] = None, candidates: Sequence[str] = ()) -> Dict:
     """What a cached result must match: the layer (its number: layers of one shape may measure
     different winners, and a resumed run must run each layer's own), its shape, its layout,
-    the cluster, the profile."""
+    the cluster, the profile, and the candidate schedules parm could run (a result measured
+    without one, e.g. before Megatron's allgather was a candidate, did not time it)."""
     from dataclasses import asdict
 
     return {"layer": layer, "shape": asdict(shape),
             "layout": {**asdict(layout), "sequence_parallel": bool(sequence_parallel)},
-            "cluster": dict(cluster), "profile": profile}
+            "cluster": dict(cluster), "profile": profile, "candidates": list(candidates)}
 
 
 def _encode(schedule):
@@ -275,7 +276,7 @@ class TuningCache:
                           for part in key
                           for name in _differences(entry["key"].get(part), key[part])})
         return Lookup(warning=f"parm: --parm-tune-cache {self.path} holds results for another "
-                              f"shape, layout, cluster or profile (differs in "
+                              f"shape, layout, cluster, profile or set of candidates (differs in "
                               f"{', '.join(differs) or 'its keys'}): tuning again")
 
     def store(self, key: Dict, measured: Measured) -> None:

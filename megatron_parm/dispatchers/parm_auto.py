@@ -312,7 +312,8 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         cfg = self.config
         key = tuning.cache_key(self._shape(num_tokens, dtype), self._layout(),
                                bool(cfg.sequence_parallel), self._cluster(),
-                               tuning.profile_identity(self.profile), self.layer_number)
+                               tuning.profile_identity(self.profile), self.layer_number,
+                               list(self.schedules))
         path = parm_setting(cfg, "parm_tune_cache")
         cache = tuning.TuningCache(path) if path else None
         lookup = cache.lookup(key) if cache else tuning.Lookup()
