@@ -385,15 +385,16 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             profile=self._profile_text())
         self._run(measured.winner)
 
-    def _guarded(self, phase: str, *args):
-        """A tuning call's first phase (by name), with a failing candidate skipped."""
+    def _guarded(self, call, retry=None):
+        """A tuning call's phase, ``call()`` on the current candidate, with a failing candidate
+        skipped: then ``retry()`` (default: ``call()`` again) runs the next one."""
         try:
-            return getattr(self.active, phase)(*args)
+            return call()
         except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept
             if not _is_failure(error):
                 raise
             self._fail(self.tunings[self._last_tokens], error)
-            return getattr(self.active, phase)(*args)
+            return (retry or call)()
 
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 
@@ -405,10 +406,19 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
         self._record["fwd_start"] = _stamp()
         hidden_states, probs = _Mark.apply(self._record, "bwd_end", hidden_states, probs)
-        return self._guarded("dispatch_preprocess", hidden_states, routing_map, probs)
+        self._record["inputs"] = (hidden_states, routing_map, probs)  # until token_dispatch
+        return self._guarded(lambda: self.active.dispatch_preprocess(hidden_states, routing_map,
+                                                                     probs))
 
     def token_dispatch(self, hidden_states, probs):
-        return self.active.token_dispatch(hidden_states, probs)
+        if self._record is None:
+            return self.active.token_dispatch(hidden_states, probs)
+        inputs = self._record.pop("inputs")
+        # Megatron's allgather gathers its group's g * n tokens here, its likeliest out of
+        # memory: the call then starts again from the layer's inputs with the next candidate.
+        return self._guarded(lambda: self.active.token_dispatch(hidden_states, probs),
+                             lambda: self.active.token_dispatch(
+                                 *self.active.dispatch_preprocess(*inputs)))
 
     def dispatch_postprocess(self, hidden_states, probs):
         return self.active.dispatch_postprocess(hidden_states, probs)
@@ -430,6 +440,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     def dispatch_compute_combine(self, rows, row_probs, expert_fn):
         if self._record is None:
             return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+        self._record.pop("inputs")
         try:
             return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
         except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept
