@@ -22,6 +22,7 @@ formula below. Notation (as there):
     r    rows this rank sends to each expert   (shape.rows_per_expert(tokens routed))
     L    local experts, E / e                  R         rows an ESP rank receives, E * r
     row  M * b bytes                           row_p     row + the routing probability
+    p    bytes of one probability              "tp_ep"   the ESP x EP group (Megatron's)
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class Schedule:
     name: str
     kind: str
     summary: str  # one line, for --help, docs and reports
-    # "module:Class" of its MoETokenDispatcher subclass; None for Megatron's own.
+    # "module:Class" of its MoETokenDispatcher subclass. Megatron's own are built by MoELayer
+    # when the flag names them; for one that `parm` weighs (``candidate``) this is the
+    # ParmTokenDispatcher through which parm runs Megatron's class (None where parm does not).
     dispatcher: Optional[str] = None
     # Its dispatcher offers dispatch_compute_combine(rows, probs, experts): token_dispatch
     # through token_combine, experts included, as one pipelined call, which ParmMoELayer runs
@@ -86,7 +89,9 @@ class Schedule:
     # backward chunk counts it tries with each forward count (empty: the forward count only)
     bwd_chunk_candidates: Tuple[int, ...] = ()
     candidate: bool = False  # the automatic choice considers it
-    # Megatron's dispatchers take the layer input sharded over TP, i.e. sequence parallelism.
+    # Megatron's MoELayer takes the layer input sharded over TP, i.e. sequence parallelism,
+    # when the flag names one of its dispatchers. Not a rule for parm's candidates:
+    # ParmMoELayer hands them this rank's sequence shard either way (``supported_candidates``).
     needs_sequence_parallel: bool = False
     # (tp, ep, etp) -> None where supported, else why not (names the flags).
     layout_rule: Optional[LayoutRule] = None
@@ -97,6 +102,9 @@ class Schedule:
             raise ValueError(f"schedule {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != NATIVE and not self.dispatcher:
             raise ValueError(f"schedule {self.name!r}: a {self.kind} schedule needs its dispatcher class")
+        if self.candidate and not (self.dispatcher and self.cost_plan):
+            raise ValueError(f"schedule {self.name!r}: a candidate of the automatic choice needs "
+                             f"its dispatcher class and a cost plan")
         if self.pipelined and self.kind == NATIVE:
             raise ValueError(f"schedule {self.name!r}: Megatron's own dispatchers have no pipelined call")
         if self.chunked and not self.pipelined:
@@ -113,7 +121,7 @@ class Schedule:
             return (f"--moe-token-dispatcher-type {self.name} with --tensor-model-parallel-size "
                     f"{tp} needs --sequence-parallel")
         if self.kind == AUTO:
-            if not supported_candidates(tp, ep, etp, sequence_parallel):
+            if not supported_candidates(tp, ep, etp):
                 return (f"--moe-token-dispatcher-type {self.name}: none of its candidate "
                         f"schedules supports tp={tp}, ep={ep}, etp={etp}")
             return None
@@ -269,6 +277,29 @@ def hierarchical_cost(shape, layout, sequence_parallel: bool = True) -> List[Sta
     return _with_duals(forward, shape, layout, row, sequence_parallel)
 
 
+def gathered_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
+    """Megatron's allgather: AG over the ESP x EP group ("tp_ep", s*e ranks) of the routing map
+    (n*E bools, no gradient), the probabilities (n*E of p bytes) and the rows (n*M); the local
+    experts on the s*e*n gathered tokens' pairs with them (s*R rows, H/s each, as S1's); RS
+    over ESP x EP of the unpermuted [s*e*n, M] partial sums, in the probabilities' dtype
+    (Megatron casts to it; p = 0 counts activations only: the rows' dtype). Without sequence
+    parallelism (t > 1) ParmMoELayer hands it this rank's shard and restores the output with
+    one AG(TP), as for S1."""
+    row, _, _, received, flops_per_row = _sizes(shape, layout, shape.num_tokens)
+    tokens, experts = shape.num_tokens, shape.num_experts
+    combined_row = shape.hidden_size * (shape.prob_bytes or shape.dtype_bytes)
+    forward = [
+        Stage(FORWARD, "probs_ag", "all_gather", "tp_ep", tokens * experts * shape.prob_bytes),
+        Stage(FORWARD, "dispatch_ag", "all_gather", "tp_ep", tokens * row),
+        Stage(FORWARD, EXPERTS, COMPUTE, flops=layout.etp * received * flops_per_row),
+        Stage(FORWARD, "combine_rs", "reduce_scatter", "tp_ep", tokens * combined_row),
+    ]
+    stages = _with_duals(forward, shape, layout, row, sequence_parallel)
+    # gathered first, under no_grad: no dual
+    stages.insert(0, Stage(FORWARD, "routing_map_ag", "all_gather", "tp_ep", tokens * experts))
+    return stages
+
+
 def baseline_cost(shape, layout, sequence_parallel: bool = True) -> List[Stage]:
     """ds_baseline: every TP rank routes all N = t*n tokens of its TP group. [AG(TP) of the
     n*M input, sequence parallel only] -> A2A(EP) of k*N rows -> experts on R rows (fc1/fc2
@@ -307,8 +338,10 @@ def _etp_divides_tp(tp: int, ep: int, etp: int) -> Optional[str]:
 _DISPATCHERS = "megatron_parm.dispatchers"
 
 _BUILTIN = (
-    Schedule("allgather", NATIVE, "Megatron-Core's all-gather dispatcher: AG [TP x EP] of every "
-             "token, local experts, RS back", needs_sequence_parallel=True),
+    Schedule("allgather", NATIVE, "Megatron-Core's all-gather dispatcher: AG [ETP x EP] of every "
+             "token, local experts, RS back",
+             dispatcher=f"{_DISPATCHERS}.megatron_allgather:MegatronAllGatherTokenDispatcher",
+             candidate=True, needs_sequence_parallel=True, cost_plan=gathered_cost),
     Schedule("alltoall", NATIVE, "Megatron-Core's all-to-all dispatcher: A2A [EP] -> AG [ETP] -> "
              "experts -> RS [ETP] -> A2A [EP]", needs_sequence_parallel=True,
              cost_plan=deduplicated_cost),
@@ -377,12 +410,21 @@ def get(name: str) -> Schedule:
 
 
 def candidates() -> Tuple[Schedule, ...]:
-    """The schedules the automatic choice considers, in catalog order."""
-    return tuple(s for s in _CATALOG.values() if s.candidate)
+    """The schedules the automatic choice considers: Parm's own in catalog order, then the
+    others (Megatron's allgather). So its first unchunked candidate, the one tuning always
+    times and ties go to, is parm_s1 (alltoall's bytes in one pass), wherever the others
+    stand in the catalog."""
+    considered = [s for s in _CATALOG.values() if s.candidate]
+    return tuple(sorted(considered, key=lambda s: s.kind != PARM))  # a stable sort
 
 
-def supported_candidates(tp: int, ep: int, etp: int, sequence_parallel: bool = True) -> Tuple[Schedule, ...]:
-    return tuple(s for s in candidates() if s.unsupported(tp, ep, etp, sequence_parallel) is None)
+def supported_candidates(tp: int, ep: int, etp: int) -> Tuple[Schedule, ...]:
+    """The candidates whose layout rule allows (tp, ep, etp), with or without sequence
+    parallelism: ParmMoELayer hands the dispatcher this rank's sequence shard either way (a
+    TP-replicated input is sharded before routing and the output gathered after), so a
+    candidate of Megatron's that needs --sequence-parallel under MoELayer runs without it
+    under parm."""
+    return tuple(s for s in candidates() if s.unsupported(tp, ep, etp) is None)
 
 
 def is_native(name: str) -> bool:

@@ -210,17 +210,20 @@ def profile_identity(profile) -> str:
 
 
 def cache_key(shape, layout, sequence_parallel: bool, cluster: Dict, profile: str,
-              layer: Optional[int] = None, combined_1f1b: bool = False) -> Dict:
+              layer: Optional[int] = None, candidates: Sequence[str] = (),
+              combined_1f1b: bool = False) -> Dict:
     """What a cached result must match: the layer (its number: layers of one shape may measure
     different winners, and a resumed run must run each layer's own), its shape, its layout,
-    the cluster, the profile, and whether Megatron-Core's combined 1F1B schedule runs the
-    layer (--overlap-moe-expert-parallel-comm: measured so, a schedule's time is another)."""
+    the cluster, the profile, the candidate schedules parm could run (a result measured
+    without one, e.g. before Megatron's allgather was a candidate, did not time it), and
+    whether Megatron-Core's combined 1F1B schedule runs the layer
+    (--overlap-moe-expert-parallel-comm: measured so, a schedule's time is another)."""
     from dataclasses import asdict
 
     key = {"layer": layer, "shape": asdict(shape),
            "layout": {**asdict(layout), "sequence_parallel": bool(sequence_parallel)},
-           "cluster": dict(cluster), "profile": profile}
-    if combined_1f1b:  # (absent otherwise: the keys of earlier files stay valid)
+           "cluster": dict(cluster), "profile": profile, "candidates": list(candidates)}
+    if combined_1f1b:  # (absent otherwise: the other keys stay as they were)
         key["schedule"] = "combined 1F1B"
     return key
 
@@ -279,7 +282,7 @@ class TuningCache:
                           for part in key
                           for name in _differences(entry["key"].get(part), key[part])})
         return Lookup(warning=f"parm: --parm-tune-cache {self.path} holds results for another "
-                              f"shape, layout, cluster or profile (differs in "
+                              f"shape, layout, cluster, profile or set of candidates (differs in "
                               f"{', '.join(differs) or 'its keys'}): tuning again")
 
     def store(self, key: Dict, measured: Measured) -> None:

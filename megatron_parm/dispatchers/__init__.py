@@ -13,9 +13,11 @@ from megatron_parm.dispatchers.base import ParmTokenDispatcher
 
 
 def dispatcher_class(name: str) -> type:
-    """The MoETokenDispatcher subclass of a non-native schedule (ValueError for unknown names)."""
+    """The ParmTokenDispatcher subclass of a schedule: a non-native one's, or the one through
+    which `parm` runs one of Megatron's (ValueError for unknown names and for Megatron's
+    others, which only MoELayer builds)."""
     schedule = schedules.get(name)
-    if schedule.kind == schedules.NATIVE:
+    if schedule.dispatcher is None:
         raise ValueError(f"{name} is Megatron-Core's own dispatcher: MoELayer builds it")
     module_name, _, class_name = schedule.dispatcher.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name, None)
@@ -26,8 +28,9 @@ def dispatcher_class(name: str) -> type:
 
 def build_dispatcher(name: str, num_local_experts: int, local_expert_indices, config,
                      pg_collection=None) -> ParmTokenDispatcher:
-    """The dispatcher of a non-native schedule, knowing its catalog entry (``.schedule``: its
-    capabilities, e.g. whether ParmMoELayer may run it as one pipelined call)."""
+    """The dispatcher of a schedule with a dispatcher class (dispatcher_class), knowing its
+    catalog entry (``.schedule``: its capabilities, e.g. whether ParmMoELayer may run it as one
+    pipelined call)."""
     dispatcher = dispatcher_class(name)(num_local_experts, local_expert_indices, config=config,
                                         pg_collection=pg_collection)
     dispatcher.schedule = schedules.get(name)

@@ -96,9 +96,9 @@ class _Tuning:
 
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     """parm: per layer, the performance model predicts every candidate schedule of the
-    catalog (parm_s1, parm_s2 at several chunk counts, ...); the fastest predicted one runs,
-    or, with tuning (--parm-tune; the default without --parm-profile), the fastest measured
-    of the model's best few.
+    catalog (parm_s1, parm_s2 at several chunk counts, parm_hier, Megatron's allgather); the
+    fastest predicted one runs, or, with tuning (--parm-tune; the default without
+    --parm-profile), the fastest measured of the model's best few.
 
     Workflow: at the first dispatch of a token count n (known only then), build the layer's
     shape (n, M, F, E, k, capacity, dtype) and layout (t, e, s, nodes from
@@ -136,8 +136,11 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
 
         self.attn_tp_size = utils.get_pg_size(self.attn_tp_group)
         self.etp_size = utils.get_pg_size(self.etp_group)
-        runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size,
-                                                  bool(config.sequence_parallel))
+        runnable = schedules.supported_candidates(self.attn_tp_size, self.ep_size, self.etp_size)
+        if self.comm_nodes:
+            # Megatron-Core 0.16.1 runs its combined 1F1B with alltoall and flex only: its
+            # allgather is no candidate there (nor does this project run it so).
+            runnable = tuple(s for s in runnable if s.kind != schedules.NATIVE)
         # Agreement and tuning collectives: this pipeline stage's ranks (the world without
         # pipelining); the other stages run other layers meanwhile.
         self.stage_group = stage_group()
@@ -321,7 +324,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
         key = tuning.cache_key(self._shape(num_tokens, dtype), self._layout(),
                                bool(cfg.sequence_parallel), self._cluster(),
                                tuning.profile_identity(self.profile), self.layer_number,
-                               combined_1f1b=self.comm_nodes)
+                               list(self.schedules), combined_1f1b=self.comm_nodes)
         path = parm_setting(cfg, "parm_tune_cache")
         cache = tuning.TuningCache(path) if path else None
         lookup = cache.lookup(key) if cache else tuning.Lookup()
@@ -393,15 +396,16 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             profile=self._profile_text())
         self._run(measured.winner)
 
-    def _guarded(self, phase: str, *args):
-        """A tuning call's first phase (by name), with a failing candidate skipped."""
+    def _guarded(self, call, retry=None):
+        """A tuning call's phase, ``call()`` on the current candidate, with a failing candidate
+        skipped: then ``retry()`` (default: ``call()`` again) runs the next one."""
         try:
-            return getattr(self.active, phase)(*args)
+            return call()
         except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept
             if not _is_failure(error):
                 raise
             self._fail(self.tunings[self._last_tokens], error)
-            return getattr(self.active, phase)(*args)
+            return (retry or call)()
 
     # -- the six phases (and S2's pipeline) of the chosen schedule ------------------------
 
@@ -438,15 +442,26 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             return self.active.dispatch_preprocess(hidden_states, routing_map, probs)
         if self.comm_nodes and comm_stream.worker_stream() is not None:
             self._record["critical_s"] = 0.0
-            return self._on_compute_thread(self._guarded, "dispatch_preprocess", hidden_states,
-                                           routing_map, probs)
+            return self._on_compute_thread(self._guarded, lambda: self.active.dispatch_preprocess(
+                hidden_states, routing_map, probs))
         self._record["fwd_start"] = _stamp()
         hidden_states, probs = _Mark.apply(self._record, "bwd_end", hidden_states, probs)
-        return self._guarded("dispatch_preprocess", hidden_states, routing_map, probs)
+        self._record["inputs"] = (hidden_states, routing_map, probs)  # until token_dispatch
+        return self._guarded(lambda: self.active.dispatch_preprocess(hidden_states, routing_map,
+                                                                     probs))
 
     def token_dispatch(self, hidden_states, probs):
-        self._charge_waits()
-        return self.active.token_dispatch(hidden_states, probs)
+        if self._record is None:
+            return self.active.token_dispatch(hidden_states, probs)
+        if self._critical():  # the combined 1F1B's communication node (allgather is no
+            self._charge_waits()  # candidate there, and a restart would need the compute thread)
+            return self.active.token_dispatch(hidden_states, probs)
+        inputs = self._record.pop("inputs")
+        # Megatron's allgather gathers its group's g * n tokens here, its likeliest out of
+        # memory: the call then starts again from the layer's inputs with the next candidate.
+        return self._guarded(lambda: self.active.token_dispatch(hidden_states, probs),
+                             lambda: self.active.token_dispatch(
+                                 *self.active.dispatch_preprocess(*inputs)))
 
     def dispatch_postprocess(self, hidden_states, probs):
         return self._on_compute_thread(self.active.dispatch_postprocess, hidden_states, probs)
@@ -469,6 +484,7 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     def dispatch_compute_combine(self, rows, row_probs, expert_fn):
         if self._record is None:
             return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
+        self._record.pop("inputs")
         try:
             return self.active.dispatch_compute_combine(rows, row_probs, expert_fn)
         except Exception as error:  # noqa: BLE001 -- only _is_failure's kinds are kept

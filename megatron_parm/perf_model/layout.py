@@ -11,7 +11,8 @@ Rank order follows Megatron-Core's default ("tp-cp-ep-dp-pp": pipeline outermost
     stage:         global rank = pp_idx * S + stage rank          (a stage is S consecutive ranks)
     dense layout:  stage rank = dp_idx * t + tp_idx               (TP groups are consecutive ranks)
     expert layout: stage rank = edp_idx * e * s + ep_idx * s + etp_idx
-so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s. The
+so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s; the ESP x
+EP group "tp_ep" (Megatron's allgather gathers over it) is e * s consecutive ranks. The
 data-parallel groups that reduce gradients stride too, inside their stage: "dp" (dense
 parameters, S / t ranks) by t, "expt_dp" (expert parameters, S / (e * s) ranks) by e * s. The
 pipeline group "pp" (the p2p sends between neighbouring stages) strides by S: rank r's next
@@ -30,7 +31,8 @@ from functools import lru_cache
 from typing import List, Sequence, Tuple
 
 HIERARCHY_GROUPS = ("ep_inter", "ep_intra")  # parm_hier's EP groups split by node
-GROUP_NAMES = ("tp", "ep", "expt_tp") + HIERARCHY_GROUPS  # the groups a dispatcher communicates over
+# the groups a dispatcher communicates over; "tp_ep": Megatron's ESP x EP group (allgather's)
+GROUP_NAMES = ("tp", "ep", "expt_tp", "tp_ep") + HIERARCHY_GROUPS
 DATA_PARALLEL_GROUP_NAMES = ("dp", "expt_dp")  # the groups gradients are reduced over
 PIPELINE_GROUP_NAME = "pp"  # one rank per stage: the p2p sends of the pipeline schedules
 _ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES + (PIPELINE_GROUP_NAME,)
@@ -152,6 +154,8 @@ class Layout:
             return self.ep
         if group_name == "expt_tp":
             return self.etp
+        if group_name == "tp_ep":
+            return self.ep * self.etp
         if group_name == "dp":
             return self.stage_size // self.tp
         if group_name == "expt_dp":
@@ -172,6 +176,10 @@ class Layout:
         if group_name == "expt_tp":
             start = rank - rank % self.etp
             return list(range(start, start + self.etp))
+        if group_name == "tp_ep":
+            block = self.ep * self.etp
+            start = rank - rank % block
+            return list(range(start, start + block))
         if group_name == "ep":
             block = self.ep * self.etp
             edp_base = rank - rank % block

@@ -6,8 +6,8 @@ Time of one stage (see volumes.py for the stages and profile.py for the numbers)
                 own links, so the stage takes the max of the parts that have peers
     compute:    alpha_c + beta_c * flops
 
-Unchunked schedules (ds_baseline, parm_s1, alltoall): the stages run one after another:
-T = sum of stage times.
+Unchunked schedules (ds_baseline, parm_s1, alltoall, allgather): the stages run one after
+another: T = sum of stage times.
 
 Chunked schedules (the catalog's `chunked`, e.g. parm_s2) with c chunks: every stage moves
 1/c of the bytes and flops (alpha is paid for every chunk). The forward and the backward pass
@@ -240,10 +240,10 @@ def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
     with ``chunk_candidates`` every pair of those counts, plus ``extra_chunks`` (a count c,
     e.g. a --parm-num-chunks, is (c, c); or a pair); counts larger than the number of
     tokens per rank are skipped (a chunk needs a token). Deterministic in its inputs (ties
-    go to the earlier schedule in the catalog, then to fewer forward, then backward chunks),
-    so every rank that evaluates it with the same shapes and profile picks the same
-    schedule. A schedule other than the first candidate wins only if it is faster than the
-    first by more than the fraction `min_gain`.
+    go to the earlier candidate in schedules.candidates' order, parm_s1 first, then to fewer
+    forward, then backward chunks), so every rank that evaluates it with the same shapes and
+    profile picks the same schedule. A schedule other than the first candidate wins only if
+    it is faster than the first by more than the fraction `min_gain`.
     """
     for count in tuple(chunk_candidates or ()) + tuple(
             c for pair in extra_chunks for c in ((pair,) if isinstance(pair, int) else pair)):
@@ -251,7 +251,7 @@ def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,
             raise ValueError(f"chunk_candidates must be integers >= 2, got {count!r}")
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    runnable = schedules.supported_candidates(layout.tp, layout.ep, layout.etp, sequence_parallel)
+    runnable = schedules.supported_candidates(layout.tp, layout.ep, layout.etp)
     if not runnable:
         raise ValueError(f"no candidate schedule supports tp={layout.tp}, ep={layout.ep}, "
                          f"etp={layout.etp}")

@@ -33,7 +33,7 @@ class Step:
     direction: str  # "forward" or "backward"
     name: str
     kind: str  # one of COLLECTIVE_KINDS, or "compute"
-    group: Optional[str]  # "tp", "ep", "expt_tp"; None for compute
+    group: Optional[str]  # a layout.GROUP_NAMES name ("tp", "ep", ...); None for compute
     intra_bytes: float = 0.0
     inter_bytes: float = 0.0
     intra_peers: int = 0
@@ -75,8 +75,9 @@ def comm_volumes(dispatcher: str, shape: LayerShape, layout: Layout,
     """Bytes one rank sends in one forward + backward of the layer.
 
     Returns {(collective_kind, group_name): {"intra": bytes, "inter": bytes}}, where
-    group_name is "tp", "ep" or "expt_tp". Probabilities are included (LayerShape.prob_bytes
-    per row on the dispatch path); set prob_bytes=0 to count activations only.
+    group_name is one of layout.GROUP_NAMES ("tp", "ep", "expt_tp", ...). Probabilities are
+    included (LayerShape.prob_bytes per row on the dispatch path; allgather gathers all E of a
+    token's); set prob_bytes=0 to count activations only.
     The numbers are those of the worst rank (most inter-node peers) of each group kind.
     """
     volumes: Dict[Tuple[str, str], Dict[str, float]] = {}

@@ -276,7 +276,8 @@ def compare(records, base, full, against_name, against, case):
 
 
 def check_case(case_name, tp, ep, etp, per_node, layout, records):
-    """Every dispatcher against alltoall and the reference; parm forced onto each candidate;
+    """Every dispatcher against alltoall and the reference; parm forced onto each candidate
+    (Megatron's allgather included), against both;
     in OVERLAP_CASES, each dispatcher again with the shared expert overlapped."""
     from megatron_parm import schedules
 
@@ -300,7 +301,7 @@ def check_case(case_name, tp, ep, etp, per_node, layout, records):
         compare(records, row, results[name], "reference", ref, case)
         if name != "alltoall":
             compare(records, row, results[name], "alltoall", results["alltoall"], case)
-    for candidate in schedules.supported_candidates(tp, ep, etp, tp > 1):
+    for candidate in schedules.supported_candidates(tp, ep, etp):
         schedule = (candidate.name, NUM_CHUNKS, BWD_CHUNKS) if candidate.chunked else candidate.name
         for phases in (False, True):
             overlap = phases and case.shared  # the phases run the shared expert only overlapped
@@ -310,6 +311,7 @@ def check_case(case_name, tp, ep, etp, per_node, layout, records):
             row = dict(base, dispatcher="parm", schedule=candidate.name, phases=phases,
                        overlap=overlap)
             compare(records, row, full, "alltoall", results["alltoall"], case)
+            compare(records, row, full, "reference", ref, case)
     if case_name in OVERLAP_CASES:
         for name in results:
             for phases in (False, True):

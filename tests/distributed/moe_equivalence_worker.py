@@ -53,7 +53,7 @@ from megatron_parm import device  # noqa: E402
 S, B, M, F, E = 8, 2, 16, 32, 8
 NUM_CHUNKS = 3  # --parm-num-chunks of every layer (S2; parm also weighs S2 at 3 chunks)
 # Bytes are checked against formulas written out in expected_bytes for these.
-BYTE_FORMULAS = ("alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm_hier")
+BYTE_FORMULAS = ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm_hier")
 
 
 def dispatchers(tp, ep, etp, sequence_parallel=True):
@@ -350,6 +350,14 @@ def expected_bytes(dispatcher, counts, me, tp, ep, etp, n_tokens):
             others = sum(held(q) for q in etp_group if q != me)
             out[("all_gather", "expt_tp")] = (etp - 1) * mine * (2 * row + prob)
             out[("reduce_scatter", "expt_tp")] = others * (2 * row + prob)
+    elif dispatcher == "allgather":
+        # Megatron's, run by parm: AG [ESP x EP] of the routing map (bools, no gradient), the
+        # probabilities [n, E] and the rows; RS back in the probabilities' dtype. Backward: AG
+        # of the output's gradient, RS of the rows' and the probabilities' gradients.
+        peers = etp * ep - 1
+        if peers:
+            out[("all_gather", "tp_ep")] = peers * n_tokens * (E + E * prob + row + M * prob)
+            out[("reduce_scatter", "tp_ep")] = peers * n_tokens * (M * prob + row + E * prob)
     elif dispatcher == "ds_baseline":
         # Every TP rank dispatches the N tokens of its whole TP group.
         dup = counts[tp_group].sum(dim=0)
@@ -525,11 +533,12 @@ def check_layout(tp, ep, etp, per_node, records):
         if case_name in PHASE_CASES:
             phases_match(case_name, case, names[1:], tp, ep, etp, per_node, data, results, layout,
                          records)
+        ref = reference(case, data, tp)
         if case_name in FORCED_CASES:
-            parm_forced(case_name, case, tp, ep, etp, per_node, data, results, layout, records)
+            parm_forced(case_name, case, tp, ep, etp, per_node, data, results, ref, layout,
+                        records)
         if case_name == "dropless":
             plain_config(case, names[1:], tp, ep, etp, data, results, layout, records)
-        ref = reference(case, data, tp)
         for name in names[1:]:
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case=case_name, dispatcher=name, against="alltoall",
@@ -540,7 +549,8 @@ def check_layout(tp, ep, etp, per_node, records):
             for key in keys:
                 records.append(dict(layout=layout, case=case_name, dispatcher=name, against="reference",
                                     quantity=key, err=rel_err(results[name][key], ref[key])))
-    # S1/S2 where the input is replicated over TP (no sequence parallelism): reference only.
+    # S1/S2 where the input is replicated over TP (no sequence parallelism), and parm forced
+    # onto allgather there: reference only.
     if tp > 1:
         case = CASES["dropless"]
         data = global_tensors(99, num_replicas)
@@ -553,6 +563,7 @@ def check_layout(tp, ep, etp, per_node, records):
             for key in ("y", "x", "router", "fc1", "fc2"):
                 records.append(dict(layout=layout, case="dropless-no-sp", dispatcher=name,
                                     against="reference", quantity=key, err=rel_err(full[key], ref[key])))
+        parm_forced_without_sequence_parallel(tp, ep, etp, per_node, data, ref, layout, records)
     simulated_device(tp, ep, etp, per_node, layout, records)
     node_groups_kept(tp, ep, etp, per_node, layout, records)
     if layout in GROUPED_LAYOUTS.get(dist.get_world_size(), ()):
@@ -600,29 +611,69 @@ def force_parm(schedule):
 
     def prepare(layer, x):
         dispatcher = layer.token_dispatcher
-        dispatcher.choices[x.numel() // x.shape[-1]] = tuning.ParmChoice(
+        tokens = x.numel() // x.shape[-1]
+        if not layer.config.sequence_parallel:  # the layer routes its shard of a replicated input
+            tokens //= layer.attn_tp_group.size()
+        dispatcher.choices[tokens] = tuning.ParmChoice(
             schedule, "model", Choice(schedule, {}, {}, reason="forced by the test"))
     return prepare
 
 
-def parm_forced(case_name, case, tp, ep, etp, per_node, data, results, layout, records):
+def parm_forced(case_name, case, tp, ep, etp, per_node, data, results, ref, layout, records):
     """parm forced onto each of its candidate schedules that run the layout (S2 at NUM_CHUNKS
     and the case's backward chunks), through ParmMoELayer and phase by phase, against
-    alltoall: output and every gradient."""
+    alltoall and the single-process reference (its gradients where the case has no aux
+    loss): output and every gradient. A candidate the suite runs only through parm
+    (Megatron's allgather) also has its bytes checked, in the dropless case."""
     from megatron_parm import schedules
 
     bwd = BWD_CHUNKS[case_name] or NUM_CHUNKS
-    for candidate in schedules.supported_candidates(tp, ep, etp, tp > 1):
-        schedule = (candidate.name, NUM_CHUNKS, bwd) if candidate.chunked else candidate.name
+    direct = dispatchers(tp, ep, etp)
+    keys = ("y", "x", "router", "fc1", "fc2") if case[3] == 0 else ("y",)
+    for candidate in schedules.supported_candidates(tp, ep, etp):
+        schedule = forced_schedule(candidate, bwd)
         for phases in (False, True):
-            full, _, _ = run_layer("parm", case, tp, ep, etp, tp > 1, data, per_node=per_node,
-                                   bwd_chunks=bwd, phases=phases, prepare=force_parm(schedule))
+            track = case_name == "dropless" and not phases and candidate.name not in direct
+            full, totals, x_local = run_layer("parm", case, tp, ep, etp, tp > 1, data,
+                                              per_node=per_node, bwd_chunks=bwd, phases=phases,
+                                              prepare=force_parm(schedule), track=track)
             assert full.pop("choice") == str(schedule), (full, schedule)
+            if track:
+                check_bytes(candidate.name, totals, x_local, data, tp, ep, etp, per_node, layout,
+                            records)
+            row = dict(layout=layout, case=f"{case_name}-forced", dispatcher="parm",
+                       schedule=candidate.name, phases=phases)
             for key in ("y", "x", "router", "fc1", "fc2"):
-                records.append(dict(layout=layout, case=f"{case_name}-forced", dispatcher="parm",
-                                    schedule=candidate.name, phases=phases, against="alltoall",
-                                    quantity=key,
+                records.append(dict(row, against="alltoall", quantity=key,
                                     err=rel_err(full[key], results["alltoall"][key])))
+            for key in keys:
+                records.append(dict(row, against="reference", quantity=key,
+                                    err=rel_err(full[key], ref[key])))
+
+
+def forced_schedule(candidate, bwd=NUM_CHUNKS):
+    """What force_parm makes parm run of a candidate: its name, or for a chunked one (name,
+    NUM_CHUNKS forward, bwd backward)."""
+    return (candidate.name, NUM_CHUNKS, bwd) if candidate.chunked else candidate.name
+
+
+def parm_forced_without_sequence_parallel(tp, ep, etp, per_node, data, ref, layout, records):
+    """TP > 1, the input replicated over TP: parm forced onto each candidate that Megatron's
+    MoELayer refuses there (allgather needs --sequence-parallel under MoELayer), which parm
+    runs on the shard ParmMoELayer hands it; against the reference."""
+    from megatron_parm import schedules
+
+    for candidate in schedules.supported_candidates(tp, ep, etp):
+        if candidate.unsupported(tp, ep, etp, sequence_parallel=False) is None:
+            continue  # it runs without sequence parallelism on its own: check_layout's runs
+        schedule = forced_schedule(candidate)
+        full, _, _ = run_layer("parm", CASES["dropless"], tp, ep, etp, False, data,
+                               per_node=per_node, prepare=force_parm(schedule))
+        assert full.pop("choice") == str(schedule), (full, schedule)
+        for key in ("y", "x", "router", "fc1", "fc2"):
+            records.append(dict(layout=layout, case="dropless-no-sp-forced", dispatcher="parm",
+                                schedule=candidate.name, against="reference", quantity=key,
+                                err=rel_err(full[key], ref[key])))
 
 
 def node_groups_kept(tp, ep, etp, per_node, layout, records):
@@ -787,21 +838,26 @@ def grouped_experts(tp, ep, etp, per_node, layout, records):
 
 def simulated_device(tp, ep, etp, per_node, layout, records):
     """Each non-native schedule's layer call (forward and backward) under the simulated device,
-    parm_s2 also with one chunk ("parm_s2:1"): any host tensor meeting a device tensor, and
-    every host sync with its call site."""
+    parm_s2 also with one chunk ("parm_s2:1") and parm forced onto Megatron's allgather
+    ("parm:allgather"): any host tensor meeting a device tensor, every host sync with its call
+    site, and what parm ran."""
     from device_sim import SimulatedDevice
 
     data = global_tensors(123, dist.get_world_size() // tp)
-    runs = [(name, name, NUM_CHUNKS) for name in dispatchers(tp, ep, etp)[1:]] + [("parm_s2:1", "parm_s2", 1)]
+    runs = [(name, name, NUM_CHUNKS, None) for name in dispatchers(tp, ep, etp)[1:]] + [
+        ("parm_s2:1", "parm_s2", 1, None), ("parm:allgather", "parm", NUM_CHUNKS,
+                                             force_parm("allgather"))]
     for case_name in ("dropless", "pad"):
-        for label, name, chunks in runs:
+        for label, name, chunks, prepare in runs:
             sim = SimulatedDevice(raise_on_mixing=False)
-            run_layer(name, CASES[case_name], tp, ep, etp, tp > 1, data, num_chunks=chunks,
-                      simulate=sim, per_node=per_node)
+            full, _, _ = run_layer(name, CASES[case_name], tp, ep, etp, tp > 1, data,
+                                   num_chunks=chunks, simulate=sim, per_node=per_node,
+                                   prepare=prepare)
             records.append(dict(layout=layout, case=f"device-sim-{case_name}", dispatcher=label,
                                 against="simulated-device", mixing=sim.mixing,
                                 syncs_forward=sim.syncs[:sim.forward_syncs],
-                                syncs_backward=sim.syncs[sim.forward_syncs:]))
+                                syncs_backward=sim.syncs[sim.forward_syncs:],
+                                choice=full["choice"]))
 
 
 def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, records):
@@ -834,7 +890,26 @@ def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, reco
     records.append(dict(layout=layout, case="bytes", dispatcher=name, against="formula",
                         quantity="bytes", mismatch=mismatch, a2a_world=a2a.item(),
                         inter_world=inter.item(),
-                        shared_remote_node=shares_a_remote_node(maps, ep, per_node)))
+                        shared_remote_node=shares_a_remote_node(maps, ep, per_node),
+                        plan_mismatch=cost_plan_mismatch(name, totals, tokens.shape[0], tp, ep,
+                                                         etp, per_node)))
+
+
+def cost_plan_mismatch(name, totals, n_tokens, tp, ep, etp, per_node):
+    """For a schedule whose bytes do not depend on the routing (allgather), the catalog's cost
+    plan against the recorded bytes, intra- and inter-node per (kind, group): the
+    mismatches ({} where they agree; None for the others)."""
+    if name != "allgather":
+        return None
+    from megatron_parm.perf_model import LayerShape, Layout, comm_volumes
+
+    shape = LayerShape(num_tokens=n_tokens, hidden_size=M, ffn_hidden_size=F, num_experts=E,
+                       topk=CASES["dropless"][0], dtype_bytes=4, prob_bytes=4)
+    world = dist.get_world_size()
+    plan = comm_volumes(name, shape, Layout(tp, ep, etp, world // per_node, per_node))
+    recorded = {tuple(k): v for k, v in totals.items()}
+    return {"/".join(k): (recorded.get(k), plan.get(k)) for k in set(plan) | set(recorded)
+            if recorded.get(k) != plan.get(k)}
 
 
 PROFILE_PATHS = {}

@@ -10,8 +10,10 @@ Every dispatcher runs through ParmMoELayer and, as Megatron-Core's callers drive
 its six phases one by one (dropless, capacity, padded): against itself in the layer and
 against alltoall, with identity experts (and the capacity's row counts), and with its phases
 out of order (one error naming the phase). parm also runs forced onto each of its candidate
-schedules (S2 included), in the layer and phase by phase, and every dispatcher runs from a
-plain TransformerConfig. Each layout's process groups are Megatron-Core's own
+schedules (S2 and Megatron's allgather included), in the layer and phase by phase, against
+alltoall and the reference (allgather also without sequence parallelism, and its bytes
+against the design's formula and its cost plan), and every dispatcher runs from a plain
+TransformerConfig. Each layout's process groups are Megatron-Core's own
 (parallel_state.initialize_model_parallel, as its test utilities make them): nothing of
 megatron_parm.parallel is called first.
 
@@ -117,19 +119,42 @@ def test_phase_by_phase_matches_the_layer_and_alltoall(records, world, layout, c
 @pytest.mark.parametrize("case", FORCED_CASES)
 def test_parm_forced_onto_each_schedule_matches_alltoall(records, world, layout, case):
     """parm made to run each of its candidate schedules that can run the layout (S2 at 3
-    forward chunks), through ParmMoELayer and phase by phase: output and every gradient as
-    alltoall's."""
+    forward chunks, Megatron's allgather included), through ParmMoELayer and phase by phase:
+    output and every gradient as alltoall's and the single-process reference's (the output
+    only where the case has an aux loss, which the reference lacks)."""
     tp, ep, etp = (int(v) for v in layout.split(","))
     rows = _select(records, world, layout, case=f"{case}-forced")
-    expected = {s.name for s in schedules.supported_candidates(tp, ep, etp, tp > 1)}
+    expected = {s.name for s in schedules.supported_candidates(tp, ep, etp)}
+    assert "allgather" in expected
     if world == TOY_WORLD and TOY.unsupported(tp, ep, etp) is None:  # registered there too
         expected.add(TOY.name)
     assert {(r["schedule"], r["phases"]) for r in rows} == \
         {(name, phases) for name in expected for phases in (False, True)}
-    assert {r["quantity"] for r in rows} == {"y", "x", "router", "fc1", "fc2"}
-    bad = {(r["schedule"], r["phases"], r["quantity"]): r["err"] for r in rows
+    quantities = {"y", "x", "router", "fc1", "fc2"}
+    with_reference = quantities if CASE_SPECS[case][3] == 0 else {"y"}
+    for name in expected:
+        for phases in (False, True):
+            got = {(r["against"], r["quantity"]) for r in rows
+                   if (r["schedule"], r["phases"]) == (name, phases)}
+            assert got == {("alltoall", q) for q in quantities} | \
+                {("reference", q) for q in with_reference}, (name, phases)
+    bad = {(r["schedule"], r["phases"], r["against"], r["quantity"]): r["err"] for r in rows
            if not r["err"] <= TOL}
-    assert not bad, f"parm forced onto a schedule differs from alltoall: {bad}"
+    assert not bad, f"parm forced onto a schedule differs: {bad}"
+
+
+@pytest.mark.parametrize("world,layout", [p for p in _params() if p.values[1][0] != "1"])
+def test_parm_runs_allgather_without_sequence_parallel(records, world, layout):
+    """TP > 1 with the input replicated over TP: Megatron's MoELayer refuses its allgather
+    dispatcher there, but parm runs it on the sequence shard ParmMoELayer hands it, and
+    computes the reference's output and gradients."""
+    tp, ep, etp = (int(v) for v in layout.split(","))
+    assert schedules.get("allgather").unsupported(tp, ep, etp, sequence_parallel=False)
+    rows = _select(records, world, layout, case="dropless-no-sp-forced")
+    assert {(r["schedule"], r["quantity"]) for r in rows} == \
+        {("allgather", q) for q in ("y", "x", "router", "fc1", "fc2")}
+    bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
+    assert not bad, f"parm forced onto allgather without sequence parallelism differs: {bad}"
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
@@ -218,12 +243,19 @@ def test_replicated_input_without_sequence_parallel(records, world, layout, disp
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
-@pytest.mark.parametrize("dispatcher", ["alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm_hier"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ds_baseline", "parm_s1",
+                                        "parm_s2", "parm_hier"])
 def test_bytes_match_design_formulas(records, world, layout, dispatcher):
+    """Every rank's recorded bytes per (kind, group) against the design's formulas, computed
+    from the routing (allgather: run by parm, forced onto it; its bytes do not depend on the
+    routing, so its catalog cost plan must match them too, intra- and inter-node)."""
     rows = _select(records, world, layout, case="bytes", dispatcher=dispatcher)
     assert len(rows) == world
     bad = {r["rank"]: r["mismatch"] for r in rows if r["mismatch"]}
     assert not bad, f"recorded bytes (measured, expected) differ per rank: {bad}"
+    if dispatcher == "allgather":
+        bad = {r["rank"]: r["plan_mismatch"] for r in rows if r["plan_mismatch"] != {}}
+        assert not bad, f"recorded bytes (measured, cost plan) differ per rank: {bad}"
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
@@ -318,16 +350,23 @@ def test_toy_schedule_runs_where_its_rule_allows(records, layout, case):
 OWN_SYNC = ("to", "megatron_parm.device.to_host")
 PERMUTE_SYNC = ("masked_select", "megatron.core.transformer.moe.moe_utils.permute")
 FIRST_CALL_SYNC = ("equal", "megatron_parm.dispatchers.parm_auto._check_agreement")
+# Where parm runs Megatron's allgather, allgather's own instead of OWN_SYNC: its
+# dispatch_postprocess copies the tokens per local expert to the host and masked_selects the
+# local experts' probabilities (as under MoELayer).
+ALLGATHER_SYNCS = {("cpu", "megatron.core.transformer.moe.token_dispatcher.dispatch_postprocess"),
+                   ("masked_select",
+                    "megatron.core.transformer.moe.token_dispatcher.dispatch_postprocess")}
 
 
 def _simulated(records, world, layout, case):
-    """Every rank's record of each non-native schedule the layout runs, and of parm_s2 with one
-    chunk ("parm_s2:1")."""
+    """Every rank's record of each non-native schedule the layout runs, of parm_s2 with one
+    chunk ("parm_s2:1") and of parm forced onto allgather ("parm:allgather")."""
     rows = _select(records, world, layout, case=f"device-sim-{case}")
     tp, ep, etp = (int(v) for v in layout.split(","))
     expected = [name for name in PARM if schedules.get(name).unsupported(tp, ep, etp) is None]
-    for name in expected + ["parm_s2:1"]:
+    for name in expected + ["parm_s2:1", "parm:allgather"]:
         assert sum(r["dispatcher"] == name for r in rows) == world, (name, rows)
+    assert {r["choice"] for r in rows if r["dispatcher"] == "parm:allgather"} == {"allgather"}
     return rows
 
 
@@ -345,17 +384,22 @@ def test_no_host_tensor_meets_device_rows(records, world, layout, case):
 def test_host_syncs_per_layer_call(records, world, layout, case):
     """One device -> host copy per layer call (the gathered counts; S1, S2 and ds_baseline
     skip it when padding to capacity, where the counts are known), none in the backward, none
-    per S2 chunk."""
+    per S2 chunk. parm running Megatron's allgather pays allgather's own syncs instead, in
+    its dispatch_postprocess, and none in the backward either."""
     for r in _simulated(records, world, layout, case):
         forward = [tuple(s) for s in r["syncs_forward"]]
         assert r["syncs_backward"] == [], (r["dispatcher"], r["syncs_backward"])
         own = forward.count(OWN_SYNC)
+        ran_allgather = r["choice"] == "allgather"
         if case == "dropless":
-            assert own == 1, (r["dispatcher"], forward)
+            assert own == (0 if ran_allgather else 1), (r["dispatcher"], forward)
         else:
             known = r["dispatcher"] in ("ds_baseline", "parm_s1", "parm_s2", "parm_s2:1")
             assert own == 0 if known else own <= 1, (r["dispatcher"], forward)
         allowed = {OWN_SYNC, PERMUTE_SYNC} | ({FIRST_CALL_SYNC} if r["dispatcher"] == "parm" else set())
+        if ran_allgather:
+            allowed = (allowed - {OWN_SYNC}) | ALLGATHER_SYNCS
+            assert ALLGATHER_SYNCS <= set(forward), (r["dispatcher"], forward)
         assert set(forward) <= allowed, (r["dispatcher"], forward)
     by_name = {(r["dispatcher"], r["rank"]): r["syncs_forward"]
                for r in _simulated(records, world, layout, case)}

@@ -96,14 +96,17 @@ def test_matches_single_process_reference(records, world, layout, case, dispatch
 @pytest.mark.parametrize("case", list(CASES))
 def test_parm_forced_onto_each_schedule_matches_alltoall(records, world, layout, case):
     """parm made to run each of its candidate schedules (S2 at 3 forward and 2 backward
-    chunks), through ParmMoELayer and phase by phase (with shared experts: overlapped, the
-    only way the phases run them)."""
+    chunks, Megatron's allgather included), through ParmMoELayer and phase by phase (with
+    shared experts: overlapped, the only way the phases run them), against alltoall and the
+    single-process reference."""
     tp, ep, etp = (int(v) for v in layout.split(","))
-    rows = [r for r in _rows(records, world, layout, case=case, dispatcher="parm",
-                             against="alltoall") if "schedule" in r]
-    expected = {s.name for s in schedules.supported_candidates(tp, ep, etp, tp > 1)}
-    assert {(r["schedule"], r["phases"]) for r in rows} == \
-        {(name, phases) for name in expected for phases in (False, True)}
+    rows = [r for r in _rows(records, world, layout, case=case, dispatcher="parm")
+            if "schedule" in r]
+    expected = {s.name for s in schedules.supported_candidates(tp, ep, etp)}
+    assert "allgather" in expected
+    assert {(r["schedule"], r["phases"], r["against"]) for r in rows} == \
+        {(name, phases, against) for name in expected for phases in (False, True)
+         for against in ("alltoall", "reference")}
     assert all(r["overlap"] == (r["phases"] and CASES[case].shared) for r in rows)
     _check(rows, case, "parm forced onto a schedule")
 

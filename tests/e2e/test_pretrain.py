@@ -4,8 +4,8 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE (tiny) for 20 iterations with each dispatcher in turn, from the same seed;
   * BERT MoE (tiny) for 20 iterations with a Parm dispatcher, saving a checkpoint.
   * GPT-2 MoE with parm without tuning (--no-parm-tune; the loop's parm tunes by default);
-  * parm tuning with candidates that fail (S2 at 2 forward chunks out of memory, parm_hier
-    refused), kept in a cache file, then a run that finds it there;
+  * parm tuning with candidates that fail (S2 at 2 forward chunks and Megatron's allgather out
+    of memory, parm_hier refused), kept in a cache file, then a run that finds it there;
   * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS), and with the
     step's time breakdown written (alltoall, parm_s2);
   * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs).
@@ -148,27 +148,32 @@ def recompute_runs():
         TopKRouter.forward = forward
 
 
-# Tuning at 1 timed call per candidate: the tiny layer's 3 candidates x 2 calls, decided at
-# the 7th iteration.
+# Tuning at 1 timed call per candidate: the tiny layer's 4 candidates x 2 calls, decided at
+# the 9th iteration.
 TUNE = ["--moe-token-dispatcher-type", "parm", "--parm-tune-steps", "1", "--train-iters", "10",
         "--lr-decay-iters", str(NUM_ITERS)]  # the 20-iteration runs' learning rates
 
 
 def tune_with_failures(run_dir: str):
     """parm tuning where S2 at 2 forward chunks runs out of memory (in its pipeline: that call
-    finishes in one chunk) and parm_hier refuses its input (in its first phase); then a 2-iteration run that finds the result in the cache. Returns the first run's
-    losses and the distinct warnings rank 0 saw."""
+    finishes in one chunk), allgather too (in Megatron's gather: that call starts again with
+    the next candidate) and parm_hier refuses its input (in its first phase), so that S1 wins
+    whatever the timings; then a 2-iteration run that finds the result in the cache. Returns
+    the first run's losses and the distinct warnings rank 0 saw."""
     import warnings
 
     import torch
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     from megatron_parm.dispatchers.parm_hier import ParmHierTokenDispatcher
     from megatron_parm.dispatchers.parm_s2 import ParmS2TokenDispatcher
     from megatron_parm.training.arguments import parse_args
     from megatron_parm.training.trainer import pretrain
 
-    pipeline, preprocess = (ParmS2TokenDispatcher.dispatch_compute_combine,
-                            ParmHierTokenDispatcher.dispatch_preprocess)
+    pipeline, preprocess, gather = (ParmS2TokenDispatcher.dispatch_compute_combine,
+                                    ParmHierTokenDispatcher.dispatch_preprocess,
+                                    MoEAllGatherTokenDispatcher.token_dispatch)
 
     def out_of_memory(self, *args):
         if self.num_chunks == 2:
@@ -178,9 +183,13 @@ def tune_with_failures(run_dir: str):
     def refused(self, *args):
         raise ValueError("injected: parm_hier refuses this input")
 
+    def gather_out_of_memory(self, *args):
+        raise torch.OutOfMemoryError("injected: out of memory gathering the group's tokens")
+
     flags = TINY_GPT + LAYOUT + SHORT + TUNE + ["--parm-tune-cache", f"{run_dir}/tune.json"]
     ParmS2TokenDispatcher.dispatch_compute_combine = out_of_memory
     ParmHierTokenDispatcher.dispatch_preprocess = refused
+    MoEAllGatherTokenDispatcher.token_dispatch = gather_out_of_memory
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -188,6 +197,7 @@ def tune_with_failures(run_dir: str):
     finally:
         ParmS2TokenDispatcher.dispatch_compute_combine = pipeline
         ParmHierTokenDispatcher.dispatch_preprocess = preprocess
+        MoEAllGatherTokenDispatcher.token_dispatch = gather
     pretrain(parse_args(flags + ["--train-iters", "2"]))
     return losses, sorted({str(w.message) for w in seen if "tuning" in str(w.message)})
 
@@ -230,6 +240,8 @@ def test_parm_tuning_changes_no_loss(run):
 def test_parm_tuning_skips_failures_and_logs_once_then_caches(run):
     results, stdout, run_dir = run
     assert results["tune_fail_warnings"] == [
+        "parm: candidate allgather failed while tuning and is skipped (OutOfMemoryError: "
+        "injected: out of memory gathering the group's tokens)",
         "parm: candidate parm_hier failed while tuning and is skipped (ValueError: injected: "
         "parm_hier refuses this input)",
         "parm: candidate parm_s2(c=2) failed while tuning and is skipped (OutOfMemoryError: "

@@ -15,7 +15,7 @@ from megatron_parm import schedules
 DISPATCHERS = list(schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO))
 
 
-def _layer(dispatcher: str, plain: bool):
+def _layer(dispatcher: str, plain: bool, **settings):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_parm.config import ParmTransformerConfig
@@ -25,7 +25,8 @@ def _layer(dispatcher: str, plain: bool):
     config = (TransformerConfig if plain else ParmTransformerConfig)(
         num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
         moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2,
-        moe_token_dispatcher_type=dispatcher, use_cpu_initialization=True, add_bias_linear=False)
+        moe_token_dispatcher_type=dispatcher, use_cpu_initialization=True, add_bias_linear=False,
+        **settings)
     torch.manual_seed(0)
     return ParmMoELayer(config, get_gpt_layer_parm_spec(num_experts=4).submodules.mlp.submodules)
 
@@ -77,3 +78,17 @@ def test_parm_leaves_out_a_parm_hier_that_cannot_run(megatron_world, monkeypatch
     assert "parm_hier" not in str(layer.token_dispatcher.choice.schedule)
     with pytest.raises(ValueError, match="--parm-ranks-per-node 3"):
         _layer("parm_hier", plain=False)
+
+
+def test_parm_leaves_out_allgather_where_megatron_refuses_it(megatron_world, caplog):
+    """Megatron-Core refuses its allgather dispatcher with variable sequence lengths (a check
+    of its config by the dispatcher's name, which parm's layers pass as alltoall's): parm
+    builds without it, says so in one logged line, and keeps it elsewhere."""
+    assert "allgather" in _layer("parm", plain=False).token_dispatcher.schedules
+    with caplog.at_level(logging.WARNING):
+        layer = _layer("parm", plain=False, variable_seq_lengths=True)
+    lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert lines == ["parm: candidate allgather left out: Megatron-Core's allgather dispatcher "
+                     "does not take variable sequence lengths (--variable-seq-lengths): its "
+                     "all-gather needs as many tokens on every rank"]
+    assert "allgather" not in layer.token_dispatcher.schedules

@@ -178,7 +178,7 @@ def test_expert_flops_match_between_s1_and_ds_when_etp_equals_tp():
 
 
 def test_unknown_dispatcher_and_bad_experts():
-    for name in ("allgather", "parm_s3"):  # no cost plan in the catalog; not in it
+    for name in ("parm", "parm_s3"):  # no cost plan in the catalog; not in it
         with pytest.raises(ValueError, match="unknown dispatcher"):
             comm_volumes(name, small_shape(), SMALL_LAYOUT)
     with pytest.raises(ValueError, match="num_experts"):
@@ -286,8 +286,8 @@ def test_choice_prefers_s1_for_tiny_layers_and_s2_for_large_ones():
     choice = choose_schedule(tiny, SMALL_LAYOUT, profile)
     assert choice.schedule == "parm_s1"
     assert choice.dispatcher == "parm_s1" and choice.num_chunks == 1
-    assert set(choice.times) == {"parm_s1", "parm_hier"} | {("parm_s2", c, b) for c in (2, 4, 8)
-                                                         for b in (2, 4, 8)}
+    assert set(choice.times) == {"parm_s1", "parm_hier", "allgather"} | {
+        ("parm_s2", c, b) for c in (2, 4, 8) for b in (2, 4, 8)}
 
     large = small_shape(num_tokens=4096, hidden_size=1024, ffn_hidden_size=1024)
     choice = choose_schedule(large, SMALL_LAYOUT, profile)
@@ -323,8 +323,8 @@ def test_choice_is_deterministic_and_breaks_ties_towards_s1():
 
 def test_choice_skips_chunk_counts_above_token_count_and_rejects_bad_ones():
     choice = choose_schedule(small_shape(num_tokens=4), SMALL_LAYOUT, uniform_profile())
-    assert set(choice.times) == {"parm_s1", "parm_hier"} | {("parm_s2", c, b) for c in (2, 4)
-                                                         for b in (2, 4)}
+    assert set(choice.times) == {"parm_s1", "parm_hier", "allgather"} | {
+        ("parm_s2", c, b) for c in (2, 4) for b in (2, 4)}
     with pytest.raises(ValueError, match="chunk_candidates"):
         choose_schedule(small_shape(), SMALL_LAYOUT, uniform_profile(), chunk_candidates=(1,))
 
@@ -748,7 +748,8 @@ def test_plan_schedule_reads_a_config(tmp_path):
     assert report["choice"] == "parm_s1"  # 4 tokens per rank: latency-bound
     assert report["num_moe_layers"] == 4
     assert set(report["times_s"]) == {"alltoall", "ds_baseline", "parm_s1", "parm_s2(c=2)",
-                                      "parm_s2(c=4)", "parm_s2(c=2/4)", "parm_s2(c=4/2)", "parm_hier"}
+                                      "parm_s2(c=4)", "parm_s2(c=2/4)", "parm_s2(c=4/2)", "parm_hier",
+                                      "allgather"}
     assert "lr" in result.stderr  # unused keys are reported, not silently dropped
 
 

@@ -334,13 +334,14 @@ def test_collectives_cost_nothing_on_one_rank_and_more_across_nodes():
 
 def test_dispatchers_follow_the_layout_rules():
     allowed, refused = _dispatchers_for(layout(2, 2, 2))
-    assert [s.name for s in allowed] == ["alltoall", "ds_baseline", "parm_s1", "parm_s2", "parm_hier"]
-    assert "cost plan" in refused["allgather"] and "parm_s1" in refused["parm"]
+    assert [s.name for s in allowed] == ["allgather", "alltoall", "ds_baseline", "parm_s1",
+                                         "parm_s2", "parm_hier"]
+    assert "parm_s1" in refused["parm"] and "allgather" in refused["parm"]
     allowed, refused = _dispatchers_for(layout(1, 2, 2))
     assert "ds_baseline" not in [s.name for s in allowed]
     assert "--expert-tensor-parallel-size" in refused["ds_baseline"]
     _, refused = _dispatchers_for(layout(2, 2, 2), sequence_parallel=False)
-    assert "--sequence-parallel" in refused["alltoall"]
+    assert "--sequence-parallel" in refused["alltoall"] and "--sequence-parallel" in refused["allgather"]
 
 
 def test_a_schedule_added_to_the_catalog_is_planned():

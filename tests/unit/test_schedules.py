@@ -33,16 +33,30 @@ def toy():
 
 
 def test_every_entry_names_a_dispatcher_class_or_is_megatrons():
+    """Megatron's own have no class of ours, except one parm weighs (allgather): the class
+    parm runs it through. Every candidate has a class and a cost plan."""
     from megatron_parm.dispatchers import ParmTokenDispatcher, dispatcher_class
 
     for name in schedules.names():
         schedule = schedules.get(name)
-        if schedule.kind == schedules.NATIVE:
+        if schedule.kind == schedules.NATIVE and not schedule.candidate:
             assert schedule.dispatcher is None
             with pytest.raises(ValueError, match="Megatron-Core's own"):
                 dispatcher_class(name)
         else:
             assert issubclass(dispatcher_class(name), ParmTokenDispatcher)
+    assert schedules.get("allgather").candidate
+    with pytest.raises(ValueError, match="needs its dispatcher class and a cost plan"):
+        schedules.Schedule("x", schedules.NATIVE, "x", candidate=True)
+
+
+def test_parm_s1_leads_the_candidates():
+    """Parm's own schedules come first whatever the catalog order (allgather's entry leads
+    it): S1 is the unchunked schedule tuning always times, and ties go to it
+    (test_perf_model's tie test checks the choice)."""
+    names = [s.name for s in schedules.candidates()]
+    assert names[0] == "parm_s1" and names[-1] == "allgather"
+    assert schedules.names()[0] == "allgather"
 
 
 def test_unknown_names_list_the_catalog():
@@ -57,7 +71,11 @@ def test_layout_rules_name_the_flags():
         schedules.get("ds_baseline").unsupported(1, 2, 2)
     assert schedules.get("ds_baseline").unsupported(2, 2, 1) is None
     assert "needs --sequence-parallel" in schedules.get("alltoall").unsupported(2, 2, 2, False)
+    assert "needs --sequence-parallel" in schedules.get("allgather").unsupported(2, 2, 2, False)
     assert schedules.get("parm_s1").unsupported(2, 2, 2, False) is None
+    # ParmMoELayer hands parm's candidates a sequence shard: allgather is one without it too
+    assert "allgather" in [s.name for s in schedules.supported_candidates(2, 2, 2)]
+    assert schedules.get("parm").unsupported(2, 2, 2, False) is None
     # The automatic choice runs wherever one of its candidates does.
     assert schedules.get("parm").unsupported(1, 2, 2) is None
 
@@ -123,6 +141,31 @@ def test_cost_plans_move_what_the_dataflows_say():
     backward = [s for s in stages if s.direction == schedules.BACKWARD and s.kind != schedules.COMPUTE]
     assert [(schedules.DUAL[s.kind], s.group, s.bytes_per_peer) for s in reversed(forward)] == \
         [(s.kind, s.group, s.bytes_per_peer) for s in backward]
+
+
+def test_allgathers_cost_plan_moves_every_token_to_its_esp_x_ep_group():
+    """Megatron's allgather, per rank and peer of its ESP x EP group (4 ranks here: one on
+    this node, two on the other): AG of the routing map (E bools), the probabilities (E of 4
+    bytes) and the row, and in the backward the output's gradient (M of the probabilities'
+    4 bytes); RS of the output, and in the backward of the row's and the probabilities'
+    gradients. Experts as S1's. Without sequence parallelism, AG(TP) of the output as S1."""
+    n, M, E = SHAPE.num_tokens, SHAPE.hidden_size, SHAPE.num_experts
+    gathered = n * (E + E * 4 + M * 4 + M * 4)
+    scattered = n * (M * 4 + M * 4 + E * 4)
+    assert comm_volumes("allgather", SHAPE, LAYOUT) == {
+        ("all_gather", "tp_ep"): {"intra": gathered, "inter": 2 * gathered},
+        ("reduce_scatter", "tp_ep"): {"intra": scattered, "inter": 2 * scattered}}
+    replicated = comm_volumes("allgather", SHAPE, LAYOUT, sequence_parallel=False)
+    assert replicated[("all_gather", "tp")] == comm_volumes(
+        "parm_s1", SHAPE, LAYOUT, sequence_parallel=False)[("all_gather", "tp")]
+
+    def flops(name):
+        return sum(stage.flops for stage in schedules.get(name).cost_plan(SHAPE, LAYOUT))
+
+    assert flops("allgather") == flops("parm_s1") > 0
+    # attention TP alone: its ESP x EP group has one rank, nothing moves
+    assert comm_volumes("allgather", SHAPE, Layout(tp=4, ep=1, etp=1, nodes=2,
+                                                   ranks_per_node=2)) == {}
 
 
 def test_a_registered_schedule_is_everywhere(toy):

@@ -109,11 +109,15 @@ def test_training_flags(tmp_path, prepared_data):
         parse_args(base + ["--parm-tune-margin", "0"], world_size=1)
 
 
-def _key(num_tokens=128, device="cpu", layer=None):
+CANDIDATES = ("parm_s1", "parm_s2", "parm_hier", "allgather")
+
+
+def _key(num_tokens=128, device="cpu", layer=None, candidates=CANDIDATES):
     shape = LayerShape(num_tokens=num_tokens, hidden_size=64, ffn_hidden_size=256, num_experts=4,
                        topk=2, dtype_bytes=4)
     return tuning.cache_key(shape, Layout(2, 2, 2, 1, 4), True,
-                            {"device": device, "backend": "gloo", "world_size": 4}, "p:abc", layer)
+                            {"device": device, "backend": "gloo", "world_size": 4}, "p:abc", layer,
+                            candidates)
 
 
 def test_cache_keeps_each_layer_of_one_shape(tmp_path):
@@ -145,6 +149,9 @@ def test_cache_round_trip_and_misses(tmp_path):
     assert "differs in shape.num_tokens)" in other.warning and other.warning.startswith(
         f"parm: --parm-tune-cache {path} holds results for another shape")
     assert "cluster.device" in tuning.TuningCache(str(path)).lookup(_key(device="gpu")).warning
+    # measured among other candidates (before allgather was one): not reused
+    fewer = tuning.TuningCache(str(path)).lookup(_key(candidates=CANDIDATES[:3]))
+    assert fewer.measured is None and "differs in candidates)" in fewer.warning
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "x"}), json.dumps(
