@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Optional
 
@@ -95,6 +96,7 @@ class ParmMoELayer(MoELayer):
 
             self._gather_group = twin_group(self.attn_tp_group)
         self._node_shard = None  # (layer input, its TP shard) of the nodes' last route call
+        self._forward_sharded = False  # forward runs the steps (on_shard)
 
     def set_layer_number(self, layer_number: int):
         super().set_layer_number(layer_number)
@@ -117,8 +119,20 @@ class ParmMoELayer(MoELayer):
     # combine, postprocess), with the layer's input as it comes: a replicated one is sharded
     # and its output gathered here, as forward does.
 
+    @contextlib.contextmanager
+    def on_shard(self):
+        """Inside, forward runs route, preprocess and postprocess on the shard it made."""
+        self._forward_sharded = True
+        try:
+            yield
+        finally:
+            self._forward_sharded = False
+
+    def _node_path(self) -> bool:
+        return self.replicated_input and not self._forward_sharded
+
     def _shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.replicated_input:
+        if not self._node_path():
             return hidden_states
         if self._node_shard is None or self._node_shard[0] is not hidden_states:
             self._node_shard = (hidden_states, keep_shard(hidden_states, self.attn_tp_group, "tp"))
@@ -133,7 +147,7 @@ class ParmMoELayer(MoELayer):
         return super().preprocess(hidden_states, probs, routing_map)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
-        if not self.replicated_input:
+        if not self._node_path():
             return super().postprocess(output, shared_expert_output)
         output = gather_replicated(super().postprocess(output, None),
                                    self._gather_group or self.attn_tp_group, "tp")
@@ -164,10 +178,14 @@ class ParmMoELayer(MoELayer):
                 start = self.attn_tp_group.rank() * rows
                 padding_mask = padding_mask[start : start + rows]
 
-        def moe(hidden_states, padding_mask):  # on the shard: MoELayer's steps, not the nodes'
+        def moe(hidden_states, padding_mask):
+            with self.on_shard():
+                return steps(hidden_states, padding_mask)
+
+        def steps(hidden_states, padding_mask):
             shared_output = None if replicated else self.shared_experts_compute(hidden_states)
-            probs, routing_map = MoELayer.route(self, hidden_states, padding_mask)
-            hidden_states, probs = MoELayer.preprocess(self, hidden_states, probs, routing_map)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
             if self.token_dispatcher.pipelined:
                 # The one place the layer takes a pipelined schedule's fused call (the
                 # catalog's ``pipelined``); MoELayer's dispatch, routed_experts_compute and
@@ -179,7 +197,7 @@ class ParmMoELayer(MoELayer):
                 dispatched, probs = self.dispatch(hidden_states, probs)
                 output, mlp_bias = self.routed_experts_compute(dispatched, probs)
                 output = self.combine(output)
-            return MoELayer.postprocess(self, output, shared_output), mlp_bias
+            return self.postprocess(output, shared_output), mlp_bias
 
         if self.moe_layer_recompute:
             output, mlp_bias = tensor_parallel.checkpoint(moe, False, hidden_states, padding_mask)

@@ -6,6 +6,8 @@ Notation: S sequence length, B micro-batch, M hidden size, t the TP size."""
 
 from __future__ import annotations
 
+import contextlib
+
 from types import SimpleNamespace
 
 import pytest
@@ -50,7 +52,8 @@ def tokens_routed(tp: int, sequence_parallel: bool) -> int:
                                        ["route", "expert_compute", "postprocess"])),
         config=SimpleNamespace(moe_token_dispatcher_type="parm_s1",
                                sequence_parallel=sequence_parallel),
-        shared_experts_compute=lambda hidden_states: None, route=route)
+        shared_experts_compute=lambda hidden_states: None, route=route,
+        replicated_input=tp > 1 and not sequence_parallel, on_shard=contextlib.nullcontext)
     rows = S // tp if sequence_parallel else S
     with pytest.raises(_Routed) as routed:
         ParmMoELayer.forward(layer, torch.zeros(rows, B, M))
