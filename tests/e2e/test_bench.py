@@ -70,6 +70,12 @@ def test_bench_writes_a_line_per_config_and_dispatcher(bench_output):
     assert "[2/2] MoE layer" in stdout and "parm_s2@4" in stdout
     choices = {r["dispatcher"]: r["choice"] for r in records if r["config"] == 1}
     assert all(choices[d] for d in ["parm"] + MODES)  # each mode logs the schedule it chose
+    for r in records:  # parm's bytes are its choice's (its tuning calls are not accounted)
+        if r["dispatcher"] in ["parm"] + MODES:
+            chosen = r["choice"].split("(")[0]
+            same = [o for o in records if o["config"] == r["config"]
+                    and o["dispatcher"].split("@")[0] == chosen]
+            assert same and r["bytes"] == same[0]["bytes"], (r["dispatcher"], r["choice"])
 
 
 def test_world_size_1_runs_parm_as_s1_without_communication(world1_output):
