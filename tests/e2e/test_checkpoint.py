@@ -133,7 +133,11 @@ MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
 
 
 def dispatcher_flags(dispatcher: str) -> list:
-    return ["--parm-ranks-per-node", "2"] if dispatcher == "parm_hier" else []
+    """parm with its model's choice: a run resumed while parm still tunes tunes again, and its
+    candidates' values differ in the last bits (Megatron's allgather sums a token's experts in
+    another order than Parm's schedules), so only a made choice resumes bitwise."""
+    return {"parm_hier": ["--parm-ranks-per-node", "2"], "parm": ["--no-parm-tune"]}.get(
+        dispatcher, [])
 
 
 def reload_and_save(flags, load: str, save: str) -> None:
@@ -201,7 +205,8 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
     if mode == "distopt_wide":  # pp=2, (2,2,2) and (1,4,1), bitwise resume
         for (tp, ep, etp), dispatcher in (((2, 2, 2), "parm_s2"), ((1, 4, 1), "parm")):
             # at least 2 micro-batches per step (pp=2) at dp=4 too
-            flags = [*layout_flags(tp, ep, etp, dispatcher), "--pipeline-model-parallel-size",
+            flags = [*layout_flags(tp, ep, etp, dispatcher), *dispatcher_flags(dispatcher),
+                     "--pipeline-model-parallel-size",
                      "2", "--global-batch-size", "16", *DIST, *DIST_RUN]
             saved = f"{run}/pp2 {tp},{ep},{etp}"
             results[f"pp2 {tp},{ep},{etp} reference"] = train(*flags, "--save", saved)["losses"]

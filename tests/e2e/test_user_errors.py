@@ -80,10 +80,9 @@ def bad_inputs(run: Path) -> dict:
         "multi-latent attention": (["--multi-latent-attention"],
                                    "error: --multi-latent-attention is not supported"),
         "what Megatron-Core's TransformerConfig refuses": (
-            ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap",
-             "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"],
-            "error: Megatron-Core 0.16.1 refuses these flags: shared_experts recompute cannot "
-            "work with --moe-shared-expert-overlap."),
+            ["--moe-pad-expert-input-to-capacity"],
+            "error: Megatron-Core 0.16.1 refuses these flags: moe_expert_capacity_factor must be "
+            "set to use moe_pad_expert_input_to_capacity"),
         # the combined 1F1B schedule's rules (layout_rules.moe_overlap_problem)
         "overlap in fp32": (["--overlap-moe-expert-parallel-comm"],
                             "error: --overlap-moe-expert-parallel-comm needs --bf16 or --fp16"),
@@ -404,6 +403,8 @@ TOOL_MISTAKES = {
                             "--tokenizer-type", "GPT2BPETokenizer"], {}, "--input"),
     "recompute_memory.py": (["--config", f"{MISSING}.yaml"], {},
                             f"--config: file not found: {MISSING}.yaml"),
+    "recompute_time.py": (["--warmup", "5", "--iterations", "3"], {},
+                          "--warmup (5) must be below --iterations (3)"),
     "run_benchmark.sh": (["{tmp}"], {"GRID": f"{MISSING}.yaml"}, f"GRID={MISSING}.yaml"),
     "slurm/local_slurm.sh": (["begin"], {}, "unknown command 'begin'"),
     "tiny_hf_model.py": (["mixtral", "{tmp}/hf", "--max-shard-size", "5XB"], {},
