@@ -19,7 +19,6 @@ Written to --output: recompute_memory.json (the worker's records) and recompute_
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -34,6 +33,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_parm import cli, planner_inputs  # noqa: E402
+from megatron_parm.bench.saved import record_and_report, utc_stamp  # noqa: E402
 from megatron_parm.perf_model.layout import Layout  # noqa: E402
 from megatron_parm.perf_model.memory import Precision, stage_activation_bytes  # noqa: E402
 from megatron_parm.perf_model.recompute import NONE  # noqa: E402
@@ -161,26 +161,19 @@ def main(argv=None):
     parser.add_argument("--from-json", default=None,
                         help="no runs: rewrite recompute_memory.md from this json")
     args = parser.parse_args(argv)
-    output = os.path.join(REPO_ROOT, args.output)
-    os.makedirs(output, exist_ok=True)
-    if args.from_json:
-        with open(args.from_json) as handle:
-            saved = json.load(handle)
-    else:
+    def measure_all():
         found = cases(args)
         for case in found:  # the flags of every case resolve (one line if not) before a launch
             predicted(case)
         records = [measure(case, args.timeout) for case in found]
-        saved = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"), "machine": f"{os.cpu_count()}-core CPU, {WORLD} gloo ranks",
-            "command": shlex.join(["tools/recompute_memory.py"] + list(argv or sys.argv[1:]))},
-            "records": records}
-        with open(os.path.join(output, "recompute_memory.json"), "w") as handle:
-            json.dump(saved, handle, indent=1)
-    text = render(saved["records"], saved["meta"])
-    with open(os.path.join(output, "recompute_memory.md"), "w") as handle:
-        handle.write(text)
-    print(text, end="")
+        return {"meta": {"date": utc_stamp(),
+                         "machine": f"{os.cpu_count()}-core CPU, {WORLD} gloo ranks",
+                         "command": shlex.join(["tools/recompute_memory.py"]
+                                               + list(argv or sys.argv[1:]))},
+                "records": records}
+
+    record_and_report(os.path.join(REPO_ROOT, args.output), "recompute_memory", args.from_json,
+                      measure_all, lambda saved: render(saved["records"], saved["meta"]))
     return 0
 
 

@@ -24,7 +24,6 @@ time and loss, the load average of each turn) and recompute_time.md.
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -41,6 +40,7 @@ if REPO_ROOT not in sys.path:
 
 import megatron_parm.settings as declared  # noqa: E402
 from megatron_parm import cli, planner_inputs  # noqa: E402
+from megatron_parm.bench.saved import record_and_report, utc_stamp  # noqa: E402
 from megatron_parm.perf_model import load_profile  # noqa: E402
 from megatron_parm.perf_model.layout import Layout  # noqa: E402
 from megatron_parm.perf_model.memory import Precision  # noqa: E402
@@ -205,7 +205,7 @@ def render(saved):
 
 def measure(args, argv):
     """The launch: the saved record."""
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    meta = {"date": utc_stamp(),
             "machine": f"{os.cpu_count()}-core CPU, {WORLD} gloo ranks, tp=1 "
                        f"ep={args.expert_model_parallel_size} etp=1, {DISPATCHER}, fp32",
             "command": shlex.join(["tools/recompute_time.py"] + list(argv)),
@@ -243,19 +243,8 @@ def main(argv=None):
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup ({args.warmup}) must be below --iterations "
                          f"({args.iterations})")
-    output = os.path.join(REPO_ROOT, args.output)
-    os.makedirs(output, exist_ok=True)
-    if args.from_json:
-        with open(args.from_json) as handle:
-            saved = json.load(handle)
-    else:
-        saved = measure(args, argv)
-        with open(os.path.join(output, "recompute_time.json"), "w") as handle:
-            json.dump(saved, handle, indent=1)
-    text = render(saved)
-    with open(os.path.join(output, "recompute_time.md"), "w") as handle:
-        handle.write(text)
-    print(text, end="")
+    record_and_report(os.path.join(REPO_ROOT, args.output), "recompute_time", args.from_json,
+                      lambda: measure(args, argv), render)
     return 0
 
 
