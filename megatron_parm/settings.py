@@ -499,8 +499,9 @@ def _checkpoint_flags() -> List[Flag]:
         Flag("--parm-timing-breakdown", ckpt, kind="switch",
              help="Time each step's parts (MoE dispatch, experts, combine; attention and dense "
                   "MLP; TP/SP collectives; DP gradient reduction; optimizer; rest) and print "
-                  "their means per logged iteration (synchronises the device at every "
-                  "boundary; megatron_parm/training/timing.py)."),
+                  "their means per logged iteration, with the share of the host's cores busy "
+                  "(synchronises the device at every boundary; "
+                  "megatron_parm/training/timing.py)."),
         Flag("--parm-timing-file", ckpt, str,
              help="Also append the breakdown as JSON lines to this file (rank 0); implies "
                   "--parm-timing-breakdown."),

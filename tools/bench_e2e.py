@@ -207,7 +207,8 @@ def train(cell: dict, model, dispatcher: str, variant: str):
     with open(timing_file) as f:
         iterations = [json.loads(line) for line in f]
     os.remove(timing_file)
-    keys = ("iteration", "step_ms", "ms", "slowest_rank_step_ms", "tuning", "comm_stream")
+    keys = ("iteration", "step_ms", "ms", "slowest_rank_step_ms", "tuning", "comm_stream",
+            "host_cpu_busy", "net_tx_bytes")
     return {"pass": cell["pass"], "model": cell["model"], "preset": cell["preset"],
             "layout": cell["layout"], "dispatcher": dispatcher, "variant": variant,
             "world_size": world_size, "training_flags": cell["training_flags"],

@@ -36,6 +36,18 @@ per kind of communication node (the MoE dispatch and combine, forward and backwa
 iteration it ran on its thread (busy), ms the compute thread waited for it (waited), and the
 share hidden, 1 - waited / busy (mcore_compat.comm_stream measures them).
 
+Where the host is Linux each logged record also has, over the steps, mean over ranks:
+  host_cpu_busy   the share of the host's cores busy (anything but idle and iowait, every
+                  process; /proc/stat). On the emulated cluster every rank shares this
+                  machine's cores: with the same CPU work a step cannot drop below busy x step,
+                  so an overlap's speed-up is at most 1 / busy.
+  net_tx_bytes    bytes per iteration sent by the rank's network namespace (/proc/net/dev):
+                  "loopback" (lo) and "network" (every other interface). On the emulated
+                  cluster a node's ranks share one namespace, so these are the node's: its
+                  intra-node traffic leaves through lo, its inter-node traffic through eth0,
+                  each shaped at its preset's rate (bench/e2e.py turns them into link busy
+                  shares). NCCL's NVLink and InfiniBand traffic does not pass these counters.
+
 How: a module's forward is bracketed by its forward pre-hook and hook, its backward by an
 identity autograd function on its input and output (its output's gradient arrives first, its
 input's last). Time between two boundaries goes to the innermost open region. TP/SP
@@ -68,6 +80,28 @@ SHORT_NAMES = {"moe_dispatch": "dispatch", "moe_experts": "experts", "moe_combin
 # The combined 1F1B's communication nodes, as the breakdown names them (comm_stream's names).
 COMM_NODES = {"moe_dispatch forward": "dispatch fwd", "moe_combine forward": "combine fwd",
               "moe_combine backward": "combine bwd", "moe_dispatch backward": "dispatch bwd"}
+
+
+HOST_COUNTERS = ("cpu_busy", "cpu_total", "loopback", "network")
+
+
+def host_counters() -> Optional[list]:
+    """[busy, total] clock ticks of all the host's cores since boot (/proc/stat's "cpu" line;
+    idle and iowait are not busy) + [loopback, network] bytes sent by this process's network
+    namespace (/proc/net/dev), as HOST_COUNTERS names them; None without /proc (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        sent = [0, 0]
+        with open("/proc/net/dev") as f:
+            for line in f.readlines()[2:]:
+                name, counters = line.split(":", 1)
+                sent[name.strip() != "lo"] += int(counters.split()[8])  # transmitted bytes
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = sum(ticks[3:5])  # idle, iowait
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest: in user)
+    return [total - idle, total] + sent
 
 
 def _mark(value, callback):
@@ -139,6 +173,8 @@ class StepTimer:
         self.interval = dict.fromkeys(CATEGORIES, 0.0)
         self.interval_steps, self.interval_losses = 0, {}
         self.in_step, self.last = False, 0.0
+        self.host_start = None  # host_counters() at the step's start
+        self.host = [0] * len(HOST_COUNTERS)  # the interval's increments over its steps
         self.interval_tuning = False  # a layer's dispatcher measured candidates (parm's tuning)
         self.handles, self.restore = [], []
         self.stream = comm_stream.worker_stream() if config.overlap_moe_expert_parallel_comm \
@@ -294,11 +330,16 @@ class StepTimer:
         self.in_step = True
         device.synchronize()
         self.last = time.perf_counter()
+        self.host_start = host_counters()
 
     def step_end(self, iteration: int, losses: Optional[dict] = None) -> None:
         self._advance()
         self.in_step, self.stack = False, []
         self.interval_steps += 1
+        now = host_counters()
+        if now is not None and self.host_start is not None:
+            self.host = [sum_ + end - start
+                         for sum_, end, start in zip(self.host, now, self.host_start)]
         self.interval_tuning |= self._tuning()
         for name, value in (losses or {}).items():
             self.interval_losses[name] = self.interval_losses.get(name, 0.0) + value
@@ -316,7 +357,7 @@ class StepTimer:
         step_ms = sum(values)
         comm = [self.comm.get(name, {}).get(key, 0.0) * 1e3 / steps
                 for name in COMM_NODES for key in ("busy_s", "waited_s")]
-        mean = torch.tensor(values + [step_ms] + comm, dtype=torch.float64,
+        mean = torch.tensor(values + [step_ms] + comm + self.host, dtype=torch.float64,
                             device=device.current())
         slowest = torch.tensor([step_ms], dtype=torch.float64, device=device.current())
         torch.distributed.all_reduce(mean)
@@ -327,12 +368,16 @@ class StepTimer:
                   "slowest_rank_step_ms": device.to_host(slowest).item(),
                   "iterations": self.interval_steps, "tuning": self.interval_tuning,
                   "losses": {k: v / steps for k, v in self.interval_losses.items()}}
+        host = dict(zip(HOST_COUNTERS, mean[-len(HOST_COUNTERS):]))
+        if host["cpu_total"] > 0:
+            record["host_cpu_busy"] = host["cpu_busy"] / host["cpu_total"]
+            record["net_tx_bytes"] = {name: host[name] / steps for name in HOST_COUNTERS[2:]}
         if self.stream is not None:
             record["comm_stream"] = {
                 name: {"busy_ms": busy, "waited_ms": waited,
                        "hidden": 1.0 - waited / busy if busy > 0 else None}
                 for name, busy, waited in zip(COMM_NODES, mean[n + 1::2], mean[n + 2::2])}
-        self.comm = {}
+        self.comm, self.host = {}, [0] * len(HOST_COUNTERS)
         for category in CATEGORIES:
             self.totals[category] += self.interval[category]
         self.interval = dict.fromkeys(CATEGORIES, 0.0)
@@ -367,6 +412,8 @@ def breakdown_line(record: dict) -> str:
              if record["ms"][c] > 0 or c in ("attention_dense", "rest")]
     line = (f" time breakdown (ms/iteration, mean over ranks): {' | '.join(parts)} | "
             f"step {record['step_ms']:.1f} (slowest rank {record['slowest_rank_step_ms']:.1f})")
+    if "host_cpu_busy" in record:
+        line += f", host CPU {100 * record['host_cpu_busy']:.0f}% busy"
     nodes = [f"{COMM_NODES[name]} {stats['busy_ms']:.1f} ({100 * stats['hidden']:.0f}% hidden)"
              for name, stats in record.get("comm_stream", {}).items() if stats["hidden"] is not None]
     if nodes:

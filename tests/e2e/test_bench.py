@@ -203,6 +203,9 @@ def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
         assert len(r["iterations"]) == len(r["losses"]) >= 3
         assert any(it["tuning"] for it in r["iterations"]) == (r["dispatcher"] == "parm")
         assert all(("comm_stream" in it) == (r["variant"] == "overlap") for it in r["iterations"])
+        # what was busy (Linux): the host's cores, and bytes the loopback sent
+        assert all(0 <= it["host_cpu_busy"] <= 1 and it["net_tx_bytes"]["loopback"] > 0
+                   for it in r["iterations"])
     summary = json.loads((out / "e2e_summary.json").read_text())
     assert summary["losses_equal"] is True
     rows = {(r["dispatcher"], r["variant"]): r for r in summary["rows"]}
@@ -210,6 +213,7 @@ def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
     for (dispatcher, variant), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["timed"] >= 2 and row["max_loss_diff"] <= 1e-4
         assert row["breakdown_ms"]["moe_experts"] > 0 and row["breakdown_ms"]["tp_sp"] > 0
+        assert set(row["busy"]) == {"cpu"}  # loopback: no link rates
         if variant == "overlap":  # the communication nodes ran on their thread
             assert set(row["comm_stream"]) == {"moe_dispatch forward", "moe_combine forward",
                                                "moe_combine backward", "moe_dispatch backward"}
@@ -223,7 +227,7 @@ def test_e2e_benchmark_smoke_runs_reports_and_resumes(tmp_path, prepared_data):
     assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 | overlap |" in table
     assert "| gpt2_tiny_moe | loopback | (2,2,2) | parm_s1 | base |" in table
     assert "| comm wait |" in table and "| dispatch fwd | combine fwd | combine bwd |" in table
-    assert "% hidden) |" in table
+    assert "% hidden) |" in table and "| step | CPU busy |" in table
     for goal in ("best Parm [overlap] >= 1.3x alltoall [base], gpt2_tiny_moe loopback (2,2,2)",
                  "best Parm [overlap] >= 1.15x alltoall [overlap], gpt2_tiny_moe loopback"):
         assert f"- {goal}" in table

@@ -310,6 +310,8 @@ def test_timing_breakdown_has_each_part(run):
             assert r["dispatcher"] == dispatcher and r["iterations"] == 2
             assert r["step_ms"] == pytest.approx(sum(ms.values()))
             assert r["step_ms"] <= r["slowest_rank_step_ms"] + 1e-6
+            assert 0 <= r["host_cpu_busy"] <= 1  # Linux: /proc/stat
+            assert r["net_tx_bytes"]["loopback"] > 0  # gloo on this machine
             # tp=2 with SP: TP/SP collectives; dp=2: a gradient reduction; every part timed
             for part in ("moe_experts", "attention_dense", "tp_sp", "dp_grad_reduce",
                          "optimizer", "rest"):

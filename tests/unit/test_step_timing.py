@@ -50,6 +50,7 @@ def bare_timer():
     timer.interval_steps, timer.interval_losses, timer.interval_tuning = 0, {}, False
     timer.in_step, timer.last = False, 0.0
     timer.stream, timer.comm = None, {}
+    timer.host_start, timer.host = None, [0] * len(timing.HOST_COUNTERS)
     return timer
 
 
@@ -84,6 +85,30 @@ def test_outside_moe_regions_count_as_the_moe_phase_they_occur_in():
         time.sleep(SLEEP)
     timer.step_end(1)
     assert timer.interval["tp_sp"] >= SLEEP
+
+
+def test_host_counters_see_this_process_busy_a_sleep_idle_and_bytes_sent():
+    """The host's busy ticks grow while this process computes; a sleep adds total ticks (the
+    other core may be busy with anything else: only the bounds are asserted); a message to
+    this machine's loopback counts as loopback bytes."""
+    import socket
+
+    start = timing.host_counters()
+    assert start is not None and 0 <= start[0] <= start[1]  # Linux has /proc
+    deadline = time.perf_counter() + 0.3
+    while time.perf_counter() < deadline:
+        pass
+    busy = timing.host_counters()
+    assert busy[0] - start[0] >= 20  # 0.3 s on one core at 100 ticks per second, with slack
+    time.sleep(0.3)
+    end = timing.host_counters()
+    assert end[1] - busy[1] >= 40 and end[0] - busy[0] <= end[1] - busy[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"x" * 10000, ("127.0.0.1", 9))  # discard port: nobody needs to listen
+    assert timing.host_counters()[2] - end[2] >= 10000
+    line = timing.breakdown_line({"ms": dict.fromkeys(timing.CATEGORIES, 1.0), "step_ms": 10.0,
+                                  "slowest_rank_step_ms": 11.0, "host_cpu_busy": 0.5})
+    assert line.endswith("step 10.0 (slowest rank 11.0), host CPU 50% busy")
 
 
 def test_without_the_flags_the_timer_does_nothing():
