@@ -87,15 +87,14 @@ _SCALED = {"num_layers": 4, "hidden_size": 512, "ffn_hidden_size": 512,
            "num_attention_heads": 8, "num_experts": 8, "moe_router_topk": 2,
            "hidden_dropout": 0.0, "attention_dropout": 0.0}
 _TINY = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+_GPT2_SCALED = {**_SCALED, "seq_length": 1024, "max_position_embeddings": 1024}
 MODELS: Dict[str, Model] = {
-    "gpt2_moe": Model("gpt", "configs/gpt2_small_moe.yaml",
-                      {**_SCALED, "seq_length": 1024, "max_position_embeddings": 1024}, 1024,
+    "gpt2_moe": Model("gpt", "configs/gpt2_small_moe.yaml", _GPT2_SCALED, 1024,
                       "GPT-2-small-MoE scaled: 4 layers, hidden 512, 8 experts top-2, FFN 512, "
                       "sequence 1024"),
     # the same with the shipped config's FFN ratio (4x hidden): experts with 4x the work
     "gpt2_moe_ffn4": Model("gpt", "configs/gpt2_small_moe.yaml",
-                           {**_SCALED, "ffn_hidden_size": 2048, "seq_length": 1024,
-                            "max_position_embeddings": 1024}, 1024,
+                           {**_GPT2_SCALED, "ffn_hidden_size": 2048}, 1024,
                            "GPT-2-small-MoE scaled as gpt2_moe, FFN 2048 (4x hidden, as shipped)"),
     "bert_moe": Model("bert", "configs/bert_base_moe.yaml",
                       {**_SCALED, "seq_length": 512, "max_position_embeddings": 512}, 1024,

@@ -368,7 +368,8 @@ class StepTimer:
                   "slowest_rank_step_ms": device.to_host(slowest).item(),
                   "iterations": self.interval_steps, "tuning": self.interval_tuning,
                   "losses": {k: v / steps for k, v in self.interval_losses.items()}}
-        host = dict(zip(HOST_COUNTERS, mean[-len(HOST_COUNTERS):]))
+        node_ms, host = mean[n + 1:-len(HOST_COUNTERS)], mean[-len(HOST_COUNTERS):]
+        host = dict(zip(HOST_COUNTERS, host))
         if host["cpu_total"] > 0:
             record["host_cpu_busy"] = host["cpu_busy"] / host["cpu_total"]
             record["net_tx_bytes"] = {name: host[name] / steps for name in HOST_COUNTERS[2:]}
@@ -376,7 +377,7 @@ class StepTimer:
             record["comm_stream"] = {
                 name: {"busy_ms": busy, "waited_ms": waited,
                        "hidden": 1.0 - waited / busy if busy > 0 else None}
-                for name, busy, waited in zip(COMM_NODES, mean[n + 1::2], mean[n + 2::2])}
+                for name, busy, waited in zip(COMM_NODES, node_ms[0::2], node_ms[1::2])}
         self.comm, self.host = {}, [0] * len(HOST_COUNTERS)
         for category in CATEGORIES:
             self.totals[category] += self.interval[category]
