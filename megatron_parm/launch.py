@@ -50,7 +50,7 @@ import time
 from typing import Dict, List, Optional
 
 from megatron_parm import faults, settings
-from megatron_parm.cli import USER_ERROR
+from megatron_parm.cli import USER_ERROR, argparse_errors_raise
 from megatron_parm.wording import plural
 
 
@@ -349,20 +349,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def script_flags_problem(script: str, script_args: List[str]) -> Optional[str]:
     """For the pretraining scripts (megatron_parm.settings.TRAINING_SCRIPTS): one line naming
-    the flags of their argv, or the keys of their --config file, that training does not know,
-    with the closest valid ones; None for a clean argv or another script. Only names are
-    checked here (the values and the rest after the ranks start, by the script itself)."""
-    if os.path.basename(script) not in settings.TRAINING_SCRIPTS:
+    what their argv and --config file ask for that cannot run: a flag training does not know
+    (with the closest valid ones), a bad value, or a flag refused here (settings.read); None for
+    a clean argv or another script. The rules between flags are checked by the script itself,
+    once the ranks start."""
+    if os.path.basename(script) not in settings.TRAINING_SCRIPTS or \
+            {"-h", "--help"} & set(script_args):
         return None
-    parser = settings.training_parser()
-    problem = settings.unknown_flags(script_args, parser)
-    config = _flag_value(script_args, "--config")
-    if problem is None and config is not None:
-        try:
-            settings.config_values(config, parser)
-        except ValueError as error:
-            problem = str(error)
-    return problem
+    try:
+        with argparse_errors_raise():
+            settings.read(settings.training_parser(), script_args)
+    except ValueError as error:  # cli.UsageError included
+        return str(error)
+    return None
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:

@@ -149,9 +149,10 @@ def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
 
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int,
-                                 eval_interval: int, eval_iters: int) -> List[int]:
-    """Samples each split must provide, as Megatron-LM counts them."""
-    num_evaluations = train_iters // eval_interval + 1 if eval_interval > 0 else 1
+                                 eval_interval: Optional[int], eval_iters: int) -> List[int]:
+    """Samples each split must provide, as Megatron-LM counts them (eval_interval None: one
+    evaluation, at the end)."""
+    num_evaluations = train_iters // eval_interval + 1 if eval_interval else 1
     return [
         train_iters * global_batch_size,
         num_evaluations * eval_iters * global_batch_size,

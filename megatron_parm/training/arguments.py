@@ -87,6 +87,8 @@ def _validate_config(args) -> None:
 
 def _validate_inputs(args) -> None:
     """The files the data flags name."""
+    if args.split is None:
+        args.split = settings.data.DEFAULT_SPLIT
     parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
     if args.tokenizer_type == "SentencePieceTokenizer":
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
@@ -100,7 +102,20 @@ def _validate_inputs(args) -> None:
             raise ValueError(f"{flag}: file not found: {path}")
 
 
+def _one_per_layer_type(args) -> None:
+    """--moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient
+    per balancing type), which Megatron-LM reads as the one value when it holds one."""
+    for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, key)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, key, value[0])
+        elif isinstance(value, list):
+            raise ValueError(f"{settings.flag_of(key)} {' '.join(map(str, value))}: several "
+                             f"load-balancing losses at once are not built here (give one)")
+
+
 def _validate_model(args) -> None:
+    _one_per_layer_type(args)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
         if args.ffn_hidden_size == 0:

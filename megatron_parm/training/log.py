@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
+from megatron_parm import settings
 from megatron_parm.wording import plural
 
 
@@ -176,6 +177,9 @@ def start_lines(args, experts: str, device_type: str, optional_note: Optional[st
                  f"{device_type}/{torch.distributed.get_backend()}")
     if optional_note:  # Megatron-Core's own warnings about the packages are hidden
         print_rank_0(f"> {optional_note}")
+    no_effect = settings.no_effect_note(args)  # Megatron-LM's flags that change nothing here
+    if no_effect:
+        print_rank_0(f"> {no_effect}")
     print_rank_0(f"> checkpoints: {args.save or '(not saved: no --save)'}; "
                  f"TensorBoard: {args.tensorboard_dir or '(off: no --tensorboard-dir)'}")
 

@@ -32,7 +32,8 @@ def validate(args: argparse.Namespace) -> None:
     problem = precision_problem(args.bf16, args.fp16)
     if problem:
         raise ValueError(problem)
-    dynamic = [flag for flag in DYNAMIC_DEFAULTS if getattr(args, flag) is not None]
+    dynamic = [flag for flag, default in DYNAMIC_DEFAULTS.items()
+               if getattr(args, flag) not in (None, default)]
     if dynamic and not args.fp16:
         raise ValueError(f"--{dynamic[0].replace('_', '-')} sets dynamic loss scaling, which "
                          f"only --fp16 uses; give --fp16 or drop it")

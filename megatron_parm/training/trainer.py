@@ -368,7 +368,7 @@ def pretrain(args) -> dict:
                                    dispatcher_choices(model), run.log.progress)
         if run.log.line_due(run.iteration):
             run.log_line(grad_norm)
-        if args.eval_iters > 0 and (run.iteration % args.eval_interval == 0
+        if args.eval_iters > 0 and ((args.eval_interval and run.iteration % args.eval_interval == 0)
                                     or run.iteration == args.train_iters):
             run.evaluate()
         if args.save and args.save_interval and run.iteration % args.save_interval == 0 \

@@ -416,8 +416,9 @@ def test_swiglu_ffn_default_is_megatron_lms():
                                    "--moe-shared-expert-intermediate-size"),
     (["--group-query-attention", "--num-query-groups", "3"],
      "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--multi-latent-attention"], "--multi-latent-attention is not supported: Megatron-Core "
-                                   "0.16.1 runs it only with Transformer Engine's attention"),
+    (["--multi-latent-attention"], "not available here: --multi-latent-attention: multi-latent "
+                                   "attention is not built yet: Megatron-Core 0.16.1 runs it only "
+                                   "with Transformer Engine's attention"),
 ])
 def test_architecture_mistakes_name_the_flag(flags, message):
     assert message in error(TINY_GPT + flags, world_size=1)

@@ -1,0 +1,43 @@
+"""The checkpoint flags: where to save and load, when, in which format, and how a resume treats
+what it finds; and the run's stops (--exit-*)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from megatron_parm.settings.flag import Flag, positive_int
+
+GROUP = "checkpoints"
+
+
+def flags() -> List[Flag]:
+    return [
+        Flag("--save", GROUP, help="Checkpoint folder (torch_dist format)."),
+        Flag("--load", GROUP, help="Checkpoint folder to start from."),
+        Flag("--save-interval", GROUP, check=positive_int,
+             help="Also save every this many iterations (always at the end)."),
+        Flag("--exit-interval", GROUP, check=positive_int,
+             help="Stop (after saving, with --save) once the iteration is a multiple of this."),
+        Flag("--exit-signal-handler", GROUP,
+             help="On SIGTERM (Slurm's time limit or preemption), finish the iteration, save "
+                  "(with --save) and stop."),
+        Flag("--override-opt_param-scheduler", GROUP,
+             help="On resume, take the learning-rate schedule (--lr, --min-lr, "
+                  "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay, "
+                  "--train-iters) from the command line, not the checkpoint. Without this or "
+                  "the next flag a difference is an error."),
+        Flag("--use-checkpoint-opt_param-scheduler", GROUP,
+             help="On resume, keep the checkpoint's learning-rate schedule."),
+        Flag("--dist-ckpt-optim-fully-reshardable", GROUP,
+             help="With --use-distributed-optimizer: save its state gathered into model-space "
+                  "tensors (Megatron-Core's 'fully_reshardable' format), which load in any "
+                  "(tp, pp, ep, etp) layout and without the distributed optimizer. Default: "
+                  "each rank's shard as it is ('dp_reshardable'), which loads only at the same "
+                  "tp, pp, ep and etp (any data-parallel size)."),
+        Flag("--distrib-optim-fully-reshardable-mem-efficient", GROUP,
+             help="With --dist-ckpt-optim-fully-reshardable: gather the state on the first "
+                  "data-parallel rank over gloo, which alone writes it, instead of on every "
+                  "rank over NCCL (less memory; always so without a GPU)."),
+        Flag("--skip-train", GROUP,
+             help="Load --load, evaluate (--eval-iters batches) and stop."),
+    ]

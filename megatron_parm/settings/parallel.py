@@ -1,0 +1,57 @@
+"""The parallelism flags (tensor, expert, pipeline, data) and the cluster's (the planners and the
+emulator)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from megatron_parm.settings import megatron_lm
+from megatron_parm.settings.flag import Flag, positive_int, positive_number
+
+GROUP = "parallelism"
+CLUSTER = "cluster"
+DEFAULT_TIMEOUT_MINUTES = megatron_lm.option("--distributed-timeout-minutes").default
+
+
+def flags() -> List[Flag]:
+    return [
+        Flag("--tensor-model-parallel-size", GROUP, check=positive_int),
+        Flag("--expert-model-parallel-size", GROUP, check=positive_int),
+        Flag("--expert-tensor-parallel-size", GROUP, help="Default: "
+             "--tensor-model-parallel-size.", check=positive_int),
+        Flag("--sequence-parallel", GROUP),
+        Flag("--pipeline-model-parallel-size", GROUP, check=positive_int,
+             help="Pipeline stages: consecutive layers on consecutive groups of ranks, run by "
+                  "Megatron-Core's 1F1B schedule."),
+        Flag("--num-virtual-stages-per-pipeline-rank", GROUP, check=positive_int,
+             aliases=("--virtual-pipeline-model-parallel-size",),
+             dest="virtual_pipeline_model_parallel_size",
+             help="Interleaved schedule: model chunks (virtual stages) per pipeline rank "
+                  "(also under Megatron-LM's older name, --virtual-pipeline-model-parallel-size)."),
+        Flag("--num-layers-per-virtual-pipeline-stage", GROUP,
+             help="Interleaved schedule, by the layers of one virtual stage (instead of "
+                  "--num-virtual-stages-per-pipeline-rank)."),
+        Flag("--decoder-first-pipeline-num-layers", GROUP,
+             help="Transformer layers of the first pipeline stage (the others share the rest "
+                  "evenly)."),
+        Flag("--decoder-last-pipeline-num-layers", GROUP,
+             help="Transformer layers of the last pipeline stage."),
+        Flag("--account-for-embedding-in-pipeline-split", GROUP,
+             help="Count the embedding as a layer of the first stage when splitting."),
+        Flag("--account-for-loss-in-pipeline-split", GROUP,
+             help="Count the output layer and loss as a layer of the last stage."),
+        Flag("--distributed-timeout-minutes", GROUP, float, check=positive_number,
+             differs="a fraction of a minute is taken too",
+             help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "
+                  "waits longer on a hung or vanished peer fails and the job ends (default: "
+                  "%(default)s)."),
+    ]
+
+
+def cluster_flags() -> List[Flag]:
+    return [
+        Flag("--nnodes", CLUSTER, int, 1, check=positive_int),
+        Flag("--nproc-per-node", CLUSTER, int, check=positive_int),
+        Flag("--gpu-memory-gb", CLUSTER, float, 80.0, check=positive_number,
+             help="memory per rank the plan may use, GiB (default 80)"),
+    ]
