@@ -136,12 +136,15 @@ def refusal(args, names: Optional[Iterable[str]] = None) -> Optional[str]:
         value = _shown(getattr(args, megatron_lm.option(name).dest))
         problems.append(f"{name}{' ' + value if value else ''}: {surface.REFUSED[name]}")
     for flag in FLAGS.values():
-        if flag.supported is None or flag.name not in names or not hasattr(args, flag.key):
+        if flag.name not in names or not hasattr(args, flag.key) or \
+                getattr(args, flag.key) is None:
             continue
-        supported = flag.supported() if callable(flag.supported) else flag.supported
         value = getattr(args, flag.key)
-        if value is not None and value not in supported:
-            problems.append(f"{flag.name} {value}: {flag.unsupported}")
+        supported = flag.supported() if callable(flag.supported) else flag.supported
+        why = flag.unsupported if supported is not None and value not in supported else \
+            flag.unavailable(value) if flag.unavailable is not None else None
+        if why:
+            problems.append(f"{flag.name} {value}: {why}")
     if not problems:
         return None
     return "not available here: " + "; ".join(problems)
