@@ -230,9 +230,14 @@ def _check_before_loading(path: str, optimizer, scheduler, args) -> dict:
         check_optimizer_format(path, common, optimizer, layout_of(args))
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
+            saved_args = common.get("args") or {}
+            # lengths shown as iterations too only where both runs count iterations
+            iterations = not saved_args.get("train_samples") and not getattr(
+                args, "train_samples", None)
             check_schedule(path, common["opt_param_scheduler"], scheduler,
-                           (common.get("args") or {}).get("global_batch_size"),
-                           getattr(args, "global_batch_size", None))
+                           saved_args.get("global_batch_size") if iterations else None,
+                           getattr(args, "global_batch_size", None) if iterations else None,
+                           sample_based=getattr(args, "train_samples", None) is not None)
     except CheckpointError as err:
         problems.append(str(err))
     problems = _agree(problems)
