@@ -88,6 +88,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     fault_point("staged", iteration)
     metadata = save_metadata(optimizer, args)
     state, _ = sharded_state_dict(model, optimizer, is_loading=False, metadata=metadata)
+    if state.get("optimizer_step") is None and "optimizer_state" in state \
+            and scheduler is not None and scheduler.num_steps > 0:
+        # SGD keeps no step count: it stepped (the schedule moved), so its state is saved
+        state["optimizer_step"] = torch.tensor(0.0)
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
         for key in ("optimizer_state", "optimizer_step", "optimizer"):
             state.pop(key, None)

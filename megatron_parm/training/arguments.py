@@ -180,9 +180,11 @@ def _validate_batch(args, world_size: int) -> None:
     for batch in schedule.ramp_batch_sizes(args):
         where = "" if batch == args.global_batch_size else \
             f"--rampup-batch-size: at global batch size {batch}: "
-        if not args.decrease_batch_size_if_needed:
-            problem = batch_problem(batch, args.micro_batch_size, data_parallel_size)
-            _refuse(problem and f"{where}{problem} (or give --decrease-batch-size-if-needed)")
+        if not args.decrease_batch_size_if_needed and batch % per_step:
+            raise ValueError((f"{where}global batch size {batch} must be divisible by "
+                              f"--micro-batch-size x data-parallel size ({per_step})" if where
+                              else batch_problem(batch, args.micro_batch_size, data_parallel_size))
+                             + " (or give --decrease-batch-size-if-needed)")
         running = schedule.running_batch_size(batch, per_step, args.decrease_batch_size_if_needed)
         if running == 0:
             raise ValueError(f"{where}--decrease-batch-size-if-needed: global batch size {batch} "
