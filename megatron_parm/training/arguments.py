@@ -12,6 +12,7 @@ process group exists, raising ValueError with a message that names the flag.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional
 
@@ -230,9 +231,10 @@ def _validate_schedule(args) -> None:
     if lengths["lr_warmup_steps"] >= lengths["lr_decay_steps"]:
         warmup = ("--lr-warmup-fraction" if args.lr_warmup_fraction is not None
                   else f"--lr-warmup-{unit}")
+        per = 1 if unit == "samples" else args.global_batch_size
         raise ValueError(f"{warmup} must give a warmup shorter than --lr-decay-{unit} (default "
-                         f"--train-{unit}): {lengths['lr_warmup_steps']:g} samples against "
-                         f"{lengths['lr_decay_steps']}")
+                         f"--train-{unit}): {lengths['lr_warmup_steps'] / per:g} against "
+                         f"{lengths['lr_decay_steps'] / per:g} {'samples' if per == 1 else 'iterations'}")
     if args.lr_decay_style == "WSD" and lengths["wsd_decay_steps"] is None:
         raise ValueError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of its "
                          f"final decay)")
@@ -307,6 +309,10 @@ def _validate_optimizer(args, world_size: int) -> None:
         if not args.use_distributed_optimizer:
             raise ValueError("--num-distributed-optimizer-instances needs "
                              "--use-distributed-optimizer (it splits that optimizer's sharding)")
+        if importlib.util.find_spec("einops") is None:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances}: Megatron-Core "
+                             f"0.16.1 builds its groups with the einops package, which is not "
+                             f"installed (pip install einops)")
         expert_dp = world_size // (args.expert_model_parallel_size
                                    * args.expert_tensor_parallel_size
                                    * args.pipeline_model_parallel_size)
