@@ -149,12 +149,13 @@ def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
 
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int,
-                                 eval_interval: Optional[int], eval_iters: int) -> List[int]:
+                                 eval_interval: Optional[int], eval_iters: int,
+                                 train_samples: Optional[int] = None) -> List[int]:
     """Samples each split must provide, as Megatron-LM counts them (eval_interval None: one
-    evaluation, at the end)."""
+    evaluation, at the end; train_samples: --train-samples, else iterations x batch)."""
     num_evaluations = train_iters // eval_interval + 1 if eval_interval else 1
     return [
-        train_iters * global_batch_size,
+        train_iters * global_batch_size if train_samples is None else train_samples,
         num_evaluations * eval_iters * global_batch_size,
         eval_iters * global_batch_size,
     ]

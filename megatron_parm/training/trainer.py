@@ -2,10 +2,11 @@
 
     pretrain(args)   args from megatron_parm.training.arguments.parse_args
 
-Each iteration runs --global-batch-size samples as num_microbatches micro-batches per
-data-parallel rank (gradients accumulate in DDP's buffers, Megatron's schedule scales the
-loss and the MoE auxiliary loss), then one optimizer step with gradient clipping and the
-learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
+Each iteration runs --global-batch-size samples (with --rampup-batch-size, the batch of the
+samples consumed so far: training/schedule.py) as micro-batches per data-parallel rank
+(gradients accumulate in DDP's buffers, Megatron's schedule scales the loss and the MoE
+auxiliary loss), then one optimizer step (training/optimizer.py) with gradient clipping and
+the learning-rate and weight-decay schedule. Works on GPUs with NCCL and on CPUs with gloo.
 
 With --pipeline-model-parallel-size > 1 the model is this rank's stage (a list of chunks, one
 per virtual stage), Megatron-Core's 1F1B or interleaved schedule runs the micro-batches with
@@ -27,8 +28,6 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -58,7 +57,9 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, mixed_precision, timing
+from megatron_parm.training import ddp, timing
+from megatron_parm.training.optimizer import build_optimizer
+from megatron_parm.training.schedule import BatchSchedule, build_scheduler
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
     runs_pipelined, still_tuning, unwrap)
@@ -261,7 +262,7 @@ def evaluate(forward_step, data_iterator, model, args) -> dict:
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
-    each in Megatron's DDP, their Adam and the learning-rate schedule."""
+    each in Megatron's DDP, their optimizer and the learning-rate and weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
     ddp_config = ddp.ddp_config(args)
@@ -270,23 +271,8 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        **mixed_precision.optimizer_fields(args)), model)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant",
-        # On resume (Megatron-LM's rules, checked in checkpointing.scheduler): the command
-        # line's schedule, the checkpoint's, or (neither flag) refuse a difference.
-        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
-                                                   False))
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
     ddp.set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -360,6 +346,7 @@ def pretrain(args) -> dict:
               iteration, consumed_samples)
     print_rank_0(f"> training for {plural(args.train_iters - iteration, 'iteration')}")
     while run.iteration < args.train_iters:
+        run.next_batch()
         faults.record_progress(run.iteration + 1, "training", args.save)  # the launcher's line
         grad_norm = run.step()
         run.log.progress.update(run.iteration)
@@ -390,7 +377,9 @@ def initialize(args) -> None:
                               args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
                               pp=args.pipeline_model_parallel_size,
                               vpp=args.virtual_pipeline_model_parallel_size,
-                              ranks_per_node=args.parm_ranks_per_node)
+                              ranks_per_node=args.parm_ranks_per_node,
+                              num_distributed_optimizer_instances=(
+                                  args.num_distributed_optimizer_instances))
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()
 
@@ -407,6 +396,8 @@ def checkpoint_to_resume(args):
         return None, None
     info = read_checkpoint_info(checkpoint[0])
     check_model_flags(info.get("args"), args, checkpoint[0])
+    # Megatron-LM's count of the samples --decrease-batch-size-if-needed left out, carried on
+    args.skipped_train_samples = (info.get("args") or {}).get("skipped_train_samples", 0)
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
 
 
@@ -431,7 +422,8 @@ def build_iterators(args, tokenizer, model, consumed_samples: int):
     micro-batch for each chunk's forward step, and every chunk must see the same samples.
     Every rank reads the samples of its data-parallel rank (TP peers read the same)."""
     num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
-                                               args.eval_interval, args.eval_iters)
+                                               args.eval_interval, args.eval_iters,
+                                               args.train_samples)
     train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
     train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
@@ -465,7 +457,10 @@ class Run:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.forward_step, self.train_iter, self.valid_iter = forward_step, train_iter, valid_iter
         self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.skipped_samples = getattr(args, "skipped_train_samples", 0)  # of a resumed run
         self.start_iteration, self.saved_at = iteration, None
+        self.batches = BatchSchedule(args, torch.distributed.get_rank())
+        self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
         self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
         self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
@@ -480,11 +475,18 @@ class Run:
         self.param_gather.disable(param_sync=False)
         self.grad_ready = ddp.GradReadyCounts(model, args)
 
+    def next_batch(self) -> None:
+        """The next iteration's global batch, from the samples consumed (--rampup-batch-size);
+        where its micro-batches change, with --save, a checkpoint first (Megatron-LM's)."""
+        if self.batches.update(self.consumed_samples) and self.args.save \
+                and self.saved_at != self.iteration:
+            self.save()
+
     def step(self):
         """One iteration: forward and backward over the micro-batches, the optimizer step and
         the schedule's; the losses (averaged over data-parallel ranks) go to the summary and
         the log's interval. Returns the gradient norm."""
-        args, step_start = self.args, time.time()
+        args, batches, step_start = self.args, self.batches, time.time()
         self.timer.step_start()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -493,33 +495,35 @@ class Run:
         self.optimizer.zero_grad()
         losses_reduced = self.forward_backward(
             forward_step_func=self.forward_step, data_iterator=self.train_iter, model=self.model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            num_microbatches=batches.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         self.grad_ready.after_backward()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.param_gather.enable()
         if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=batches.running)
         self.iteration += 1
-        self.consumed_samples += args.global_batch_size
+        self.consumed_samples += batches.running
+        self.skipped_samples += batches.skipped
+        self.args.skipped_train_samples = self.skipped_samples  # saved with the args
         self.summary["iteration_times"].append(time.time() - step_start)
         losses = from_last_stage(mean_over_data_parallel(average_microbatch_losses(
             losses_reduced)) if parallel_state.is_pipeline_last_stage() else None)
         self.summary["losses"].append(losses["lm loss"])
         self.timer.step_end(self.iteration, losses)
-        self.log.interval.add(losses, update_successful)
+        self.log.interval.add(losses, update_successful, batches.running,
+                              batches.num_microbatches)
         return grad_norm
 
     def log_line(self, grad_norm) -> None:
         """The iteration line of the interval (with the aux loss and the expert load, reduced
         over the ranks: collective), and the step-time breakdown's."""
         seconds_per_step = self.log.interval.seconds_per_step()
-        losses = router_losses(router_loss_names(self.args),
-                               self.log.interval.steps * self.args.num_microbatches,
+        losses = router_losses(router_loss_names(self.args), self.log.interval.microbatches,
                                self.args.num_layers)
-        self.log.iteration(self.iteration, self.consumed_samples, seconds_per_step,
-                           self.optimizer, grad_norm, losses, self.expert_load.shares(),
-                           self.summary)
+        self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
+                           seconds_per_step, self.optimizer, grad_norm, losses,
+                           self.expert_load.shares(), self.summary)
         self.timer.log(self.iteration)
 
     def evaluate(self) -> None:

@@ -6,8 +6,9 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE with parm without tuning (--no-parm-tune; the loop's parm tunes by default);
   * parm tuning with candidates that fail (S2 at 2 forward chunks and Megatron's allgather out
     of memory, parm_hier refused), kept in a cache file, then a run that finds it there;
-  * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS), and with the
-    step's time breakdown written (alltoall, parm_s2);
+  * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS; the
+    distributed optimizer's with the schedule in samples), and with the step's time breakdown
+    written (alltoall, parm_s2);
   * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs).
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
@@ -62,8 +63,8 @@ def worker(out_path: str, run_dir: str) -> None:
                                                    "--no-parm-tune"])
     results["parm_no_tune"] = pretrain(args)["losses"]
     results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
-    results["ddp"] = {name: pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + flags(
-        run_dir)))["losses"] for name, flags in DDP_RUNS.items()}
+    results["ddp"] = {name: pretrain(parse_args(ddp_argv(name, run_dir)))["losses"]
+                      for name in DDP_RUNS}
     results["recompute"] = recompute_runs()
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
@@ -81,9 +82,13 @@ def worker(out_path: str, run_dir: str) -> None:
 # distributed optimizer; both overlaps, with an evaluation between steps), and the timing
 # breakdown, on 4 iterations of the 20-iteration runs' schedule: name -> flags(run_dir).
 DDP_ITERS = ["--train-iters", "4", "--lr-decay-iters", str(NUM_ITERS), "--log-interval", "2"]
+# The same schedule counted in samples (8 per iteration; the config's warmup of 4 iterations).
+DDP_SAMPLES = ["--train-samples", "32", "--lr-decay-samples", str(NUM_ITERS * 8),
+               "--lr-warmup-samples", "32", "--log-interval", "2"]
 DDP_RUNS = {
     "overlap_grad_reduce": lambda d: ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                                       "--parm-timing-file", f"{d}/timing_alltoall.jsonl"],
+    # and the schedule in samples (DDP_SAMPLES)
     "distributed_optimizer": lambda d: ["--use-distributed-optimizer"],
     "overlap_param_gather": lambda d: ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                        "--overlap-param-gather", "--ddp-bucket-size", "20000",
@@ -102,6 +107,15 @@ DDP_RUNS = {
                                               "--overlap-grad-reduce", "--ddp-bucket-size",
                                               "20000"],
 }
+
+
+def ddp_argv(name: str, run_dir: str) -> list:
+    """A DDP run's flags: DDP_ITERS' schedule, or for distributed_optimizer DDP_SAMPLES' (SHORT's
+    --train-iters left out)."""
+    if name != "distributed_optimizer":
+        return TINY_GPT + LAYOUT + SHORT + DDP_ITERS + DDP_RUNS[name](run_dir)
+    short = SHORT[2:] if SHORT[:1] == ["--train-iters"] else SHORT
+    return TINY_GPT + LAYOUT + short + DDP_SAMPLES + DDP_RUNS[name](run_dir)
 
 
 # Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
@@ -278,6 +292,9 @@ def test_data_parallel_flags_and_timing_leave_the_losses(run):
         reference = results["gpt"][dispatcher]
         assert losses == pytest.approx(reference[:len(losses)], abs=tolerance), name
     assert len(results["ddp"]["overlap_grad_reduce_parm"]) == 10  # past parm's decision
+    # --train-samples 32 at global batch 8: the iteration-based run's 4 iterations (and, by
+    # the losses above, its learning rates)
+    assert len(results["ddp"]["distributed_optimizer"]) == 4
 
 
 def test_activation_recompute_leaves_the_losses(run):
