@@ -18,7 +18,8 @@ def _impl_unavailable(value: str):
     import importlib.util
 
     if value == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        return "needs Transformer Engine, which is not installed here"
+        return ("needs Transformer Engine, which is not installed here (the transformer-engine "
+                "package)")
     return None
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 

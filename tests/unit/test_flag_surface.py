@@ -148,7 +148,8 @@ def test_a_value_this_machine_cannot_run_is_refused_with_the_others(monkeypatch)
     with pytest.raises(ValueError, match="^not available here: --fp8-format hybrid: FP8 / FP4 "
                                          "training needs .*; --transformer-impl "
                                          "transformer_engine: needs Transformer Engine, which is "
-                                         "not installed here$"):
+                                         "not installed here \\(the transformer-engine "
+                                         "package\\)$"):
         settings.read(settings.training_parser(),
                       TINY_GPT + ["--transformer-impl", "transformer_engine",
                                   "--fp8-format", "hybrid"])
