@@ -21,14 +21,13 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.core.tokenizers import MegatronTokenizerBase  # noqa: E402
 
 from megatron_parm.data.datasets import (  # noqa: E402
-    PretrainingBatchSampler,
     build_bert_datasets,
-    build_data_iterator,
     build_gpt_datasets,
     parse_data_path,
     parse_split,
     train_valid_test_num_samples,
 )
+from megatron_parm.data.loaders import PretrainingBatchSampler, build_data_iterator  # noqa: E402
 from megatron_parm.data.preprocess import preprocess_jsonl, split_sentences  # noqa: E402
 from megatron_parm.data.tokenizers import _bytes_to_unicode, build_tokenizer  # noqa: E402
 
@@ -145,8 +144,8 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
                                            tokenizer_model=str(tmp_path / "nope.model")))
     with pytest.raises(ValueError, match="--tokenizer-model is required"):
         build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer"))
-    with pytest.raises(ValueError, match="--tokenizer-type: unsupported value 'TikTokenizer'"):
-        build_tokenizer(argparse.Namespace(tokenizer_type="TikTokenizer"))
+    with pytest.raises(ValueError, match="--tokenizer-type: unsupported value 'SFTTokenizer'"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="SFTTokenizer"))
     (tmp_path / "vocab.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="--merge-file: file not found"):
         build_tokenizer(argparse.Namespace(tokenizer_type="GPT2BPETokenizer",
