@@ -97,14 +97,22 @@ def _read_json(flag: str, path: str):
         raise ValueError(f"{flag}: {path} is not JSON: {error}") from None
 
 
+def _given(paths):
+    """A --*-data-path value without its empty items (a config's path emptied on the command
+    line: --data-path '')."""
+    if isinstance(paths, str):
+        paths = paths.split()
+    return [path for path in paths if path] or None if paths is not None else None
+
+
 def data_sources(args) -> Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]:
     """(blend, blend_per_split) as Megatron-LM reads them: --data-path or --data-args-path
     (one blend, split by --split), --train/valid/test-data-path or --per-split-data-args-path
     (a blend per split, None for a split without one), (None, None) with --mock-data. Checks
     every prefix; ValueError naming the flag for a missing or second source."""
-    data_path = getattr(args, "data_path", None)
+    data_path = _given(getattr(args, "data_path", None))
     data_args_path = getattr(args, "data_args_path", None)
-    per_split = {name: getattr(args, f"{name}_data_path", None) for name in SPLIT_NAMES}
+    per_split = {name: _given(getattr(args, f"{name}_data_path", None)) for name in SPLIT_NAMES}
     per_split_args = getattr(args, "per_split_data_args_path", None)
     mock = getattr(args, "mock_data", False)
     if data_path and data_args_path:

@@ -263,10 +263,11 @@ def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
     batch = _to_device(next(data_iterator))
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
-                                         batch["attention_mask"], labels=batch["labels"])
+                                         batch.get("attention_mask"), labels=batch["labels"])
         return plan, partial(gpt_loss, batch["loss_mask"])
-    # losses [b, s]: per-token cross entropy (the model computes it from labels)
-    losses_bs = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+    # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
+    # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
+    losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                       labels=batch["labels"])
     return losses_bs, partial(gpt_loss, batch["loss_mask"])
 
