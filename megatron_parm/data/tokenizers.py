@@ -44,7 +44,8 @@ from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 from megatron_parm.data.tokenizer_files import HF_CONFIG_FILE, huggingface_tokenizer_file
-from megatron_parm.settings import TOKENIZER_TYPES  # values of --tokenizer-type
+from megatron_parm.settings.data import (  # values of --tokenizer-type
+    SENTENCEPIECE_TYPES, TOKENIZER_TYPES)
 
 # Pieces that train_sentencepiece reserves; ids are fixed so every model built here agrees.
 SPM_PAD, SPM_UNK, SPM_BOS, SPM_EOS = "<pad>", "<unk>", "<s>", "</s>"
@@ -64,7 +65,6 @@ HF_END_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
 # Flags and the factory
 # ---------------------------------------------------------------------------------------------
 
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 # The special tokens Megatron-Core's TikTokenizer requires among its own.
 TIKTOKEN_REQUIRED = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
 

@@ -13,6 +13,8 @@ TOKENIZER = "tokenizer"
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
                    "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+# The --tokenizer-type values Megatron-Core builds with its SentencePiece library.
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 # Values of --dataloader-type built here (Megatron-LM's 'external' passes a dataset provider's
 # own iterators through, and the scripts here build Megatron-Core's datasets).
 DATALOADER_TYPES = ("single", "cyclic")

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from megatron_parm import settings, tuning
 from megatron_parm.data.datasets import check_data_flags
-from megatron_parm.data.tokenizers import SENTENCEPIECE_TYPES, check_tokenizer_flags
+from megatron_parm.data.tokenizers import check_tokenizer_flags
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
@@ -105,7 +105,7 @@ def _validate_inputs(args) -> None:
     if getattr(args, "phase_transition_iterations", None):
         args.phase_transition_iterations = settings.data.phase_transition_iterations(
             args.phase_transition_iterations)
-    if args.tokenizer_type in SENTENCEPIECE_TYPES + ("TikTokenizer",):
+    if args.tokenizer_type in settings.data.SENTENCEPIECE_TYPES + ("TikTokenizer",):
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if args.tokenizer_type == "HuggingFaceTokenizer":
