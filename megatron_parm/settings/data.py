@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_parm.settings.flag import Flag, non_negative_int, positive_int
+from megatron_parm.settings.flag import Flag, non_negative_int, non_negative_number, positive_int
 
 GROUP = "data"
 TOKENIZER = "tokenizer"
@@ -39,11 +39,6 @@ def phase_transition_iterations(text) -> List[int]:
 def _check_phases(flag: str, value) -> None:
     if value is not None:
         phase_transition_iterations(value)
-
-
-def _check_surplus(flag: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{flag} must be a number >= 0, got {value!r}")
 
 
 def _check_pattern(flag: str, value) -> None:
@@ -96,7 +91,7 @@ def flags() -> List[Flag]:
         Flag("--eod-mask-loss", GROUP, help="GPT: no loss on end-of-document tokens."),
         Flag("--no-create-attention-mask-in-dataloader", GROUP,
              help="GPT: no attention mask in the batch (the model's causal mask instead)."),
-        Flag("--mid-level-dataset-surplus", GROUP, check=_check_surplus,
+        Flag("--mid-level-dataset-surplus", GROUP, check=non_negative_number,
              help="Weighted blends: the share of extra samples built per dataset."),
         Flag("--allow-ambiguous-pad-tokens", GROUP,
              help="Mask the loss on tokens equal to the padding id even where that id is also "
