@@ -34,8 +34,6 @@ def flags() -> List[Flag]:
         Flag("--seq-length", GROUP, check=positive_int),
         Flag("--max-position-embeddings", GROUP, help="Default: --seq-length.",
              check=positive_int),
-        Flag("--vocab-size", GROUP, help="Vocabulary size (the planners; training reads it "
-             "from the tokenizer).", check=positive_int),
         Flag("--hidden-dropout", GROUP),
         Flag("--attention-dropout", GROUP),
         Flag("--disable-bias-linear", GROUP, kind="switch", inverted=False, default=False,

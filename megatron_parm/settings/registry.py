@@ -64,8 +64,7 @@ def _all_flags() -> Dict[str, Flag]:
 
 
 FLAGS: Dict[str, Flag] = _all_flags()
-# The training parser's flags: a flag surface.py lists is built from its facts there, whatever a
-# planner declares of it (--vocab-size).
+# The training parser's flags that surface.py lists, built from their facts.
 SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_lm.OPTIONS.items()
                             if status(name) != IMPLEMENTED}
 

@@ -46,8 +46,16 @@ INDEX_SPEED = "speeds up building or loading dataset indexes, which are built th
 ASYNC_SAVE = "writes checkpoints in the background: here the save waits, and writes the same files"
 EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
-VOCAB_FROM_TOKENIZER = ("training takes the vocabulary size from the tokenizer (the planners read"
-                        " this flag)")
+SAMPLE_RATE = ("Megatron-LM reads it only in its legacy ORQA (biencoder) datasets, not when it "
+               "pretrains GPT or BERT")
+DECODER_ONLY = ("the decoder's sequence length of encoder-decoder models (T5), which are not built "
+                "here: GPT and BERT read --seq-length")
+OBJECT_STORAGE = ("caches the indexes of data read from object storage (S3, the multi-storage "
+                  "client), and the data here are local files")
+HF_FAST = ("HuggingFaceTokenizer here always reads tokenizer.json with the tokenizers library (a "
+           "fast tokenizer)")
+HF_REMOTE_CODE = ("HuggingFaceTokenizer here reads tokenizer.json and never runs code of the "
+                  "tokenizer's repository")
 
 # Why a flag is refused.
 NEEDS_TE = "needs Transformer Engine"
@@ -78,6 +86,12 @@ NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project'
                    "pretrains GPT and BERT MoE models")
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
 NOT_BUILT = "not built here yet"
+FIM = ("Megatron-LM's fill-in-the-middle dataset is in its training package, not in Megatron-Core "
+       "0.16.1, and is not built here")
+LEGACY_TOKENIZER = ("Megatron-LM's legacy tokenizer classes (megatron/training/tokenizer) are not "
+                    "built here: the datasets use the tokenizer --tokenizer-type names")
+TOKENIZER_METADATA = ("picks Megatron-Core's tokenizer library and class from a file, and the "
+                      "tokenizers here are chosen by --tokenizer-type")
 
 NO_EFFECT: Dict[str, str] = {
     "--pipeline-model-parallel-comm-backend": NCCL,
@@ -196,7 +210,11 @@ NO_EFFECT: Dict[str, str] = {
     "--dataloader-fast-cache-load": INDEX_SPEED,
     "--dataloader-defer-npy-index-mmap": INDEX_SPEED,
     "--num-dataset-builder-threads": INDEX_SPEED,
-    "--vocab-size": VOCAB_FROM_TOKENIZER,
+    "--decoder-seq-length": DECODER_ONLY,
+    "--sample-rate": SAMPLE_RATE,
+    "--object-storage-cache-path": OBJECT_STORAGE,
+    "--tokenizer-hf-use-fast": HF_FAST,
+    "--trust-remote-code": HF_REMOTE_CODE,
     "--log-energy": PROFILING,
     "--log-straggler": TELEMETRY,
     "--straggler-ctrlr-port": TELEMETRY,
@@ -300,7 +318,6 @@ REFUSED: Dict[str, str] = {
     "--use-rope-scaling": NOT_BUILT,
     "--rope-scaling-factor": NOT_BUILT,
     "--no-rope-freq": NOT_BUILT,
-    "--make-vocab-size-divisible-by": NOT_BUILT,
     "--squared-relu": NOT_BUILT,
     "--quick-geglu": NOT_BUILT,
     "--check-weight-hash-across-dp-replicas-interval": NOT_BUILT,
@@ -319,7 +336,6 @@ REFUSED: Dict[str, str] = {
     "--checkpoint-activations": RENAMED,
     "--rope-type": NOT_BUILT,
     "--dump-param-to-param-group-map": NOT_BUILT,
-    "--dataloader-type": NOT_BUILT,
     "--use-legacy-models": LEGACY_MODELS,
     "--perform-rl-step": NOT_PRETRAINING,
     "--rl-prompts-per-eval": NOT_PRETRAINING,
@@ -417,45 +433,19 @@ REFUSED: Dict[str, str] = {
     "--test-mode": NOT_BUILT,
     "--full-validation": NOT_BUILT,
     "--multiple-validation-sets": NOT_BUILT,
-    "--phase-transition-iterations": NOT_BUILT,
-    "--train-data-path": NOT_BUILT,
-    "--valid-data-path": NOT_BUILT,
-    "--test-data-path": NOT_BUILT,
-    "--data-args-path": NOT_BUILT,
-    "--per-split-data-args-path": NOT_BUILT,
-    "--per-dataset-sequences-path": NOT_BUILT,
-    "--no-mmap-bin-files": NOT_BUILT,
-    "--mock-data": NOT_BUILT,
-    "--encoder-seq-length": NOT_BUILT,
-    "--decoder-seq-length": NOT_BUILT,
-    "--sample-rate": NOT_BUILT,
-    "--no-create-attention-mask-in-dataloader": NOT_BUILT,
-    "--object-storage-cache-path": NOT_BUILT,
-    "--mid-level-dataset-surplus": NOT_BUILT,
-    "--allow-ambiguous-pad-tokens": NOT_BUILT,
-    "--fim-data": NOT_BUILT,
-    "--fim-rate": NOT_BUILT,
-    "--fim-spm-rate": NOT_BUILT,
-    "--fim-split-sample": NOT_BUILT,
-    "--fim-fragment-rate": NOT_BUILT,
-    "--fim-no-prefix": NOT_BUILT,
-    "--fim-prefix-token": NOT_BUILT,
-    "--fim-middle-token": NOT_BUILT,
-    "--fim-suffix-token": NOT_BUILT,
-    "--fim-pad-token": NOT_BUILT,
-    "--fim-eod-token": NOT_BUILT,
-    "--padded-vocab-size": NOT_BUILT,
-    "--vocab-extra-ids": NOT_BUILT,
-    "--tokenizer-metadata": NOT_BUILT,
-    "--tokenizer-special-tokens": NOT_BUILT,
-    "--legacy-tokenizer": NOT_BUILT,
-    "--tiktoken-pattern": NOT_BUILT,
-    "--tiktoken-num-special-tokens": NOT_BUILT,
-    "--tiktoken-special-tokens": NOT_BUILT,
-    "--tokenizer-sentencepiece-legacy": NOT_BUILT,
-    "--tokenizer-hf-use-fast": NOT_BUILT,
-    "--tokenizer-hf-include-special-tokens": NOT_BUILT,
-    "--trust-remote-code": NOT_BUILT,
+    "--fim-data": FIM,
+    "--fim-rate": FIM,
+    "--fim-spm-rate": FIM,
+    "--fim-split-sample": FIM,
+    "--fim-fragment-rate": FIM,
+    "--fim-no-prefix": FIM,
+    "--fim-prefix-token": FIM,
+    "--fim-middle-token": FIM,
+    "--fim-suffix-token": FIM,
+    "--fim-pad-token": FIM,
+    "--fim-eod-token": FIM,
+    "--tokenizer-metadata": TOKENIZER_METADATA,
+    "--legacy-tokenizer": LEGACY_TOKENIZER,
     "--adlr-autoresume": AUTORESUME,
     "--adlr-autoresume-interval": AUTORESUME,
     "--ict-head-size": NOT_PRETRAINING,

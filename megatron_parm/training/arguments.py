@@ -17,7 +17,8 @@ import os
 from typing import List, Optional
 
 from megatron_parm import settings, tuning
-from megatron_parm.data.datasets import parse_data_path
+from megatron_parm.data.datasets import check_data_flags
+from megatron_parm.data.tokenizers import check_tokenizer_flags
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
@@ -58,6 +59,7 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
 def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
     own check ran in settings.read)."""
+    _validate_seq_length(args)
     settings.require(args, REQUIRED)
     if reads_data:
         _validate_inputs(args)
@@ -87,12 +89,25 @@ def _validate_config(args) -> None:
                          f"{' '.join(str(error).split())}") from error
 
 
+def _validate_seq_length(args) -> None:
+    """--encoder-seq-length: Megatron-LM's other name of --seq-length (one of the two)."""
+    if args.encoder_seq_length is None:
+        return
+    if args.seq_length is not None:
+        raise ValueError(f"--encoder-seq-length {args.encoder_seq_length} and --seq-length "
+                         f"{args.seq_length}: give one of the two (Megatron-LM's other name of "
+                         f"--seq-length)")
+    args.seq_length = args.encoder_seq_length
+
+
 def _validate_inputs(args) -> None:
-    """The files the data flags name."""
-    if args.split is None:
-        args.split = settings.data.DEFAULT_SPLIT
-    parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
-    if args.tokenizer_type == "SentencePieceTokenizer":
+    """The data and tokenizer flags that go together, and the files they name."""
+    check_data_flags(args, getattr(args, "model_type", "gpt"))  # every prefix names a whole indexed dataset
+    check_tokenizer_flags(args)
+    if getattr(args, "phase_transition_iterations", None):
+        args.phase_transition_iterations = settings.data.phase_transition_iterations(
+            args.phase_transition_iterations)
+    if args.tokenizer_type in settings.data.SENTENCEPIECE_TYPES + ("TikTokenizer",):
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if args.tokenizer_type == "HuggingFaceTokenizer":

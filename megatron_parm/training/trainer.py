@@ -43,12 +43,9 @@ from megatron_parm.checkpointing import (
     read_checkpoint_info,
     save_checkpoint,
 )
-from megatron_parm.data.datasets import (
-    build_data_iterator,
-    build_datasets_from_args,
-    train_valid_test_num_samples,
-)
+from megatron_parm.data.loaders import build_iterators, check_phase_resume, phase_transition_at
 from megatron_parm.data.tokenizers import build_tokenizer
+from megatron_parm.data.vocab import model_vocab_sizes
 from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
 from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the tools' too)
     TrainingLog,
@@ -325,19 +322,20 @@ def pretrain(args) -> dict:
     torch.distributed.barrier()
     checkpoint, padded_vocab = checkpoint_to_resume(args)
     tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
-                                                            padded_vocab)
+    vocab, padded_vocab = model_vocab_sizes(tokenizer.vocab_size, args, padded_vocab)
+    model, optimizer, scheduler = build_model_and_optimizer(args, vocab, padded_vocab)
     num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
-                 f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
+                 f"{vocab} padded to {unwrap(model[0]).vocab_size}; "
                  f"{plural(args.num_microbatches, 'micro-batch')} of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
     iteration, consumed_samples = resume(checkpoint, model, optimizer, scheduler, args)
-    train_iter, valid_iter = build_iterators(args, tokenizer, model, consumed_samples)
+    train_iter, valid_iter = build_iterators(args, tokenizer, len(model), consumed_samples,
+                                             iteration)
     forward_step = FORWARD_STEPS[args.model_type]
     if args.skip_train:  # evaluate the loaded model and stop (Megatron-LM's --skip-train)
         summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
-        if args.eval_iters > 0:
+        if valid_iter is not None:
             summary["eval"].append((iteration, evaluate(forward_step, valid_iter, model, args)))
             print_rank_0(validation_block(f"iteration {iteration}", summary["eval"][-1][1]))
         return summary
@@ -398,6 +396,7 @@ def checkpoint_to_resume(args):
     check_model_flags(info.get("args"), args, checkpoint[0])
     # Megatron-LM's count of the samples --decrease-batch-size-if-needed left out, carried on
     args.skipped_train_samples = (info.get("args") or {}).get("skipped_train_samples", 0)
+    check_phase_resume(info.get("args"), args)
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
 
 
@@ -417,29 +416,16 @@ def resume(checkpoint, model, optimizer, scheduler, args):
     return loaded["iteration"], loaded["consumed_samples"]
 
 
-def build_iterators(args, tokenizer, model, consumed_samples: int):
-    """(train, validation) iterators, one per model chunk: the interleaved schedule draws a
-    micro-batch for each chunk's forward step, and every chunk must see the same samples.
-    Every rank reads the samples of its data-parallel rank (TP peers read the same)."""
-    num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
-                                               args.eval_interval, args.eval_iters,
-                                               args.train_samples)
-    train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
-    train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
-                                      dp_rank, dp_size, args.num_workers, cyclic=True)
-                  for _ in model]
-    valid_iter = [build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
-                                      args.num_workers, cyclic=True) for _ in model]
-    return train_iter, valid_iter
-
-
 def stop_reason(iteration: int, args, exit_signal: "ExitSignal") -> Optional[str]:
-    """'signal' or 'exit-interval' when the loop stops after ITERATION (said on the console);
+    """'signal', 'phase-transition' or 'exit-interval' when the loop stops after ITERATION (said on the console);
     None to go on. Collective (every rank agrees on a signal)."""
     if exit_signal.any_rank():
         print_rank_0(f"> exit signal received: stopping after iteration {iteration}")
         return "signal"
+    if phase_transition_at(iteration, args):
+        print_rank_0(f"> --phase-transition-iterations: a phase ends at iteration {iteration}: "
+                     f"stopping (the next launch reads the next phase's data from its start)")
+        return "phase-transition"
     if args.exit_interval and iteration % args.exit_interval == 0 \
             and iteration < args.train_iters:
         print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "
@@ -527,6 +513,8 @@ class Run:
         self.timer.log(self.iteration)
 
     def evaluate(self) -> None:
+        if self.valid_iter is None:  # no validation data (Megatron-LM: no evaluation)
+            return
         faults.record_progress(self.iteration, "evaluating", self.args.save)
         self.param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
         losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)

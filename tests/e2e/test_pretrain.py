@@ -7,17 +7,20 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * parm tuning with candidates that fail (S2 at 2 forward chunks and Megatron's allgather out
     of memory, parm_hier refused), kept in a cache file, then a run that finds it there;
   * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS; the
-    distributed optimizer's with the schedule in samples), and with the step's time breakdown
-    written (alltoall, parm_s2);
-  * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs).
+    distributed optimizer's with the schedule in samples and Megatron-LM's data flags), and with
+    the step's time breakdown written (alltoall, parm_s2);
+  * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs);
+  * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK).
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
   * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
     warning each); the choice is logged once per layer, measured, then cached;
   * the checkpoint is in Megatron-LM's layout and the console lines are in its format;
-  * each data-parallel flag, the timing breakdown and activation recompute leave the losses
-    as they are, and the breakdown has the parts each run must have.
+  * each data-parallel flag, the timing breakdown, activation recompute and the data flags
+    that change no sample (2 DataLoader workers per rank, no attention mask in the batch, no
+    mmap) leave the losses as they are, and the breakdown has the parts each run must have;
+  * mock data trains, its vocabulary padded as --make-vocab-size-divisible-by says.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def worker(out_path: str, run_dir: str) -> None:
     results["ddp"] = {name: pretrain(parse_args(ddp_argv(name, run_dir)))["losses"]
                       for name in DDP_RUNS}
     results["recompute"] = recompute_runs()
+    results["mock"] = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + MOCK))["losses"]
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -88,8 +92,12 @@ DDP_SAMPLES = ["--train-samples", "32", "--lr-decay-samples", str(NUM_ITERS * 8)
 DDP_RUNS = {
     "overlap_grad_reduce": lambda d: ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                                       "--parm-timing-file", f"{d}/timing_alltoall.jsonl"],
-    # and the schedule in samples (DDP_SAMPLES)
-    "distributed_optimizer": lambda d: ["--use-distributed-optimizer"],
+    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
+    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
+    # attention mask in the batch (the model's causal mask), file reads instead of mmap
+    "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
+                                        "--no-create-attention-mask-in-dataloader",
+                                        "--no-mmap-bin-files"],
     "overlap_param_gather": lambda d: ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                        "--overlap-param-gather", "--ddp-bucket-size", "20000",
                                        "--eval-interval", "2"],
@@ -109,13 +117,12 @@ DDP_RUNS = {
 }
 
 
-def ddp_argv(name: str, run_dir: str) -> list:
-    """A DDP run's flags: DDP_ITERS' schedule, or for distributed_optimizer DDP_SAMPLES' (SHORT's
-    --train-iters left out)."""
-    if name != "distributed_optimizer":
-        return TINY_GPT + LAYOUT + SHORT + DDP_ITERS + DDP_RUNS[name](run_dir)
-    short = SHORT[2:] if SHORT[:1] == ["--train-iters"] else SHORT
-    return TINY_GPT + LAYOUT + short + DDP_SAMPLES + DDP_RUNS[name](run_dir)
+    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
+    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
+    # attention mask in the batch (the model's causal mask), file reads instead of mmap
+    "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
+                                        "--no-create-attention-mask-in-dataloader",
+                                        "--no-mmap-bin-files"],
 
 
 # Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
@@ -295,6 +302,16 @@ def test_data_parallel_flags_and_timing_leave_the_losses(run):
     # --train-samples 32 at global batch 8: the iteration-based run's 4 iterations (and, by
     # the losses above, its learning rates)
     assert len(results["ddp"]["distributed_optimizer"]) == 4
+
+
+def test_mock_data_with_null_tokenizer_trains(run):
+    """--mock-data, --tokenizer-type NullTokenizer --vocab-size 1100 (ids 0..1099, the end of
+    a document 1100), --make-vocab-size-divisible-by 64 at TP 2: 1101 padded to 1152 (the
+    default 128 would give 1280)."""
+    results, stdout, _ = run
+    losses = results["mock"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert "; vocabulary 1101 padded to 1152;" in stdout
 
 
 def test_activation_recompute_leaves_the_losses(run):
