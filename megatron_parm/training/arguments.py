@@ -23,7 +23,7 @@ from megatron_parm.layout_rules import (
     model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
     virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision
+from megatron_parm.training import ddp, mixed_precision, writers
 from megatron_parm.training.implementation import check_implementation
 
 MODEL_TYPES = ("gpt", "bert")
@@ -66,6 +66,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_schedule(args)
     _validate_parm(args, world_size)
     _validate_implementation(args)
+    writers.check_args(args)  # --wandb-*
     _validate_config(args)
 
 
