@@ -411,7 +411,8 @@ def test_params_norm_and_zeros_count_each_shard_once(run):
     written = tensorboard_scalars(run_dir / "logging/tensorboard")
     assert written["params-norm"][LOGGING_ITERS] == pytest.approx(norm, rel=1e-6)
     assert written["num-zeros"][LOGGING_ITERS] == zeros
-    line = re.search(rf"^ iteration +{LOGGING_ITERS}/ +{LOGGING_ITERS} \|.*$", stdout, re.M)[0]
+    line = re.search(rf"^ iteration +{LOGGING_ITERS}/ +{LOGGING_ITERS} \|.* num zeros: .*$",
+                     stdout, re.M)[0]  # the logging run's last line
     assert f" num zeros: {float(zeros)} | params norm: {norm:.3f} |" in line
 
 
