@@ -8,9 +8,10 @@ Which copy counts (the rules of Megatron-LM core_v0.16.1):
     counts on tensor-parallel rank 0 only; a tensor-parallel shard counts on every rank;
   * a parameter marked shared (the last pipeline stage's copy of the tied word embedding)
     does not count;
-  * with --bf16 the fp32 main parameters count where the optimizer keeps them on the parameter
-    (the distributed optimizer: each data-parallel rank holds a shard of them, summed over the
-    data-parallel group), else the parameters themselves, in fp32.
+  * with --bf16 the fp32 main parameters count, which Megatron-Core's mixed-precision
+    optimizers keep on each parameter (main_param; the distributed optimizer's are shards, one
+    per data-parallel rank, summed over the data-parallel group); else (fp32, --fp16) the
+    parameters themselves, in fp32.
 Dense parameters are then summed over the model-parallel group (tensor x pipeline), expert
 parameters over the expert-model-parallel group (expert tensor x expert x pipeline): each shard
 of the model once.

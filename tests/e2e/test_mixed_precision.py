@@ -9,7 +9,8 @@ One torchrun launch (this file run as a script), in one process per rank:
 The tests check: bf16 loss falls; the Parm dispatchers follow alltoall's bf16 curve within 2e-2
 relative; the model runs in bf16 with fp32 main parameters in Megatron's mixed-precision
 optimizer, which the checkpoint holds (optimizer.state.fp32_param...); the resumed bf16 run
-reproduces the uninterrupted one exactly; its --log-params-norm is the saved weights' norm;
+reproduces the uninterrupted one exactly; its --log-params-norm is the saved main parameters'
+norm;
 fp16's skipped iterations and loss scale show in Megatron-LM's log line.
 """
 
@@ -120,17 +121,20 @@ def test_bf16_resume_is_exact(run):
     assert f"optimizer.state.fp32_param.{weight}" in full.tensors
 
 
-def test_bf16_params_norm_is_the_saved_weights_norm(run):
-    """--log-params-norm in bf16 with Megatron-Core's mixed-precision optimizer (not the
-    distributed one): the norm of the bf16 weights, each shard of tp=2, ep=2 once, as
-    Megatron-LM computes it, i.e. that of the weights the checkpoint of iteration 10 holds (the
-    run that resumed to 10 prints the same)."""
+def test_bf16_params_norm_is_the_saved_main_params_norm(run):
+    """--log-params-norm in bf16 with Megatron-Core's mixed-precision optimizer: as Megatron-LM
+    computes it, the norm of the fp32 main parameters the optimizer keeps on each bf16
+    parameter, each shard of tp=2, ep=2 once, i.e. that of the main parameters the checkpoint
+    of iteration 10 holds (the run that resumed to 10 prints the same)."""
     _, stdout, run_dir = run
     from megatron_parm.checkpointing.full import read_full
 
     full = read_full(str(run_dir / "ref/iter_0000010"))
-    norm = sum(float((tensor.double() ** 2).sum()) for key, tensor in full.tensors.items()
-               if not key.startswith("optimizer")) ** 0.5
+    prefix = "optimizer.state.fp32_param."
+    main = {key[len(prefix):]: tensor for key, tensor in full.tensors.items()
+            if key.startswith(prefix)}
+    assert set(main) == {key for key in full.tensors if not key.startswith("optimizer")}
+    norm = sum(float((tensor.double() ** 2).sum()) for tensor in main.values()) ** 0.5
     logged = re.findall(r"^ iteration +10/ +10 \|.* params norm: ([\d.]+) \|", stdout, re.M)
     assert len(logged) == 2, stdout[-3000:]
     assert all(float(value) == pytest.approx(norm, abs=6e-4) for value in logged), (logged, norm)

@@ -110,6 +110,22 @@ def test_params_norm_is_the_norm_of_every_parameter(megatron_world):
     assert params_norm(model) > plain
 
 
+def test_params_norm_in_bf16_is_the_main_params_norm(megatron_world):
+    """With --bf16, Megatron-LM's norm is that of the fp32 main parameters Megatron-Core's
+    mixed-precision optimizer keeps on each parameter."""
+    from megatron_parm.training.params_norm import params_norm
+
+    model, _ = build(tiny_args("--bf16"))
+    parameters = [p for chunk in model for p in chunk.parameters()]
+    assert all(p.dtype == torch.bfloat16 and p.main_param.dtype == torch.float32
+               for p in parameters)
+    with torch.no_grad():
+        for param in parameters:  # main parameters apart from their bf16 copies
+            param.main_param.add_(1e-3)
+    plain = math.sqrt(sum(float((p.main_param.double() ** 2).sum()) for p in parameters))
+    assert params_norm(model, bf16=True) == pytest.approx(plain, rel=1e-6)
+
+
 def test_num_zeros_counts_the_gradients_zeros(megatron_world):
     """Megatron-Core's optimizer counts them when --log-num-zeros-in-grad reaches its config:
     the gradients' zeros, after clipping (which keeps them), and nothing without the flag."""
