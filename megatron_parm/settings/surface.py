@@ -92,6 +92,8 @@ LEGACY_TOKENIZER = ("Megatron-LM's legacy tokenizer classes (megatron/training/t
                     "built here: the datasets use the tokenizer --tokenizer-type names")
 TOKENIZER_METADATA = ("picks Megatron-Core's tokenizer library and class from a file, and the "
                       "tokenizers here are chosen by --tokenizer-type")
+MAX_ATTENTION_LOGIT = ("Megatron-Core 0.16.1 measures the attention logits only in Transformer "
+                       "Engine's attention (2.9 or newer), as Megatron-LM requires too")
 
 NO_EFFECT: Dict[str, str] = {
     "--pipeline-model-parallel-comm-backend": NCCL,
@@ -288,7 +290,6 @@ REFUSED: Dict[str, str] = {
     "--moe-use-legacy-grouped-gemm": NEEDS_DEEPEP,
     "--moe-input-jitter-eps": NOT_BUILT,
     "--moe-enable-deepep": NEEDS_DEEPEP,
-    "--moe-per-layer-logging": NOT_BUILT,
     "--moe-token-drop-policy": NOT_BUILT,
     "--moe-layer-recompute": NOT_BUILT,
     "--moe-apply-probs-on-input": NOT_BUILT,
@@ -503,28 +504,7 @@ REFUSED: Dict[str, str] = {
     "--linear-attention-freq": NOT_BUILT,
     "--heterogeneous-layers-config-path": NOT_BUILT,
     "--heterogeneous-layers-config-encoded-json": NOT_BUILT,
-    "--log-params-norm": NOT_BUILT,
-    "--log-throughput": NOT_BUILT,
-    "--log-progress": NOT_BUILT,
-    "--timing-log-level": NOT_BUILT,
-    "--timing-log-option": NOT_BUILT,
-    "--tensorboard-log-interval": NOT_BUILT,
-    "--tensorboard-queue-size": NOT_BUILT,
-    "--log-timers-to-tensorboard": NOT_BUILT,
-    "--no-log-loss-scale-to-tensorboard": NOT_BUILT,
-    "--log-validation-ppl-to-tensorboard": NOT_BUILT,
-    "--log-memory-to-tensorboard": NOT_BUILT,
-    "--log-memory-interval": NOT_BUILT,
-    "--log-device-memory-used": NOT_BUILT,
-    "--log-num-zeros-in-grad": NOT_BUILT,
-    "--log-max-attention-logit": NOT_BUILT,
-    "--no-barrier-with-level-1-timing": NOT_BUILT,
-    "--log-world-size-to-tensorboard": NOT_BUILT,
-    "--wandb-project": NOT_BUILT,
-    "--wandb-exp-name": NOT_BUILT,
-    "--wandb-save-dir": NOT_BUILT,
-    "--wandb-entity": NOT_BUILT,
-    "--logging-level": NOT_BUILT,
+    "--log-max-attention-logit": MAX_ATTENTION_LOGIT,
     "--inference-batch-times-seqlen-threshold": INFERENCE,
     "--max-tokens-to-oom": INFERENCE,
     "--output-bert-embeddings": INFERENCE,

@@ -25,7 +25,7 @@ from megatron_parm.layout_rules import (
     model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
     virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision, schedule
+from megatron_parm.training import ddp, mixed_precision, schedule, writers
 from megatron_parm.training.implementation import check_implementation
 
 MODEL_TYPES = ("gpt", "bert")
@@ -70,6 +70,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_optimizer(args, world_size)
     _validate_parm(args, world_size)
     _validate_implementation(args)
+    writers.check_args(args)  # --wandb-*
     _validate_config(args)
 
 

@@ -246,6 +246,18 @@ def _to_device(batch):
     return {k: v.to(target, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def next_batch(data_iterator, model) -> dict:
+    """The next micro-batch on this rank's device, timed as Megatron-LM's batch-generator
+    (--timing-log-level 2) by the timers the model's config carries (none in evaluation)."""
+    timers = getattr(getattr(model, "config", None), "timers", None)
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = _to_device(next(data_iterator))
+    if timers is not None:
+        timers("batch-generator").stop()
+    return batch
+
+
 def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:
     loss_mask_bs = loss_mask_bs.float()
     return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
@@ -260,7 +272,7 @@ def gpt_loss(loss_mask_bs, losses_bs):
 
 
 def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
                                          batch.get("attention_mask"), labels=batch["labels"])
@@ -289,7 +301,7 @@ def bert_loss(loss_mask_bs, is_random_b, *output):
 
 
 def bert_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["text"], batch["padding_mask"],

@@ -51,12 +51,15 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     TrainingLog,
     describe_choice,
     print_rank_0,
+    setup_logging,
     start_lines,
     validation_block,
 )
 from megatron_parm.training import ddp, timing
 from megatron_parm.training.optimizer import build_optimizer
+from megatron_parm.training.progress_log import ProgressLog
 from megatron_parm.training.schedule import BatchSchedule, build_scheduler
+from megatron_parm.training.timers import Timers
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
     runs_pipelined, still_tuning, unwrap)
@@ -181,47 +184,6 @@ def average_microbatch_losses(losses_reduced) -> dict:
         for name, value in losses.items():
             totals[name] = totals.get(name, 0.0) + float(value)
     return {name: total / len(losses_reduced) for name, total in totals.items()}
-
-
-# The router's logged losses per --moe-router-load-balancing-type (Megatron-Core's tracker
-# names), and the z-loss's.
-BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                        "global_aux_loss": "global_load_balancing_loss"}
-Z_LOSS_NAME = "z_loss"
-
-
-def router_loss_names(args) -> list:
-    """The names Megatron-Core's routers track their losses under for these flags."""
-    names = [BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] \
-        if args.num_experts and args.moe_router_load_balancing_type in BALANCING_LOSS_NAMES else []
-    return names + ([Z_LOSS_NAME] if args.num_experts and args.moe_z_loss_coeff else [])
-
-
-def router_losses(names, num_steps: int, num_layers: int) -> dict:
-    """Per tracked router loss ("load balancing loss", "z loss", ...): its mean over the MoE
-    layers (before its coefficient) per micro-batch since the last call, reduced as Megatron-LM
-    does: summed over the router's reduce group (the TP ranks that share the token counts),
-    averaged over the others. Collective over every rank (a stage without an MoE layer takes
-    part with zeros)."""
-    tracker = get_moe_layer_wise_logging_tracker()
-    # A layer's values are on the ranks of its pipeline stage only.
-    ranks_per_stage = (torch.distributed.get_world_size()
-                       // parallel_state.get_pipeline_model_parallel_world_size())
-    losses = {}
-    for name in names:
-        entry = tracker.get(name)
-        if entry is None:
-            values = torch.zeros(num_layers, device=device.current())
-        else:
-            values = entry["values"].detach().float().clone()  # on the device: NCCL reduces it
-            entry["values"].zero_()
-            if entry.get("reduce_group") is not None:
-                torch.distributed.all_reduce(values, group=entry["reduce_group"])
-        torch.distributed.all_reduce(values)
-        values = values.cpu() / (ranks_per_stage * max(num_steps, 1))
-        moe = values[values != 0]
-        losses[name.replace("_", " ")] = moe.mean().item() if moe.numel() else 0.0
-    return losses
 
 
 def dispatcher_choices(model) -> list:
@@ -351,8 +313,7 @@ def pretrain(args) -> dict:
         if run.log.choices.due(run.iteration, args.log_interval):
             run.log.choices.update([layer.layer_number for layer in moe_layers(model)],
                                    dispatcher_choices(model), run.log.progress)
-        if run.log.line_due(run.iteration):
-            run.log_line(grad_norm)
+        run.log_iteration(grad_norm)  # TensorBoard / W&B and the iteration line where due
         if args.eval_iters > 0 and ((args.eval_interval and run.iteration % args.eval_interval == 0)
                                     or run.iteration == args.train_iters):
             run.evaluate()
@@ -370,6 +331,7 @@ def initialize(args) -> None:
     """Process groups (the job's, then Megatron's for the layout), seeds, and a clean MoE
     logging tracker (a previous pretrain() in this process leaves its values there)."""
     initialize_distributed(args.distributed_timeout_minutes)
+    setup_logging(args.logging_level)
     initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
                               args.expert_tensor_parallel_size, args.num_experts,
                               args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
@@ -449,7 +411,12 @@ class Run:
         self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
         self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
-        self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
+        self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION,
+                               unwrap(model[0]).vocab_size)
+        self.timers = Timers.install(args, model, optimizer)  # Megatron-Core's, --timing-log-*
+        self.progress_log = ProgressLog(args, self.log.flops_per_sample)
+        self.progress_log.start(consumed_samples)
+        self.num_zeros, self.last_losses = None, {}
         self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
         self.exit_signal = ExitSignal(args.exit_signal_handler)
         for chunk in model:
@@ -484,7 +451,8 @@ class Run:
             num_microbatches=batches.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         self.grad_ready.after_backward()
-        update_successful, grad_norm, _ = self.optimizer.step()
+        with self.timers.region("optimizer", log_level=1):
+            update_successful, grad_norm, self.num_zeros = self.optimizer.step()
         self.param_gather.enable()
         if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
             self.scheduler.step(increment=batches.running)
@@ -499,28 +467,34 @@ class Run:
         self.timer.step_end(self.iteration, losses)
         self.log.interval.add(losses, update_successful, batches.running,
                               batches.num_microbatches)
+        self.last_losses = losses
         return grad_norm
 
-    def log_line(self, grad_norm) -> None:
-        """The iteration line of the interval (with the aux loss and the expert load, reduced
-        over the ranks: collective), and the step-time breakdown's."""
-        seconds_per_step = self.log.interval.seconds_per_step()
-        losses = router_losses(router_loss_names(self.args), self.log.interval.microbatches,
-                               self.args.num_layers)
-        self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
-                           seconds_per_step, self.optimizer, grad_norm, losses,
-                           self.expert_load.shares(), self.summary)
-        self.timer.log(self.iteration)
+    def log_iteration(self, grad_norm) -> None:
+        """Megatron-LM's training_log of the iteration just run (training/log.py): its values
+        to TensorBoard / W&B every --tensorboard-log-interval; every --log-interval the line of
+        the interval (with the router losses and the expert load, reduced over the ranks), the
+        timers and the step-time breakdown's. Collective where either is due."""
+        values = self.log.collect(self.iteration, self.model, self.optimizer, grad_norm,
+                                  self.num_zeros, self.last_losses)
+        if values is None:
+            return
+        self.log.record(self.iteration, self.consumed_samples, values)
+        if self.log.line_due(self.iteration):
+            self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
+                               values, self.expert_load.shares(), self.summary, self.timers)
+            self.timer.log(self.iteration)
 
     def evaluate(self) -> None:
         if self.valid_iter is None:  # no validation data (Megatron-LM: no evaluation)
             return
         faults.record_progress(self.iteration, "evaluating", self.args.save)
         self.param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
-        losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)
+        with self.timers.paused():  # Megatron-LM times training steps only
+            losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)
         self.param_gather.enable()
         self.summary["eval"].append((self.iteration, losses))
-        self.log.validation(self.iteration, losses)
+        self.log.validation(self.iteration, self.consumed_samples, losses)
         self.log.interval.restart_clock()
 
     def save(self) -> str:
@@ -531,6 +505,7 @@ class Run:
                                    self.scheduler, self.consumed_samples, self.args)
         self.saved_at = self.iteration
         print_rank_0(f"> saved checkpoint at iteration {self.iteration} to {path}")
+        self.progress_log.saved(self.iteration, self.consumed_samples)
         self.log.interval.restart_clock()
         return path
 
