@@ -129,12 +129,20 @@ DDP_RUNS = {
 }
 
 
-    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
-    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
-    # attention mask in the batch (the model's causal mask), file reads instead of mmap
-    "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
-                                        "--no-create-attention-mask-in-dataloader",
-                                        "--no-mmap-bin-files"],
+def ddp_argv(name: str, run_dir: str) -> list:
+    """A DDP run's flags: DDP_ITERS' schedule, or for distributed_optimizer DDP_SAMPLES' (SHORT's
+    --train-iters left out)."""
+    if name != "distributed_optimizer":
+        return TINY_GPT + LAYOUT + SHORT + DDP_ITERS + DDP_RUNS[name](run_dir)
+    short = SHORT[2:] if SHORT[:1] == ["--train-iters"] else SHORT
+    return TINY_GPT + LAYOUT + short + DDP_SAMPLES + DDP_RUNS[name](run_dir)
+
+
+# Megatron-Core's mock GPT dataset with Megatron-LM's NullTokenizer (no files), a vocabulary
+# padded to multiples of 64 x TP, in a random order each epoch.
+MOCK = ["--mock-data", "--data-path", "", "--tokenizer-type", "NullTokenizer", "--tokenizer-model",
+        "", "--vocab-size", "1100", "--make-vocab-size-divisible-by", "64", "--dataloader-type",
+        "cyclic"]
 
 
 # Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
