@@ -78,7 +78,7 @@ def bad_inputs(run: Path) -> dict:
             ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
             "error: --moe-router-num-groups (3) must divide --num-experts (4) into equal groups"),
         "multi-latent attention": (["--multi-latent-attention"],
-                                   "error: --multi-latent-attention is not supported"),
+                                   "error: not available here: --multi-latent-attention"),
         "what Megatron-Core's TransformerConfig refuses": (
             ["--moe-pad-expert-input-to-capacity"],
             "error: Megatron-Core 0.16.1 refuses these flags: moe_expert_capacity_factor must be "
@@ -388,9 +388,12 @@ TOOL_MISTAKES = {
     "count_ops.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
     "emulate_cluster.py": (["--nnodes", "0", "--", "true"], {}, "--nnodes"),
     "fault_loop.py": (["--faults", "crash"], {}, "--faults"),
+    "flag_table.py": (["--check", "--chek"], {}, "unrecognized arguments: --chek"),
     "gpu_check.py": (["--out", "{tmp}", "--stages", "a,x"], {}, "--stages: unknown stage 'x'"),
     "gpu_check.sh": ([], {}, "OUT_DIR is required"),
     "inspect_checkpoint.py": ([MISSING], {}, f"{MISSING}: no such directory"),
+    "megatron_lm_configs.py": (["--megatron-lm", MISSING, "--show"], {},
+                               f"--megatron-lm: no test cases under {MISSING}"),
     "make_corpus.py": (["--output", "{tmp}/corpus.jsonl", "--max-bytes", "-5"], {},
                        "--max-bytes"),
     "plan_layout.py": (["--config", f"{MISSING}.yaml", "--nproc-per-node", "4",

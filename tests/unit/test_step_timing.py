@@ -120,7 +120,8 @@ def flags(**given):
     values = dict(overlap_grad_reduce=False, overlap_param_gather=False,
                   use_distributed_optimizer=False, ddp_bucket_size=None,
                   ddp_average_in_collective=False, save=None, load=None, bf16=False,
-                  fp16=False, accumulate_allreduce_grads_in_fp32=False)
+                  fp16=False, accumulate_allreduce_grads_in_fp32=False,
+                  num_distributed_optimizer_instances=1)
     values.update(given)
     return argparse.Namespace(**values)
 

@@ -220,6 +220,7 @@ def test_tensorboard_gets_megatron_lm_s_tags_where_the_flags_say(megatron_world,
                                  "--log-memory-to-tensorboard", "--tensorboard-queue-size", "7"))
     assert log.writers.tensorboard.writer.max_queue == 7
     for iteration in (1, 2):
+        log.interval.add({"lm loss": 2.5}, True, 16, 1)  # as the trainer does before record
         log.record(iteration, 16 * iteration, values(num_zeros=12.0, params_norm=3.5))
     log.validation(2, 32, {"lm loss": 2.0})
     log.writers.close()
