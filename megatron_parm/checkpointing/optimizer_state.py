@@ -254,7 +254,8 @@ def loss_scaler_state(optimizer):
 def load_optimizer_state(optimizer, loaded: dict, targets: dict, step, scaler_state=None) -> None:
     with torch.no_grad():
         for key, target in targets.items():
-            target.copy_(loaded[key])
+            if key in loaded:  # else not in the checkpoint (--dist-ckpt-strictness): as made
+                target.copy_(loaded[key])
         for part in optimizer_parts(optimizer):
             # Mixed precision: the model's bf16/fp16 parameters follow the loaded main params.
             if hasattr(part, "float16_groups"):

@@ -101,15 +101,14 @@ def strictness_outcome(strictness: str, missing, unexpected) -> Tuple[Optional[s
     MISSING in the checkpoint and asked for by no rank, UNEXPECTED asked for and not in it."""
     if strictness in (STRICTNESS_DEFAULT, "ignore_all") or not (missing or unexpected):
         return None, []
-    parts = []
-    if unexpected:
-        parts.append(f"not in the checkpoint, so left as this run made them: "
-                     f"{_keys(unexpected)}")
-    if missing:
-        parts.append(f"in the checkpoint, not in this model: {_keys(missing)}")
+    lacking = f"not in the checkpoint: {_keys(unexpected)}" if unexpected else ""
+    extra = f"in the checkpoint, not in this model: {_keys(missing)}" if missing else ""
     if strictness.startswith("raise_"):
-        return f"--dist-ckpt-strictness {strictness}: " + "; ".join(parts), []
-    return None, [f"--dist-ckpt-strictness {strictness}: {part}" for part in parts]
+        return f"--dist-ckpt-strictness {strictness}: " + "; ".join(
+            part for part in (lacking, extra) if part), []
+    notes = [lacking + " (they keep this run's initial values)" if lacking else "",
+             extra + " (not loaded)" if extra else ""]
+    return None, [f"--dist-ckpt-strictness {strictness}: {note}" for note in notes if note]
 
 
 def _keys(keys) -> str:
