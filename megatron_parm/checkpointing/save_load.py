@@ -176,6 +176,10 @@ def _common_state(iteration, model, optimizer, scheduler, consumed_samples, args
                             "vocab_size": getattr(first, "tokenizer_vocab_size", None)}}
     if options.save_optim and optimizer is not None:
         step = optimizer_step(optimizer)
+        if step is None and not is_distributed(optimizer) and scheduler is not None \
+                and scheduler.num_steps > 0:
+            # SGD keeps no step count: it stepped (the schedule moved), so its state is saved
+            step = torch.tensor(0.0)
         if step is not None:  # no step taken yet: no moments to save
             state["optimizer_step"] = step
             if loss_scaler_state(optimizer) is not None:
@@ -273,9 +277,14 @@ def _check_before_loading(path: str, ckpt_format: str, optimizer, scheduler, arg
             check_optimizer_format(path, common, optimizer, layout_of(args))
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
+            saved_args = common.get("args") or {}
+            # lengths shown as iterations too only where both runs count iterations
+            iterations = not saved_args.get("train_samples") and not getattr(
+                args, "train_samples", None)
             check_schedule(path, common["opt_param_scheduler"], scheduler,
-                           (common.get("args") or {}).get("global_batch_size"),
-                           getattr(args, "global_batch_size", None))
+                           saved_args.get("global_batch_size") if iterations else None,
+                           getattr(args, "global_batch_size", None) if iterations else None,
+                           sample_based=getattr(args, "train_samples", None) is not None)
     except CheckpointError as err:
         problems.append(str(err))
     problems = agree(problems)

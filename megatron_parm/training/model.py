@@ -21,7 +21,7 @@ from megatron.core.transformer.utils import openai_gelu
 from megatron_parm import tuning
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
 from megatron_parm.config import ParmTransformerConfig
-from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
 from megatron_parm.specs import gpt_block_spec, layer_spec
@@ -162,8 +162,9 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
     layers: with the embedding on the first stage, the output layer and loss on the last), on
     the GPU if any; with --bf16 / --fp16 inside Megatron-Core's Float16Module.
 
-    padded_vocab: the padded vocabulary of a checkpoint being resumed (it depends on the TP size
-    it was saved with; keeping it lets the checkpoint load under another TP size).
+    padded_vocab: the padded vocabulary (data.vocab.model_vocab_sizes: a resumed checkpoint's is
+    kept, it depends on the TP size it was saved with); None: --padded-vocab-size, else VOCAB_SIZE
+    padded by --make-vocab-size-divisible-by x TP.
     vp_stage: the virtual pipeline stage of this chunk (interleaving only).
     """
     from megatron.core import parallel_state
@@ -172,7 +173,9 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
                  post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
                  vp_stage=vp_stage)
     config = build_config(args)
-    vocab = padded_vocab or padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+    vocab = padded_vocab or getattr(args, "padded_vocab_size", None) or padded_vocab_size(
+        vocab_size, args.tensor_model_parallel_size,
+        getattr(args, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY))
     if vocab < vocab_size or vocab % args.tensor_model_parallel_size != 0:
         raise ValueError(f"--load: the checkpoint's padded vocabulary ({vocab}) does not fit "
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
@@ -243,6 +246,18 @@ def _to_device(batch):
     return {k: v.to(target, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def next_batch(data_iterator, model) -> dict:
+    """The next micro-batch on this rank's device, timed as Megatron-LM's batch-generator
+    (--timing-log-level 2) by the timers the model's config carries (none in evaluation)."""
+    timers = getattr(getattr(model, "config", None), "timers", None)
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = _to_device(next(data_iterator))
+    if timers is not None:
+        timers("batch-generator").stop()
+    return batch
+
+
 def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:
     loss_mask_bs = loss_mask_bs.float()
     return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
@@ -257,13 +272,14 @@ def gpt_loss(loss_mask_bs, losses_bs):
 
 
 def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
-                                         batch["attention_mask"], labels=batch["labels"])
+                                         batch.get("attention_mask"), labels=batch["labels"])
         return plan, partial(gpt_loss, batch["loss_mask"])
-    # losses [b, s]: per-token cross entropy (the model computes it from labels)
-    losses_bs = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+    # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
+    # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
+    losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                       labels=batch["labels"])
     return losses_bs, partial(gpt_loss, batch["loss_mask"])
 
@@ -285,7 +301,7 @@ def bert_loss(loss_mask_bs, is_random_b, *output):
 
 
 def bert_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["text"], batch["padding_mask"],

@@ -2,10 +2,11 @@
 
     pretrain(args)   args from megatron_parm.training.arguments.parse_args
 
-Each iteration runs --global-batch-size samples as num_microbatches micro-batches per
-data-parallel rank (gradients accumulate in DDP's buffers, Megatron's schedule scales the
-loss and the MoE auxiliary loss), then one optimizer step with gradient clipping and the
-learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
+Each iteration runs --global-batch-size samples (with --rampup-batch-size, the batch of the
+samples consumed so far: training/schedule.py) as micro-batches per data-parallel rank
+(gradients accumulate in DDP's buffers, Megatron's schedule scales the loss and the MoE
+auxiliary loss), then one optimizer step (training/optimizer.py) with gradient clipping and
+the learning-rate and weight-decay schedule. Works on GPUs with NCCL and on CPUs with gloo.
 
 With --pipeline-model-parallel-size > 1 the model is this rank's stage (a list of chunks, one
 per virtual stage), Megatron-Core's 1F1B or interleaved schedule runs the micro-batches with
@@ -27,8 +28,6 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -48,21 +47,23 @@ from megatron_parm.checkpointing import (
     save_checkpoint,
 )
 from megatron_parm.checkpointing.intervals import PERSISTENT, non_persistent_root, save_due
-from megatron_parm.data.datasets import (
-    build_data_iterator,
-    build_datasets_from_args,
-    train_valid_test_num_samples,
-)
+from megatron_parm.data.loaders import build_iterators, check_phase_resume, phase_transition_at
 from megatron_parm.data.tokenizers import build_tokenizer
+from megatron_parm.data.vocab import model_vocab_sizes
 from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
 from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the tools' too)
     TrainingLog,
     describe_choice,
     print_rank_0,
+    setup_logging,
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, mixed_precision, timing
+from megatron_parm.training import ddp, timing
+from megatron_parm.training.optimizer import build_optimizer
+from megatron_parm.training.progress_log import ProgressLog
+from megatron_parm.training.schedule import BatchSchedule, build_scheduler
+from megatron_parm.training.timers import Timers
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
     runs_pipelined, still_tuning, unwrap)
@@ -189,47 +190,6 @@ def average_microbatch_losses(losses_reduced) -> dict:
     return {name: total / len(losses_reduced) for name, total in totals.items()}
 
 
-# The router's logged losses per --moe-router-load-balancing-type (Megatron-Core's tracker
-# names), and the z-loss's.
-BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                        "global_aux_loss": "global_load_balancing_loss"}
-Z_LOSS_NAME = "z_loss"
-
-
-def router_loss_names(args) -> list:
-    """The names Megatron-Core's routers track their losses under for these flags."""
-    names = [BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] \
-        if args.num_experts and args.moe_router_load_balancing_type in BALANCING_LOSS_NAMES else []
-    return names + ([Z_LOSS_NAME] if args.num_experts and args.moe_z_loss_coeff else [])
-
-
-def router_losses(names, num_steps: int, num_layers: int) -> dict:
-    """Per tracked router loss ("load balancing loss", "z loss", ...): its mean over the MoE
-    layers (before its coefficient) per micro-batch since the last call, reduced as Megatron-LM
-    does: summed over the router's reduce group (the TP ranks that share the token counts),
-    averaged over the others. Collective over every rank (a stage without an MoE layer takes
-    part with zeros)."""
-    tracker = get_moe_layer_wise_logging_tracker()
-    # A layer's values are on the ranks of its pipeline stage only.
-    ranks_per_stage = (torch.distributed.get_world_size()
-                       // parallel_state.get_pipeline_model_parallel_world_size())
-    losses = {}
-    for name in names:
-        entry = tracker.get(name)
-        if entry is None:
-            values = torch.zeros(num_layers, device=device.current())
-        else:
-            values = entry["values"].detach().float().clone()  # on the device: NCCL reduces it
-            entry["values"].zero_()
-            if entry.get("reduce_group") is not None:
-                torch.distributed.all_reduce(values, group=entry["reduce_group"])
-        torch.distributed.all_reduce(values)
-        values = values.cpu() / (ranks_per_stage * max(num_steps, 1))
-        moe = values[values != 0]
-        losses[name.replace("_", " ")] = moe.mean().item() if moe.numel() else 0.0
-    return losses
-
-
 def dispatcher_choices(model) -> list:
     """The schedule each MoE layer of this rank's chunks chose (dispatchers that choose expose
     `choice`); None for the others, and for one still measuring (`tuning`)."""
@@ -265,7 +225,7 @@ def evaluate(forward_step, data_iterator, model, args) -> dict:
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
-    each in Megatron's DDP, their Adam and the learning-rate schedule."""
+    each in Megatron's DDP, their optimizer and the learning-rate and weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
     ddp_config = ddp.ddp_config(args)
@@ -274,23 +234,8 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        **mixed_precision.optimizer_fields(args)), model)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant",
-        # On resume (Megatron-LM's rules, checked in checkpointing.scheduler): the command
-        # line's schedule, the checkpoint's, or (neither flag) refuse a difference.
-        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
-                                                   False))
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
     ddp.set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -344,19 +289,20 @@ def pretrain(args) -> dict:
     check_save_format(args)
     checkpoint, padded_vocab = checkpoint_to_resume(args)
     tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
-                                                            padded_vocab)
+    vocab, padded_vocab = model_vocab_sizes(tokenizer.vocab_size, args, padded_vocab)
+    model, optimizer, scheduler = build_model_and_optimizer(args, vocab, padded_vocab)
     num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
-                 f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
+                 f"{vocab} padded to {unwrap(model[0]).vocab_size}; "
                  f"{plural(args.num_microbatches, 'micro-batch')} of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
     iteration, consumed_samples = resume(checkpoint, model, optimizer, scheduler, args)
-    train_iter, valid_iter = build_iterators(args, tokenizer, model, consumed_samples)
+    train_iter, valid_iter = build_iterators(args, tokenizer, len(model), consumed_samples,
+                                             iteration)
     forward_step = FORWARD_STEPS[args.model_type]
     if args.skip_train:  # evaluate the loaded model and stop (Megatron-LM's --skip-train)
         summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
-        if args.eval_iters > 0:
+        if valid_iter is not None:
             summary["eval"].append((iteration, evaluate(forward_step, valid_iter, model, args)))
             print_rank_0(validation_block(f"iteration {iteration}", summary["eval"][-1][1]))
         return summary
@@ -365,14 +311,14 @@ def pretrain(args) -> dict:
               iteration, consumed_samples)
     print_rank_0(f"> training for {plural(args.train_iters - iteration, 'iteration')}")
     while run.iteration < args.train_iters:
+        run.next_batch()
         faults.record_progress(run.iteration + 1, "training", args.save)  # the launcher's line
         grad_norm = run.step()
         run.log.progress.update(run.iteration)
         if run.log.choices.due(run.iteration, args.log_interval):
             run.log.choices.update([layer.layer_number for layer in moe_layers(model)],
                                    dispatcher_choices(model), run.log.progress)
-        if run.log.line_due(run.iteration):
-            run.log_line(grad_norm)
+        run.log_iteration(grad_norm)  # TensorBoard / W&B and the iteration line where due
         if args.eval_iters > 0 and ((args.eval_interval and run.iteration % args.eval_interval == 0)
                                     or run.iteration == args.train_iters):
             run.evaluate()
@@ -390,12 +336,15 @@ def initialize(args) -> None:
     """Process groups (the job's, then Megatron's for the layout), seeds, and a clean MoE
     logging tracker (a previous pretrain() in this process leaves its values there)."""
     initialize_distributed(args.distributed_timeout_minutes)
+    setup_logging(args.logging_level)
     initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
                               args.expert_tensor_parallel_size, args.num_experts,
                               args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
                               pp=args.pipeline_model_parallel_size,
                               vpp=args.virtual_pipeline_model_parallel_size,
-                              ranks_per_node=args.parm_ranks_per_node)
+                              ranks_per_node=args.parm_ranks_per_node,
+                              num_distributed_optimizer_instances=(
+                                  args.num_distributed_optimizer_instances))
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()
 
@@ -419,6 +368,11 @@ def checkpoint_to_resume(args):
                      f"--pretrained-checkpoint {checkpoint.path}")
     info = read_checkpoint_info(checkpoint.path)
     check_model_flags(info.get("args"), args, checkpoint.path)
+    finetune = checkpoint.pretrained or args.finetune  # Megatron-LM reads no args then
+    saved_args = None if finetune else info.get("args")
+    # Megatron-LM's count of the samples --decrease-batch-size-if-needed left out, carried on
+    args.skipped_train_samples = (saved_args or {}).get("skipped_train_samples", 0)
+    check_phase_resume(saved_args, args)
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
 
 
@@ -439,28 +393,16 @@ def resume(checkpoint, model, optimizer, scheduler, args):
     return loaded["iteration"], loaded["consumed_samples"]
 
 
-def build_iterators(args, tokenizer, model, consumed_samples: int):
-    """(train, validation) iterators, one per model chunk: the interleaved schedule draws a
-    micro-batch for each chunk's forward step, and every chunk must see the same samples.
-    Every rank reads the samples of its data-parallel rank (TP peers read the same)."""
-    num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
-                                               args.eval_interval, args.eval_iters)
-    train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
-    train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
-                                      dp_rank, dp_size, args.num_workers, cyclic=True)
-                  for _ in model]
-    valid_iter = [build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
-                                      args.num_workers, cyclic=True) for _ in model]
-    return train_iter, valid_iter
-
-
 def stop_reason(iteration: int, args, exit_signal: "ExitSignal") -> Optional[str]:
-    """'signal' or 'exit-interval' when the loop stops after ITERATION (said on the console);
+    """'signal', 'phase-transition' or 'exit-interval' when the loop stops after ITERATION (said on the console);
     None to go on. Collective (every rank agrees on a signal)."""
     if exit_signal.any_rank():
         print_rank_0(f"> exit signal received: stopping after iteration {iteration}")
         return "signal"
+    if phase_transition_at(iteration, args):
+        print_rank_0(f"> --phase-transition-iterations: a phase ends at iteration {iteration}: "
+                     f"stopping (the next launch reads the next phase's data from its start)")
+        return "phase-transition"
     if args.exit_interval and iteration % args.exit_interval == 0 \
             and iteration < args.train_iters:
         print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "
@@ -478,11 +420,19 @@ class Run:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.forward_step, self.train_iter, self.valid_iter = forward_step, train_iter, valid_iter
         self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.skipped_samples = getattr(args, "skipped_train_samples", 0)  # of a resumed run
         self.start_iteration, self.saved_at = iteration, None
         self.checkpointing = CheckpointingContext()  # what the run's saves share
+        self.batches = BatchSchedule(args, torch.distributed.get_rank())
+        self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
         self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
-        self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
+        self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION,
+                               unwrap(model[0]).vocab_size)
+        self.timers = Timers.install(args, model, optimizer)  # Megatron-Core's, --timing-log-*
+        self.progress_log = ProgressLog(args, self.log.flops_per_sample)
+        self.progress_log.start(consumed_samples)
+        self.num_zeros, self.last_losses = None, {}
         self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
         self.exit_signal = ExitSignal(args.exit_signal_handler)
         for chunk in model:
@@ -494,11 +444,18 @@ class Run:
         self.param_gather.disable(param_sync=False)
         self.grad_ready = ddp.GradReadyCounts(model, args)
 
+    def next_batch(self) -> None:
+        """The next iteration's global batch, from the samples consumed (--rampup-batch-size);
+        where its micro-batches change, with --save, a checkpoint first (Megatron-LM's)."""
+        if self.batches.update(self.consumed_samples) and self.args.save \
+                and self.saved_at != self.iteration:
+            self.save()
+
     def step(self):
         """One iteration: forward and backward over the micro-batches, the optimizer step and
         the schedule's; the losses (averaged over data-parallel ranks) go to the summary and
         the log's interval. Returns the gradient norm."""
-        args, step_start = self.args, time.time()
+        args, batches, step_start = self.args, self.batches, time.time()
         self.timer.step_start()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -507,42 +464,53 @@ class Run:
         self.optimizer.zero_grad()
         losses_reduced = self.forward_backward(
             forward_step_func=self.forward_step, data_iterator=self.train_iter, model=self.model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            num_microbatches=batches.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         self.grad_ready.after_backward()
-        update_successful, grad_norm, _ = self.optimizer.step()
+        with self.timers.region("optimizer", log_level=1):
+            update_successful, grad_norm, self.num_zeros = self.optimizer.step()
         self.param_gather.enable()
         if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=batches.running)
         self.iteration += 1
-        self.consumed_samples += args.global_batch_size
+        self.consumed_samples += batches.running
+        self.skipped_samples += batches.skipped
+        self.args.skipped_train_samples = self.skipped_samples  # saved with the args
         self.summary["iteration_times"].append(time.time() - step_start)
         losses = from_last_stage(mean_over_data_parallel(average_microbatch_losses(
             losses_reduced)) if parallel_state.is_pipeline_last_stage() else None)
         self.summary["losses"].append(losses["lm loss"])
         self.timer.step_end(self.iteration, losses)
-        self.log.interval.add(losses, update_successful)
+        self.log.interval.add(losses, update_successful, batches.running,
+                              batches.num_microbatches)
+        self.last_losses = losses
         return grad_norm
 
-    def log_line(self, grad_norm) -> None:
-        """The iteration line of the interval (with the aux loss and the expert load, reduced
-        over the ranks: collective), and the step-time breakdown's."""
-        seconds_per_step = self.log.interval.seconds_per_step()
-        losses = router_losses(router_loss_names(self.args),
-                               self.log.interval.steps * self.args.num_microbatches,
-                               self.args.num_layers)
-        self.log.iteration(self.iteration, self.consumed_samples, seconds_per_step,
-                           self.optimizer, grad_norm, losses, self.expert_load.shares(),
-                           self.summary)
-        self.timer.log(self.iteration)
+    def log_iteration(self, grad_norm) -> None:
+        """Megatron-LM's training_log of the iteration just run (training/log.py): its values
+        to TensorBoard / W&B every --tensorboard-log-interval; every --log-interval the line of
+        the interval (with the router losses and the expert load, reduced over the ranks), the
+        timers and the step-time breakdown's. Collective where either is due."""
+        values = self.log.collect(self.iteration, self.model, self.optimizer, grad_norm,
+                                  self.num_zeros, self.last_losses)
+        if values is None:
+            return
+        self.log.record(self.iteration, self.consumed_samples, values)
+        if self.log.line_due(self.iteration):
+            self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
+                               values, self.expert_load.shares(), self.summary, self.timers)
+            self.timer.log(self.iteration)
 
     def evaluate(self) -> None:
+        if self.valid_iter is None:  # no validation data (Megatron-LM: no evaluation)
+            return
         faults.record_progress(self.iteration, "evaluating", self.args.save)
         self.param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
-        losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)
+        with self.timers.paused():  # Megatron-LM times training steps only
+            losses = evaluate(self.forward_step, self.valid_iter, self.model, self.args)
         self.param_gather.enable()
         self.summary["eval"].append((self.iteration, losses))
-        self.log.validation(self.iteration, losses)
+        self.log.validation(self.iteration, self.consumed_samples, losses)
         self.log.interval.restart_clock()
 
     def save(self, kind: str = PERSISTENT) -> str:
@@ -561,6 +529,7 @@ class Run:
                                    notes=notes)
         if persistent:
             self.saved_at = self.iteration
+            self.progress_log.saved(self.iteration, self.consumed_samples)
         print_rank_0(f"> saved {'' if persistent else 'non-persistent '}checkpoint at "
                      f"iteration {self.iteration} to {path}{reused}")
         for note in notes:
