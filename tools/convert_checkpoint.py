@@ -386,8 +386,14 @@ def _free_port() -> int:
 def target_args(saved: dict, layout, world: int) -> Namespace:
     """The training flags of the target layout's ranks: the saved ones, in LAYOUT (tp, ep,
     etp, pp; the layers split evenly over the stages, not interleaved)."""
+    from megatron_parm import settings
+
     tp, ep, etp, pp = layout
     args = Namespace(**saved_flags(saved))
+    # what the saving run's checkpoint flags asked of its saves and loads (--ckpt-format torch,
+    # --finetune, --no-save-optim, ...) is not the conversion's: a whole torch_dist copy
+    for name in settings.group("checkpoints"):
+        setattr(args, settings.FLAGS[name].key, settings.FLAGS[name].default)
     args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
     args.expert_tensor_parallel_size = etp
     args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, None

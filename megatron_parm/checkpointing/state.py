@@ -149,17 +149,18 @@ def check_optimizer_format(path: str, common: dict, optimizer, layout: dict) -> 
     if not is_distributed(optimizer):
         why = "this run has no --use-distributed-optimizer"
     elif any(saved.get(key) != current.get(key) for key in BUCKET_LAYOUT):
-        why = f"this run has {_model_parallel(current)}"
+        why = f"this run has {describe_model_parallel(current)}"
     if why:
         raise CheckpointError(
             f"{path}: the distributed optimizer's state was saved in its dp-reshardable format "
-            f"at {_model_parallel(saved)}, which loads only with --use-distributed-optimizer "
+            f"at {describe_model_parallel(saved)}, which loads only with --use-distributed-optimizer "
             f"at the same tp, pp, ep and etp (any data-parallel size); {why}. Save with "
             f"{RESHARDABLE_FLAG} for a checkpoint that loads in any layout")
 
 
-def _model_parallel(layout: dict) -> str:
-    return describe_layout(layout).split(", ", 1)[1]  # without the number of ranks
+def describe_model_parallel(layout: dict) -> str:
+    """describe_layout without the number of ranks: 'tp=2 ep=2 etp=2'."""
+    return describe_layout(layout).split(", ", 1)[1]
 
 
 def plain_args(args) -> dict:

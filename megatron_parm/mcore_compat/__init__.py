@@ -349,9 +349,12 @@ def _host_device(device):
 class _HostDeviceTorch:
     """torch as seen by one Megatron module: factories map device='cuda' to the CPU."""
 
+    def __init__(self, factories=_FACTORIES):
+        self._factories = factories
+
     def __getattr__(self, name):
         attr = getattr(torch, name)
-        if name not in _FACTORIES:
+        if name not in self._factories:
             return attr
 
         def factory(*args, **kwargs):
@@ -455,19 +458,55 @@ def _patch_pipeline_embedding_sync() -> None:
     setup_weights = LanguageModule.setup_embeddings_and_output_layer
     to_cuda = torch.Tensor.cuda
 
-    def stay_on_host(tensor, *args, **kwargs):
-        if not args and not kwargs and not tensor.is_cuda:
-            return tensor
-        return to_cuda(tensor, *args, **kwargs)
-
     def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        torch.Tensor.cuda = stay_on_host
+        torch.Tensor.cuda = _stay_on_host(to_cuda)
         try:
             return setup_weights(self, *args, **kwargs)
         finally:
             torch.Tensor.cuda = to_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# ----------------------------------------------------------------------------------------
+# the fully parallel checkpoint load's exchange (--ckpt-fully-parallel-load)
+# ----------------------------------------------------------------------------------------
+
+
+def _stay_on_host(to_cuda):
+    """Tensor.cuda() without arguments that leaves a CPU tensor where it is."""
+    def cuda(tensor, *args, **kwargs):
+        if not args and not kwargs and not tensor.is_cuda:
+            return tensor
+        return to_cuda(tensor, *args, **kwargs)
+    return cuda
+
+
+def _patch_fully_parallel_load() -> None:
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    load, init_data, to_cuda = (FullyParallelLoadStrategyWrapper.load, ShardedTensor.init_data,
+                                torch.Tensor.cuda)
+    host_torch = _HostDeviceTorch(_FACTORIES + ("empty_like",))
+
+    def init_on_host(self, device, init_fn=torch.empty):
+        return init_data(self, _host_device(device), init_fn)
+
+    def load_on_host(self, *args, **kwargs):
+        exchange_torch = exchange_utils.torch
+        torch.Tensor.cuda, ShardedTensor.init_data = _stay_on_host(to_cuda), init_on_host
+        exchange_utils.torch = host_torch
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda, ShardedTensor.init_data = to_cuda, init_data
+            exchange_utils.torch = exchange_torch
+
+    FullyParallelLoadStrategyWrapper.load = load_on_host
 
 
 # ----------------------------------------------------------------------------------------
@@ -650,6 +689,15 @@ REDIRECTS: Dict[str, Redirect] = {
             'tied word embedding with weight.data.cuda() before all-reducing it between the first '
             "and last stage (the last stage's copy starts at zero). While it runs, Tensor.cuda() "
             'without arguments leaves a CPU tensor where it is.'
+        )),
+    "fully_parallel_load": Redirect(
+        _patch_fully_parallel_load, with_cuda=False,
+        why=(
+            "--ckpt-fully-parallel-load: Megatron-Core's FullyParallelLoadStrategyWrapper has "
+            "each data-parallel rank read a share of the replicated tensors and broadcast them, "
+            "through CUDA buffers (Tensor.cuda(), ShardedTensor.init_data('cuda'), "
+            "empty_like(device='cuda') in exchange_utils). While its load runs, those buffers "
+            "are CPU tensors, which gloo broadcasts."
         )),
     # Changes made elsewhere, next to the code they serve.
     "writer_results_queue": Redirect(

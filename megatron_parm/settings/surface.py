@@ -43,7 +43,16 @@ LOCAL_RANK = "torchrun's LOCAL_RANK is read instead"
 STORAGE_CLIENT = "the multi-storage client is not used here: checkpoints and data are local files"
 EXPERIMENTAL = "lets Megatron-Core's experimental features run, and none of them is built here"
 INDEX_SPEED = "speeds up building or loading dataset indexes, which are built the same way here"
-ASYNC_SAVE = "writes checkpoints in the background: here the save waits, and writes the same files"
+ASYNC_SAVE = ("writes checkpoints in the background, which is not built here: every save waits for "
+              "its files, the same files (Megatron-LM 0.16.1 also saves in the foreground unless "
+              "--use-persistent-ckpt-worker is given)")
+DEPRECATED_FORMAT = ("deprecated in Megatron-LM 0.16.1, which ignores it too (--ckpt-format "
+                     "chooses the format)")
+PARALLEL_SAVE_DEFAULT = ("deprecated in Megatron-LM 0.16.1, which ignores it too: the parallel "
+                         "save is the default (--no-ckpt-fully-parallel-save turns it off)")
+READ_NOWHERE = "Megatron-LM 0.16.1 declares it and reads it nowhere"
+LOCAL_CKPT_OFF = "a setting of local non-persistent checkpoints, which are refused here"
+REPLICATION_OFF = "a setting of --replication, which is refused here"
 EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
 SAMPLE_RATE = ("Megatron-LM reads it only in its legacy ORQA (biencoder) datasets, not when it "
@@ -86,6 +95,12 @@ NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project'
                    "pretrains GPT and BERT MoE models")
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
 NOT_BUILT = "not built here yet"
+REPLICATION = ("replicates local non-persistent checkpoints, which need NVIDIA's resiliency "
+               "package (nvidia-resiliency-ext), not used here")
+GRAD_FILES = ("writing gradients to files is not built here yet (checkpoints hold weights, "
+              "optimizer state and RNG states)")
+MAIN_PARAMS_FROM_CKPT = ("not built here yet: without the optimizer's state, a --bf16 / --fp16 "
+                         "run's fp32 main parameters start from the loaded weights")
 FIM = ("Megatron-LM's fill-in-the-middle dataset is in its training package, not in Megatron-Core "
        "0.16.1, and is not built here")
 LEGACY_TOKENIZER = ("Megatron-LM's legacy tokenizer classes (megatron/training/tokenizer) are not "
@@ -184,6 +199,13 @@ NO_EFFECT: Dict[str, str] = {
     "--disable-jit-fuser": FUSED_KERNEL,
     "--async-save": ASYNC_SAVE,
     "--use-persistent-ckpt-worker": ASYNC_SAVE,
+    "--non-persistent-local-ckpt-dir": LOCAL_CKPT_OFF,
+    "--non-persistent-local-ckpt-algo": LOCAL_CKPT_OFF,
+    "--dist-ckpt-save-pre-mcore-014": READ_NOWHERE,
+    "--replication-jump": REPLICATION_OFF,
+    "--replication-factor": REPLICATION_OFF,
+    "--dist-ckpt-format": DEPRECATED_FORMAT,
+    "--ckpt-fully-parallel-save": PARALLEL_SAVE_DEFAULT,
     "--no-strict-fsdp-dtensor-load": FSDP_OFF,
     "--use-dist-ckpt": ALWAYS_MCORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
@@ -381,41 +403,13 @@ REFUSED: Dict[str, str] = {
     "--data-parallel-random-init": NOT_BUILT,
     "--init-method-xavier-uniform": NOT_BUILT,
     "--warmup": RENAMED,
-    "--save-wgrads-interval": NOT_BUILT,
-    "--save-dgrads-interval": NOT_BUILT,
-    "--save-retain-interval": NOT_BUILT,
-    "--load-main-params-from-ckpt": NOT_BUILT,
-    "--non-persistent-save-interval": NOT_BUILT,
-    "--non-persistent-ckpt-type": NOT_BUILT,
-    "--non-persistent-global-ckpt-dir": NOT_BUILT,
-    "--non-persistent-local-ckpt-dir": NOT_BUILT,
-    "--non-persistent-local-ckpt-algo": NOT_BUILT,
-    "--finetune": NOT_BUILT,
-    "--pretrained-checkpoint": NOT_BUILT,
-    "--ckpt-step": NOT_BUILT,
-    "--use-checkpoint-args": NOT_BUILT,
-    "--use-mp-args-from-checkpoint-args": NOT_BUILT,
-    "--no-use-tokenizer-model-from-checkpoint-args": NOT_BUILT,
-    "--exit-on-missing-checkpoint": NOT_BUILT,
-    "--ckpt-format": NOT_BUILT,
-    "--auto-detect-ckpt-format": NOT_BUILT,
+    "--save-wgrads-interval": GRAD_FILES,
+    "--save-dgrads-interval": GRAD_FILES,
+    "--load-main-params-from-ckpt": MAIN_PARAMS_FROM_CKPT,
+    "--replication": REPLICATION,
     "--ckpt-convert-format": NOT_BUILT,
     "--ckpt-convert-save": NOT_BUILT,
     "--ckpt-convert-update-legacy-dist-opt-format": NOT_BUILT,
-    "--no-ckpt-fully-parallel-save": NOT_BUILT,
-    "--ckpt-fully-parallel-load": NOT_BUILT,
-    "--ckpt-assume-constant-structure": NOT_BUILT,
-    "--dist-ckpt-strictness": NOT_BUILT,
-    "--dist-ckpt-save-pre-mcore-014": NOT_BUILT,
-    "--replication": NOT_BUILT,
-    "--replication-jump": NOT_BUILT,
-    "--replication-factor": NOT_BUILT,
-    "--no-save-optim": NOT_BUILT,
-    "--no-save-rng": NOT_BUILT,
-    "--no-load-optim": NOT_BUILT,
-    "--no-load-rng": NOT_BUILT,
-    "--dist-ckpt-format": NOT_BUILT,
-    "--ckpt-fully-parallel-save": NOT_BUILT,
     "--grad-reduce-in-bf16": NOT_BUILT,
     "--attention-softmax-in-fp32": NOT_BUILT,
     "--fp16-lm-cross-entropy": NOT_BUILT,

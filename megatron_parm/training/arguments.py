@@ -50,10 +50,27 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     args = settings.read(build_parser(model_type), argv)
     args.model_type = model_type
+    if args.use_checkpoint_args:  # Megatron-LM takes them before validating the flags
+        args.checkpoint_args_note = _checkpoint_args(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size, reads_data)
     return args
+
+
+def _checkpoint_args(args) -> Optional[str]:
+    """--use-checkpoint-args: the model's flags from --load's checkpoint; the line that says
+    which (the trainer prints it)."""
+    from megatron_parm.checkpointing.checkpoint_args import apply_checkpoint_args
+
+    applied = apply_checkpoint_args(args)
+    if applied is None:
+        return None
+    path, taken = applied
+    if path is None:
+        return f"--use-checkpoint-args: no checkpoint in {args.load} yet: the command line's flags"
+    shown = ", ".join(f"{settings.flag_of(key)} {value}" for key, value in taken.items())
+    return f"--use-checkpoint-args: from {path}: {shown or 'the same flags'}"
 
 
 def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
@@ -67,6 +84,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_layout(args, world_size)
     _validate_batch(args, world_size)
     _validate_schedule(args)
+    _validate_checkpoints(args)
     _validate_optimizer(args, world_size)
     _validate_parm(args, world_size)
     _validate_implementation(args)
@@ -259,6 +277,22 @@ def _validate_schedule(args) -> None:
                          "exclude each other (the command line's schedule, or the checkpoint's)")
     if args.skip_train and not args.load:
         raise ValueError("--skip-train needs --load (the checkpoint to evaluate)")
+
+
+def _validate_checkpoints(args) -> None:
+    """The checkpoint flags' rules (Megatron-LM's validate_args)."""
+    if args.save and args.save_retain_interval is not None:
+        if not args.save_interval:
+            raise ValueError("--save-retain-interval needs --save-interval (it keeps the saves "
+                             "at its multiples)")
+        if args.save_retain_interval % args.save_interval:
+            raise ValueError(f"--save-retain-interval ({args.save_retain_interval}) must be a "
+                             f"multiple of --save-interval ({args.save_interval})")
+    if args.non_persistent_save_interval and args.non_persistent_ckpt_type is None:
+        raise ValueError("--non-persistent-save-interval needs --non-persistent-ckpt-type "
+                         "global (where the non-persistent checkpoints go)")
+    if args.skip_train:  # Megatron-LM: an evaluation loads no optimizer state
+        args.no_load_optim = True
 
 
 # The schedule's lengths in one unit each: (iterations' flag, samples' flag).

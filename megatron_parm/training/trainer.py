@@ -37,12 +37,16 @@ from megatron_parm.tuning import CHUNK_NOTATION
 from megatron_parm.wording import plural
 from megatron_parm.cli import destroy_process_groups, optional_packages_note
 from megatron_parm.checkpointing import (
+    CheckpointingContext,
+    LoadOptions,
     check_model_flags,
+    check_save_format,
     find_checkpoint,
     load_checkpoint,
     read_checkpoint_info,
     save_checkpoint,
 )
+from megatron_parm.checkpointing.intervals import PERSISTENT, non_persistent_root, save_due
 from megatron_parm.data.loaders import build_iterators, check_phase_resume, phase_transition_at
 from megatron_parm.data.tokenizers import build_tokenizer
 from megatron_parm.data.vocab import model_vocab_sizes
@@ -282,6 +286,7 @@ def pretrain(args) -> dict:
     # The checks below fail on every rank alike, and the first to fail prints the error: wait
     # for rank 0's banner, so that in a shared log (Slurm's) the error comes after it.
     torch.distributed.barrier()
+    check_save_format(args)
     checkpoint, padded_vocab = checkpoint_to_resume(args)
     tokenizer = build_tokenizer(args)
     vocab, padded_vocab = model_vocab_sizes(tokenizer.vocab_size, args, padded_vocab)
@@ -317,9 +322,9 @@ def pretrain(args) -> dict:
         if args.eval_iters > 0 and ((args.eval_interval and run.iteration % args.eval_interval == 0)
                                     or run.iteration == args.train_iters):
             run.evaluate()
-        if args.save and args.save_interval and run.iteration % args.save_interval == 0 \
-                and run.iteration < args.train_iters:
-            run.save()
+        due = save_due(run.iteration, args)  # --save-interval, --non-persistent-save-interval
+        if due:
+            run.save(due)
         reason = stop_reason(run.iteration, args, run.exit_signal)
         if reason:
             run.summary["exit_reason"] = reason
@@ -345,34 +350,44 @@ def initialize(args) -> None:
 
 
 def checkpoint_to_resume(args):
-    """(the checkpoint to resume from or None, its padded vocabulary or None), checked before
-    the model is built: its flags must describe the same model, and its padded vocabulary is
-    kept (it depends on the TP size it was saved with)."""
-    checkpoint = find_checkpoint(args.load, args.save)
+    """(the checkpoint to resume from or None: checkpointing.Found, its padded vocabulary or
+    None), checked before the model is built: its flags must describe the same model, and its
+    padded vocabulary is kept (it depends on the TP size it was saved with)."""
+    if getattr(args, "checkpoint_args_note", None):  # --use-checkpoint-args
+        print_rank_0(f"> {args.checkpoint_args_note}")
+    checkpoint = find_checkpoint(args.load, args.save, args.ckpt_step, args.pretrained_checkpoint,
+                                 args.exit_on_missing_checkpoint,
+                                 non_persistent_root(args, args.load))
     if checkpoint is None:
         if args.load:
             print_rank_0(f"> no checkpoint in {args.load} yet (it is also --save): starting "
                          f"from scratch, later runs resume from it")
         return None, None
-    info = read_checkpoint_info(checkpoint[0])
-    check_model_flags(info.get("args"), args, checkpoint[0])
+    if checkpoint.pretrained:
+        print_rank_0(f"> no checkpoint in --load {args.load} yet: finetuning from "
+                     f"--pretrained-checkpoint {checkpoint.path}")
+    info = read_checkpoint_info(checkpoint.path)
+    check_model_flags(info.get("args"), args, checkpoint.path)
+    finetune = checkpoint.pretrained or args.finetune  # Megatron-LM reads no args then
+    saved_args = None if finetune else info.get("args")
     # Megatron-LM's count of the samples --decrease-batch-size-if-needed left out, carried on
-    args.skipped_train_samples = (info.get("args") or {}).get("skipped_train_samples", 0)
-    check_phase_resume(info.get("args"), args)
+    args.skipped_train_samples = (saved_args or {}).get("skipped_train_samples", 0)
+    check_phase_resume(saved_args, args)
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
 
 
 def resume(checkpoint, model, optimizer, scheduler, args):
     """(iteration, consumed samples): the checkpoint's, loaded into the model, optimizer and
-    schedule; (0, 0) without one."""
+    schedule as the checkpoint flags say; (0, 0) without one or with --finetune."""
     if checkpoint is None:
         return 0, 0
-    # --skip-train only evaluates: the learning-rate schedule is neither needed nor checked.
-    loaded = load_checkpoint(checkpoint[0], model, optimizer,
-                             None if args.skip_train else scheduler, args)
-    print_rank_0(f"> loaded checkpoint {checkpoint[0]} at iteration {loaded['iteration']} "
-                 f"(consumed samples {loaded['consumed_samples']}, RNG states "
-                 f"{'restored' if loaded['rng_restored'] else 'not restored'})")
+    options = LoadOptions.from_args(args)
+    loaded = load_checkpoint(checkpoint.path, model, optimizer, scheduler, args,
+                             options.finetuning() if checkpoint.pretrained else options)
+    print_rank_0(f"> loaded {loaded['ckpt_format']} checkpoint {checkpoint.path} at iteration "
+                 f"{loaded['iteration']} (consumed samples {loaded['consumed_samples']}, "
+                 f"optimizer state {'loaded' if loaded['optimizer_loaded'] else 'not loaded'}, "
+                 f"RNG states {'restored' if loaded['rng_restored'] else 'not restored'})")
     for note in loaded["notes"]:
         print_rank_0(f"> note: {note}")
     return loaded["iteration"], loaded["consumed_samples"]
@@ -407,6 +422,7 @@ class Run:
         self.iteration, self.consumed_samples = iteration, consumed_samples
         self.skipped_samples = getattr(args, "skipped_train_samples", 0)  # of a resumed run
         self.start_iteration, self.saved_at = iteration, None
+        self.checkpointing = CheckpointingContext()  # what the run's saves share
         self.batches = BatchSchedule(args, torch.distributed.get_rank())
         self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
@@ -497,15 +513,27 @@ class Run:
         self.log.validation(self.iteration, self.consumed_samples, losses)
         self.log.interval.restart_clock()
 
-    def save(self) -> str:
+    def save(self, kind: str = PERSISTENT) -> str:
+        """A persistent save into --save, or a non-persistent one."""
         faults.record_progress(self.iteration, "saving a checkpoint", self.args.save)
+        persistent, notes = kind == PERSISTENT, []
+        root = self.args.save if persistent else non_persistent_root(self.args, self.args.save)
+        # --ckpt-assume-constant-structure: two saves agreed, the next ones reuse their plan
+        reused = " (the structure of the saves before it reused)" \
+            if self.checkpointing.structure_reused() else ""
         # --overlap-param-gather: the last step's parameters gathered before they are saved
         with self.param_gather.disabled():
-            path = save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                                   self.scheduler, self.consumed_samples, self.args)
-        self.saved_at = self.iteration
-        print_rank_0(f"> saved checkpoint at iteration {self.iteration} to {path}")
-        self.progress_log.saved(self.iteration, self.consumed_samples)
+            path = save_checkpoint(root, self.iteration, self.model, self.optimizer,
+                                   self.scheduler, self.consumed_samples, self.args,
+                                   context=self.checkpointing, non_persistent=not persistent,
+                                   notes=notes)
+        if persistent:
+            self.saved_at = self.iteration
+            self.progress_log.saved(self.iteration, self.consumed_samples)
+        print_rank_0(f"> saved {'' if persistent else 'non-persistent '}checkpoint at "
+                     f"iteration {self.iteration} to {path}{reused}")
+        for note in notes:
+            print_rank_0(f"> {note}")
         self.log.interval.restart_clock()
         return path
 

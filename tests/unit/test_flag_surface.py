@@ -139,6 +139,36 @@ def test_a_tool_s_own_flag_sharing_a_refused_name_is_not_refused():
     assert settings.read(parser, ["--warmup", "0"]).warmup == 0
 
 
+def test_checkpoint_flags_as_config_keys_and_their_refused_values(tmp_path):
+    """The checkpoint flags are config keys as on the command line (the BERT script reads the
+    same parser); the values that do not run here are refused naming the flag and why."""
+    config = tmp_path / "ckpt.yaml"
+    config.write_text("ckpt_format: torch\nno_ckpt_fully_parallel_save: true\nno_save_optim: "
+                      "true\ndist_ckpt_strictness: log_all\nsave_retain_interval: 4\nfinetune: "
+                      "true\nno_use_tokenizer_model_from_checkpoint_args: true\n")
+    values, _ = settings.config_values(str(config), settings.training_parser())
+    assert values == {"ckpt_format": "torch", "ckpt_fully_parallel_save": False,
+                      "no_save_optim": True, "dist_ckpt_strictness": "log_all",
+                      "save_retain_interval": 4, "finetune": True,
+                      "use_tokenizer_model_from_checkpoint_args": False}
+    with pytest.raises(ValueError) as error:
+        settings.read(settings.training_parser(),
+                      TINY_GPT + ["--ckpt-format", "torch_dcp", "--non-persistent-ckpt-type",
+                                  "local", "--replication"])
+    assert str(error.value) == (
+        "not available here: --replication: replicates local non-persistent checkpoints, which "
+        "need NVIDIA's resiliency package (nvidia-resiliency-ext), not used here; --ckpt-format "
+        "torch_dcp: torch_dcp and fsdp_dtensor are the formats of FSDP, which is not built here "
+        "(torch_dist and torch are); --non-persistent-ckpt-type local: local (and in_memory) "
+        "non-persistent checkpoints need NVIDIA's resiliency package (nvidia-resiliency-ext), "
+        "which is not used here (global is built)")
+    args = settings.read(settings.training_parser(), TINY_GPT + ["--async-save",
+                                                                 "--ckpt-fully-parallel-save"])
+    assert "--async-save: writes checkpoints in the background" in settings.no_effect_note(args)
+    assert "--ckpt-fully-parallel-save: deprecated in Megatron-LM 0.16.1, which ignores it too" \
+        in settings.no_effect_note(args)
+
+
 def test_a_value_this_machine_cannot_run_is_refused_with_the_others(monkeypatch):
     import importlib.util
 

@@ -477,3 +477,17 @@ def test_bert_refuses_gpt_only_architecture_flags():
     bert = ["--config", str(REPO / "configs/bert_tiny_moe.yaml")]
     assert "--position-embedding-type applies to GPT models" in error(
         bert + ["--position-embedding-type", "rope"], world_size=1, model_type="bert")
+
+
+def test_checkpoint_flag_rules_as_megatron_lm_checks_them():
+    assert error(TINY_GPT + ["--save", "s", "--save-interval", "2", "--save-retain-interval",
+                             "3"]) == ("--save-retain-interval (3) must be a multiple of "
+                                       "--save-interval (2)")
+    assert error(TINY_GPT + ["--save", "s", "--save-retain-interval", "4"]).startswith(
+        "--save-retain-interval needs --save-interval")
+    assert error(TINY_GPT + ["--non-persistent-save-interval", "3"]).startswith(
+        "--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+    # an evaluation loads no optimizer state (Megatron-LM's rule); BERT takes the same flags
+    args = parse_args(["--config", "configs/bert_tiny_moe.yaml", "--load", "x", "--skip-train",
+                       "--ckpt-format", "torch", "--no-save-rng"], model_type="bert", world_size=1)
+    assert args.no_load_optim and args.ckpt_format == "torch" and args.no_save_rng
