@@ -70,11 +70,11 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
     """Why the architecture flags (attention, layers, shared experts, router) do not go
     together under Megatron-Core 0.16.1, or None: what its TransformerConfig, specs and
     router refuse, said with the flags."""
-    if multi_latent_attention:
-        return ("--multi-latent-attention is not supported: Megatron-Core 0.16.1 runs it only "
-                "with Transformer Engine's attention (its local DotProductAttention takes no "
-                "separate key width), and this project's models use standard attention "
-                "(DeepSeek-style configs here: grouped-query attention instead)")
+    if multi_latent_attention and model_type == "bert":
+        return "--multi-latent-attention applies to GPT models (BERT keeps Megatron-Core's BERT layer)"
+    if multi_latent_attention and group_query_attention:
+        return ("--multi-latent-attention and --group-query-attention exclude each other "
+                "(Megatron-LM refuses the two together)")
     if model_type == "bert":
         for given, flag in ((position_embedding_type != "learned_absolute",
                              "--position-embedding-type"), (moe_layer_freq != 1, "--moe-layer-freq"),
@@ -116,6 +116,20 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
         return ("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                 "(Megatron-Core 0.16.1's aux-loss-free balancing)")
     return router_groups_problem(num_experts, topk, num_groups, group_topk)
+
+
+def mla_problem(tp: int, q_lora_rank: Optional[int], kv_lora_rank: int,
+                qk_pos_emb_head_dim: int) -> Optional[str]:
+    """Why multi-latent attention's down projections do not split over tp ranks, or None:
+    Megatron-Core's local spec makes them column-parallel (each rank computes a share of the
+    latent, then gathers it)."""
+    for flags, width in (("--q-lora-rank", q_lora_rank),
+                         ("--kv-lora-rank + --qk-pos-emb-head-dim",
+                          kv_lora_rank + qk_pos_emb_head_dim)):
+        if width is not None and width % tp != 0:
+            return (f"{flags} ({width}) must be divisible by --tensor-model-parallel-size ({tp}) "
+                    f"(multi-latent attention's down projections split over it)")
+    return None
 
 
 def shared_expert_overlap_problem(tp: int, sequence_parallel: bool) -> Optional[str]:
@@ -248,7 +262,8 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
 def recompute_problem(granularity: Optional[str], method: Optional[str],
                       num_layers: Optional[int], modules, *, layers_per_stage: int,
                       grouped_gemm: bool, shared_experts: bool = False,
-                      shared_expert_overlap: bool = False) -> Optional[str]:
+                      shared_expert_overlap: bool = False,
+                      multi_latent_attention: bool = False) -> Optional[str]:
     """Why the activation-recompute flags cannot go together (Megatron-LM's and Megatron-Core
     0.16.1's rules, and what this project's models have), or None."""
     if granularity is None:
@@ -272,9 +287,8 @@ def recompute_problem(granularity: Optional[str], method: Optional[str],
                 "full (selective recomputes the modules of --recompute-modules)")
     if "moe_act" in (modules or ()) and not grouped_gemm:
         return "--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core 0.16.1)"
-    if "mla_up_proj" in (modules or ()):
-        return ("--recompute-modules mla_up_proj needs multi-latent attention, which this "
-                "project's models do not have")
+    if "mla_up_proj" in (modules or ()) and not multi_latent_attention:
+        return "--recompute-modules mla_up_proj needs --multi-latent-attention"
     if "shared_experts" in (modules or ()) and not shared_experts:
         return ("--recompute-modules shared_experts needs shared experts "
                 "(--moe-shared-expert-intermediate-size)")

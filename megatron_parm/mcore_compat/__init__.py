@@ -331,6 +331,13 @@ def _patch_missing_te() -> None:
         mrandom.FP8GlobalStateManager = _NoFP8
         mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
         mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+    from megatron.core.transformer import multi_latent_attention
+
+    # Without TE, Megatron-Core's TE extension binds TELinear to a placeholder that is no
+    # class, yet multi_latent_attention's HAVE_TE is True (its import succeeded): the
+    # isinstance(linear_proj, TELinear) of MultiLatentAttention.__init__ raises TypeError.
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -643,7 +650,10 @@ REDIRECTS: Dict[str, Redirect] = {
             "tensor_parallel.random's CheckpointWithoutOutput (selective recompute of layernorm "
             "and moe_act) takes any fp8 argument as on and calls TE's FP8GlobalStateManager, "
             'activation_recompute_forward and fp8_autocast: without TE, fp8 is off and the '
-            'contexts do nothing. This one is about TE, not CUDA, so '
+            'contexts do nothing. multi_latent_attention takes TE for present when its import '
+            'of the TE extension succeeds, whose TELinear is then a placeholder no isinstance '
+            'accepts (MultiLatentAttention.__init__ raises TypeError): its HAVE_TE is set '
+            'False. This one is about TE, not CUDA, so '
             'setup() applies it wherever TE is missing.'
         )),
     "cuda_device_literals": Redirect(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_parm.settings.flag import Flag, fraction, positive_int
+from megatron_parm.settings.flag import Flag, fraction, positive_int, positive_number
 
 GROUP = "model"
 # Values of flags whose implementation modules import torch or Megatron-Core (they import
@@ -80,4 +80,33 @@ def flags() -> List[Flag]:
              differs="Transformer Engine is optional here: its modules only where asked for",
              help="Layer modules: Megatron-Core's own (local, the default here) or Transformer "
                   "Engine's (needs transformer-engine and a GPU)."),
+        *mla_flags(),
+    ]
+
+
+def mla_flags() -> List[Flag]:
+    """Multi-latent attention (DeepSeek-V2/V3): Megatron-Core's MLASelfAttention."""
+    return [
+        Flag("--multi-latent-attention", GROUP,
+             help="Multi-latent attention (DeepSeek-V2/V3): queries, keys and values through "
+                  "low-rank latents, Megatron-Core's MLASelfAttention (GPT only)."),
+        Flag("--q-lora-rank", GROUP, check=positive_int,
+             help="With MLA: the queries' latent width (default none: one query projection)."),
+        Flag("--kv-lora-rank", GROUP, check=positive_int,
+             help="With MLA: the keys' and values' latent width (default %(default)s)."),
+        Flag("--qk-head-dim", GROUP, check=positive_int,
+             help="With MLA: the channels per query / key head without rotary positions "
+                  "(default %(default)s)."),
+        Flag("--qk-pos-emb-head-dim", GROUP, check=positive_int,
+             help="With MLA: the rotary channels per query / key head (default %(default)s)."),
+        Flag("--v-head-dim", GROUP, check=positive_int,
+             help="With MLA: the channels per value head (default %(default)s)."),
+        Flag("--rope-type", GROUP,
+             help="rope or yarn (YaRN-scaled rotary, --rotary-scaling-factor and the mscales); "
+                  "default: yarn with MLA, rope without (which takes rope only)."),
+        Flag("--rotary-scaling-factor", GROUP, check=positive_number,
+             help="With MLA and yarn: the YaRN scaling factor of the rotary positions."),
+        Flag("--mscale", GROUP, help="With MLA and yarn: YaRN's mscale."),
+        Flag("--mscale-all-dim", GROUP, help="With MLA and yarn: YaRN's mscale_all_dim (it also "
+             "scales the softmax)."),
     ]

@@ -72,8 +72,6 @@ NEEDS_GPU_FP8 = "FP8 / FP4 training needs Transformer Engine on a Hopper or newe
 CUDA_GRAPHS = ("CUDA graphs need a GPU, and Parm's dispatchers keep host state a graph cannot "
                "replay (docs/design.md)")
 NEEDS_DEEPEP = "needs DeepEP, HybridEP or grouped_gemm kernels on a GPU"
-MLA = ("multi-latent attention is not built yet: Megatron-Core 0.16.1 runs it only with "
-       "Transformer Engine's attention (the next issue: DeepSeek-V3-style features)")
 MTP = "multi-token prediction is not built yet (the next issue: DeepSeek-V3-style features)"
 CONTEXT_PARALLEL = ("context parallelism is not built yet (the next issue: DeepSeek-V3-style "
                     "features)")
@@ -287,7 +285,6 @@ REFUSED: Dict[str, str] = {
     "--qk-clip-threshold": NOT_BUILT,
     "--attention-output-gate": NOT_BUILT,
     "--calculate-per-token-loss": NOT_BUILT,
-    "--multi-latent-attention": MLA,
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
     "--dsa-indexer-head-dim": NOT_BUILT,
@@ -357,7 +354,6 @@ REFUSED: Dict[str, str] = {
     "--check-for-large-grads": NOT_BUILT,
     "--result-rejected-tracker-filename": NOT_BUILT,
     "--checkpoint-activations": RENAMED,
-    "--rope-type": NOT_BUILT,
     "--dump-param-to-param-group-map": NOT_BUILT,
     "--use-legacy-models": LEGACY_MODELS,
     "--perform-rl-step": NOT_PRETRAINING,
@@ -486,14 +482,6 @@ REFUSED: Dict[str, str] = {
     "--moe-use-upcycling": NOT_BUILT,
     "--moe-upcycling-granularity": NOT_BUILT,
     "--moe-pad-experts-for-cuda-graph-inference": INFERENCE,
-    "--q-lora-rank": MLA,
-    "--kv-lora-rank": MLA,
-    "--qk-head-dim": MLA,
-    "--qk-pos-emb-head-dim": MLA,
-    "--v-head-dim": MLA,
-    "--rotary-scaling-factor": MLA,
-    "--mscale": MLA,
-    "--mscale-all-dim": MLA,
     "--cache-mla-latents": INFERENCE,
     "--linear-attention-freq": NOT_BUILT,
     "--heterogeneous-layers-config-path": NOT_BUILT,

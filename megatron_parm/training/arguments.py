@@ -22,8 +22,8 @@ from megatron_parm.data.tokenizers import check_tokenizer_flags
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
-    model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
-    virtual_stages)
+    mla_problem, model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem,
+    shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import ddp, mixed_precision, schedule, writers
 from megatron_parm.training.implementation import check_implementation
@@ -181,6 +181,17 @@ def _validate_model(args) -> None:
         score_function=args.moe_router_score_function,
         expert_bias=args.moe_router_enable_expert_bias, num_groups=args.moe_router_num_groups,
         group_topk=args.moe_router_group_topk))
+    _validate_rope_type(args)
+
+
+def _validate_rope_type(args) -> None:
+    """--rope-type: yarn is multi-latent attention's (its default there); standard attention
+    takes rope only (Megatron-LM's rule), and only with --position-embedding-type rope."""
+    if args.rope_type is None or args.multi_latent_attention:
+        return
+    if args.rope_type != "rope":
+        raise ValueError(f"--rope-type {args.rope_type} needs --multi-latent-attention "
+                         f"(standard attention takes rope only, as in Megatron-LM)")
 
 
 def _validate_layout(args, world_size: int) -> None:
@@ -197,6 +208,8 @@ def _validate_layout(args, world_size: int) -> None:
         num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
         add_bias_linear=not args.disable_bias_linear))
+    if args.multi_latent_attention:
+        _refuse(mla_problem(tp, args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim))
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
 
@@ -412,7 +425,8 @@ def _validate_implementation(args) -> None:
         layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         grouped_gemm=bool(args.moe_grouped_gemm),
         shared_experts=args.moe_shared_expert_intermediate_size is not None,
-        shared_expert_overlap=args.moe_shared_expert_overlap))
+        shared_expert_overlap=args.moe_shared_expert_overlap,
+        multi_latent_attention=args.multi_latent_attention))
     ddp.check_args(args, _cuda_available())
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(

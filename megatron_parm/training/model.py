@@ -20,7 +20,7 @@ from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm import tuning
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
-from megatron_parm.config import ParmTransformerConfig
+from megatron_parm.config import ParmMLATransformerConfig, ParmTransformerConfig
 from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
@@ -31,7 +31,8 @@ from megatron_parm.training.implementation import expert_implementation
 
 
 def build_config(args) -> ParmTransformerConfig:
-    return ParmTransformerConfig(
+    mla = getattr(args, "multi_latent_attention", False)
+    return (ParmMLATransformerConfig if mla else ParmTransformerConfig)(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -40,6 +41,7 @@ def build_config(args) -> ParmTransformerConfig:
         attention_dropout=args.attention_dropout,
         add_bias_linear=not args.disable_bias_linear,
         **architecture_fields(args),
+        **(mla_fields(args) if mla else {}),
         init_method_std=args.init_method_std,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -93,6 +95,18 @@ def architecture_fields(args) -> dict:
     else:
         fields.update(activation_func=openai_gelu if args.openai_gelu else F.gelu)
     return fields
+
+
+def mla_fields(args) -> dict:
+    """The config's multi-latent attention fields from Megatron-LM's flags (its rotary: rope or
+    yarn, MLATransformerConfig's default, with YaRN's factor and mscales)."""
+    return dict(
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+        **({"rope_type": args.rope_type} if args.rope_type else {}))
 
 
 def router_fields(args) -> dict:
