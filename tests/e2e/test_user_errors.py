@@ -77,8 +77,6 @@ def bad_inputs(run: Path) -> dict:
         "router groups that do not divide the experts": (
             ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
             "error: --moe-router-num-groups (3) must divide --num-experts (4) into equal groups"),
-        "multi-latent attention": (["--multi-latent-attention"],
-                                   "error: not available here: --multi-latent-attention"),
         "what Megatron-Core's TransformerConfig refuses": (
             ["--moe-pad-expert-input-to-capacity"],
             "error: Megatron-Core 0.16.1 refuses these flags: moe_expert_capacity_factor must be "
