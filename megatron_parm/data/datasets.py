@@ -18,7 +18,9 @@ Notation: b micro batch size, s sequence length.
 import contextlib
 import os
 import re
+import signal
 import struct
+from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy
@@ -421,10 +423,33 @@ def collate_batch(samples: List[Dict]) -> Dict[str, torch.Tensor]:
 LOADER_SEED = 0
 
 
+def _worker_catches(signal_name: str, worker_id: int) -> None:
+    """A data-loader worker's start: the first --exit-signal (signal_name) it receives is
+    ignored, so that a job-wide signal (Slurm's) leaves the stop to its rank, which saves and
+    stops (a worker that died of it would fail the rank, through DataLoader's SIGCHLD
+    handler); a second one ends it as before."""
+    signal.signal(signal.Signals[signal_name], _ignore_once)
+
+
+def _ignore_once(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+
+
+def shut_down(iterator) -> None:
+    """End the worker processes behind a build_data_iterator iterator now (a cyclic one keeps
+    them for its whole life), rather than when the rank exits."""
+    close = getattr(iterator, "close", None)  # a cyclic iterator's generator
+    if close is not None:
+        close()
+
+
 def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                      num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
+                      num_workers: int = 0, exit_signal: Optional[str] = None
+                      ) -> Optional[torch.utils.data.DataLoader]:
     """DataLoader over one split for one data-parallel rank; None when dataset is None.
+    exit_signal (--exit-signal-handler's signal, e.g. 'SIGTERM'): its workers ignore it, as
+    Megatron-LM's do.
 
     It has a generator of its own: each iterator of a DataLoader draws its workers' base seed
     from its generator, by default torch's global one, which on CPU is also dropout's (outside
@@ -442,22 +467,31 @@ def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_batch,
         persistent_workers=num_workers > 0, generator=generator,
+        worker_init_fn=partial(_worker_catches, exit_signal) if exit_signal and num_workers
+        else None,
     )
 
 
 def build_data_iterator(dataset, micro_batch_size: int, consumed_samples: int = 0,
                         data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                        num_workers: int = 0, cyclic: bool = False) -> Optional[Iterator]:
+                        num_workers: int = 0, cyclic: bool = False,
+                        exit_signal: Optional[str] = None) -> Optional[Iterator]:
     """Iterator of batch dicts (see collate_batch); cyclic restarts at the end of the split
-    (for validation sets sized for a single pass, leave it False)."""
+    (for validation sets sized for a single pass, leave it False); exit_signal:
+    build_data_loader's."""
     loader = build_data_loader(dataset, micro_batch_size, consumed_samples,
-                               data_parallel_rank, data_parallel_size, num_workers)
+                               data_parallel_rank, data_parallel_size, num_workers, exit_signal)
     if loader is None:
         return None
     if not cyclic:
         return iter(loader)
 
     def _cycle():
-        while True:
-            yield from loader
+        try:
+            while True:
+                yield from loader
+        finally:  # persistent workers: ended with the iterator
+            if getattr(loader, "_iterator", None) is not None:
+                loader._iterator._shutdown_workers()
+                loader._iterator = None
     return _cycle()

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from megatron_parm.settings import (
-    checkpoints, data, logging, megatron_lm, model, moe, parallel, parm, precision, surface,
-    training)
+    checkpoints, data, logging, megatron_lm, model, moe, parallel, parm, precision, run_control,
+    surface, training)
 from megatron_parm.settings.flag import DECLARED, Flag
 
 IMPLEMENTED, NO_EFFECT, REFUSED = "implemented", "no effect", "refused"
@@ -31,7 +31,7 @@ def _declare() -> List[Flag]:
     """This project's declarations, by concern (the order of --help)."""
     return [CONFIG, *model.flags(), *moe.flags(), *parm.flags(), *parallel.flags(),
             *parallel.cluster_flags(), *training.flags(), *checkpoints.flags(),
-            *logging.flags(), *precision.flags(), *data.flags(), *data.tokenizer_flags()]
+            *run_control.flags(), *logging.flags(), *precision.flags(), *data.flags(), *data.tokenizer_flags()]
 
 
 DECLARATIONS: List[Flag] = _declare()
@@ -73,7 +73,7 @@ SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_l
 TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
 # The groups of training's parser, in --help order.
 TRAINING_GROUPS = (model.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
-                   checkpoints.GROUP, logging.GROUP, precision.GROUP, data.GROUP, data.TOKENIZER)
+                   checkpoints.GROUP, run_control.GROUP, logging.GROUP, precision.GROUP, data.GROUP, data.TOKENIZER)
 # Flags of a group that training does not take (the planners' own).
 PLANNER_ONLY = ("--parm-chunk-candidates",)
 

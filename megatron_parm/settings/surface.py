@@ -23,7 +23,6 @@ GPU_MATH = "sets a cuBLAS math mode of the GPU"
 GPU_OVERLAP = "overlaps or orders GPU work differently, with the same results"
 TP_OVERLAP_OFF = "a setting of --tp-comm-overlap, which is off here (it needs Transformer Engine)"
 NCCL = "tunes NCCL or its buffers (NCCL's defaults run on a GPU here, gloo on CPU)"
-BACKEND = "the backend follows the device here: NCCL on a GPU, gloo on CPU"
 GPU_MEMORY = ("changes where or how long GPU memory is held (offloading, pinning, freeing), with "
               "the same results")
 CUDA_GRAPHS_OFF = "a setting of CUDA graphs, which are off here"
@@ -45,6 +44,8 @@ INDEX_SPEED = "speeds up building or loading dataset indexes, which are built th
 ASYNC_SAVE = "writes checkpoints in the background: here the save waits, and writes the same files"
 EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
+UNREAD = ("Megatron-LM core_v0.16.1 reads it nowhere: with --exit-signal-handler the data "
+          "loader's workers catch --exit-signal anyway, there as here")
 VOCAB_FROM_TOKENIZER = ("training takes the vocabulary size from the tokenizer (the planners read"
                         " this flag)")
 
@@ -76,6 +77,10 @@ FT_PACKAGE = ("NVIDIA's fault-tolerance package is not built here (docs/faults.m
 NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project's, which "
                    "pretrains GPT and BERT MoE models")
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
+FULL_VALIDATION = ("an evaluation runs --eval-iters batches here, a pass over the whole "
+                   "validation split is not built")
+VALIDATION_SETS = ("needs --valid-data-path (a validation set per dataset), which is not built "
+                   "here")
 NOT_BUILT = "not built here yet"
 
 NO_EFFECT: Dict[str, str] = {
@@ -138,6 +143,7 @@ NO_EFFECT: Dict[str, str] = {
     "--memory-snapshot-path": PROFILING,
     "--empty-unused-memory-level": GPU_MEMORY,
     "--train-sync-interval": GPU_OVERLAP,
+    "--exit-signal-handler-for-dataloader": UNREAD,
     "--disable-gloo-process-groups": GLOO,
     "--tp-comm-overlap-cfg": TP_OVERLAP_OFF,
     "--no-masked-softmax-fusion": FUSED_KERNEL,
@@ -163,7 +169,6 @@ NO_EFFECT: Dict[str, str] = {
     "--use-dist-ckpt": ALWAYS_MCORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
     "--no-overlap-p2p-communication": GPU_OVERLAP,
-    "--distributed-backend": BACKEND,
     "--no-align-grad-reduce": GPU_OVERLAP,
     "--ddp-pad-buckets-for-high-nccl-busbw": NCCL,
     "--overlap-param-gather-with-optimizer-step": GPU_OVERLAP,
@@ -217,7 +222,6 @@ REFUSED: Dict[str, str] = {
     "--moe-extended-tp": NOT_BUILT,
     "--no-initialization": NOT_BUILT,
     "--use-cpu-initialization": NOT_BUILT,
-    "--deterministic-mode": NOT_BUILT,
     "--tp-comm-overlap": NEEDS_TE,
     "--microbatch-group-size-per-virtual-pipeline-stage": NOT_BUILT,
     "--mtp-standalone": MTP,
@@ -235,7 +239,6 @@ REFUSED: Dict[str, str] = {
     "--qk-clip-alpha": NOT_BUILT,
     "--qk-clip-threshold": NOT_BUILT,
     "--attention-output-gate": NOT_BUILT,
-    "--calculate-per-token-loss": NOT_BUILT,
     "--multi-latent-attention": MLA,
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
@@ -307,20 +310,8 @@ REFUSED: Dict[str, str] = {
     "--no-weight-decay-cond-type": NOT_BUILT,
     "--rampup-batch-size": NOT_BUILT,
     "--decrease-batch-size-if-needed": NOT_BUILT,
-    "--check-weight-hash-across-dp-replicas-interval": NOT_BUILT,
     "--train-samples": NOT_BUILT,
-    "--exit-duration-in-mins": NOT_BUILT,
-    "--exit-signal": NOT_BUILT,
-    "--exit-signal-handler-for-dataloader": NOT_BUILT,
-    "--manual-gc": NOT_BUILT,
-    "--manual-gc-interval": NOT_BUILT,
-    "--no-manual-gc-eval": NOT_BUILT,
-    "--iterations-to-skip": NOT_BUILT,
     "--batch-size": RENAMED,
-    "--recompute-activations": NOT_BUILT,
-    "--no-check-for-nan-in-loss-and-grad": NOT_BUILT,
-    "--check-for-large-grads": NOT_BUILT,
-    "--result-rejected-tracker-filename": NOT_BUILT,
     "--checkpoint-activations": RENAMED,
     "--rope-type": NOT_BUILT,
     "--optimizer": NOT_BUILT,
@@ -422,7 +413,6 @@ REFUSED: Dict[str, str] = {
     "--fp16-lm-cross-entropy": NOT_BUILT,
     "--pipeline-model-parallel-layout": PIPELINE_LAYOUT,
     "--model-parallel-size": RENAMED,
-    "--distributed-timeout-seconds-after-init": NOT_BUILT,
     "--ddp-num-buckets": NOT_BUILT,
     "--ddp-reduce-scatter-with-fp32-accumulation": NOT_BUILT,
     "--lazy-mpu-init": NOT_BUILT,
@@ -433,9 +423,8 @@ REFUSED: Dict[str, str] = {
     "--cp-comm-type": CONTEXT_PARALLEL,
     "--use-tp-pp-dp-mapping": NOT_BUILT,
     "--fake-process-group": NOT_BUILT,
-    "--test-mode": NOT_BUILT,
-    "--full-validation": NOT_BUILT,
-    "--multiple-validation-sets": NOT_BUILT,
+    "--full-validation": FULL_VALIDATION,
+    "--multiple-validation-sets": VALIDATION_SETS,
     "--phase-transition-iterations": NOT_BUILT,
     "--train-data-path": NOT_BUILT,
     "--valid-data-path": NOT_BUILT,
@@ -607,10 +596,6 @@ REFUSED: Dict[str, str] = {
     "--enable-ft-package": FT_PACKAGE,
     "--calc-ft-timeouts": FT_PACKAGE,
     "--ft-num-warmup-iters": FT_PACKAGE,
-    "--error-injection-rate": NOT_BUILT,
-    "--error-injection-type": NOT_BUILT,
-    "--rerun-mode": NOT_BUILT,
-    "--check-for-spiky-loss": NOT_BUILT,
     "--sft": NOT_PRETRAINING,
     "--sft-tokenizer-prompt-format": NOT_PRETRAINING,
 }
