@@ -39,8 +39,8 @@ def flags() -> List[Flag]:
                   "engine: --rerun-mode); the log's 'number of nan iterations' counts them."),
         Flag("--check-for-spiky-loss", GROUP,
              help="Flag a loss 10x above the largest of the first 100 (not fatal: with "
-                  "--rerun-mode validate_results the iteration is run again, and the run goes on "
-                  "if the rerun differs)."),
+                  "--rerun-mode validate_results the iteration is run again, then the run goes "
+                  "on)."),
         Flag("--check-for-large-grads", GROUP,
              help="Flag a gradient bucket whose norm is 10x the largest of its first 100 (not "
                   "fatal, as --check-for-spiky-loss)."),
