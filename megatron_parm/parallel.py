@@ -74,7 +74,8 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                               num_experts: Optional[int] = None, dispatcher: Optional[str] = None,
                               timeout_minutes: Optional[float] = None, pp: int = 1,
                               vpp: Optional[int] = None,
-                              ranks_per_node: Optional[int] = None) -> None:
+                              ranks_per_node: Optional[int] = None,
+                              num_distributed_optimizer_instances: int = 1) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
     each with group_timeout() (timeout_minutes sets it first), destroying the groups the
     previous call made.
@@ -82,7 +83,9 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     A convenience for the project's tools, not a requirement: Parm's dispatchers build and
     run after Megatron-Core's own parallel_state.initialize_model_parallel alone (parm_hier
     makes its node groups when its first layer is built: node_groups). ranks_per_node
-    (--parm-ranks-per-node, None for the launcher's) is checked here against the layout."""
+    (--parm-ranks-per-node, None for the launcher's) is checked here against the layout;
+    num_distributed_optimizer_instances: Megatron-LM's flag (its partial data-parallel
+    groups)."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
@@ -99,6 +102,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
     _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it

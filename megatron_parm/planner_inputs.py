@@ -18,6 +18,7 @@ from typing import Optional
 
 import megatron_parm.settings as declared
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
+from megatron_parm.settings.data import SENTENCEPIECE_TYPES
 from megatron_parm.layout_rules import (default_ffn_hidden_size, precision_problem,
                                         pre_softmax_routing)
 from megatron_parm.perf_model.profile import shipped_profiles
@@ -102,10 +103,10 @@ def resolve_settings(parser, argv):
 
 def vocab_size_of(settings):
     """--vocab-size, else the size of the tokenizer the config names (as the trainer's)."""
-    if settings.get("vocab_size"):
-        return settings["vocab_size"]
     kind = settings.get("tokenizer_type")
-    if kind == "SentencePieceTokenizer":
+    if settings.get("vocab_size"):  # NullTokenizer's end of document is one more id
+        return settings["vocab_size"] + (1 if kind == "NullTokenizer" else 0)
+    if kind in SENTENCEPIECE_TYPES:
         path = settings.get("tokenizer_model")
         if not path or not os.path.isfile(path):
             raise ValueError(f"--tokenizer-model: file not found: {path} (or give --vocab-size)")

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-init-std", type=float, default=0.01,
                         help="With --upcycle: std of the random router (0: all-zero router).")
     settings.add_flags(parser, ["--seed"])
+    settings.add_flags(parser, ["--make-vocab-size-divisible-by"], helps={
+        "make_vocab_size_divisible_by": "With --from-hf: pad the vocabulary to a multiple of "
+                                        "this (default %(default)s, Megatron-LM's)."})
     return parser
 
 
@@ -197,9 +200,10 @@ def from_single_file(args) -> int:
                           "--from-single-file", f"from {args.from_single_file}")
 
 
-def read_hf(path: str):
+def read_hf(path: str, make_vocab_size_divisible_by: int):
     """(FullCheckpoint, description) of the Hugging Face directory PATH: GPT-2 or a
-    Llama-style family (checkpointing.hf_llama.FAMILIES)."""
+    Llama-style family (checkpointing.hf_llama.FAMILIES), its vocabulary padded to a multiple
+    of MAKE_VOCAB_SIZE_DIVISIBLE_BY."""
     from megatron_parm.checkpointing.hf_files import read_config
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
     from megatron_parm.checkpointing.hf_llama import family_of, hf_to_full
@@ -211,13 +215,13 @@ def read_hf(path: str):
     else:
         convert, name = hf_to_full, family_of(config, path).architecture
     with stage(f"reading Hugging Face {name} {path}"):
-        return convert(path), f"Hugging Face {name} {path}"
+        return convert(path, make_vocab_size_divisible_by), f"Hugging Face {name} {path}"
 
 
 def from_hf(args, relayout_too: bool) -> int:
     import tempfile
 
-    full, origin = read_hf(args.from_hf)
+    full, origin = read_hf(args.from_hf, args.make_vocab_size_divisible_by)
     if not relayout_too:
         code = write_verified(full, args.save, 0, "--from-hf", f"from {origin}")
     else:  # written whole, then resharded as the target layout's ranks save it
@@ -272,10 +276,10 @@ def to_hf(source, args) -> int:
     return 0
 
 
-def read_dense(load):
+def read_dense(load, make_vocab_size_divisible_by: int):
     """(FullCheckpoint, description) of --load: a Hugging Face directory or one of ours."""
     if load and has_weights(load):
-        return read_hf(load)
+        return read_hf(load, make_vocab_size_divisible_by)
     folder = resolve_source(load)[0]
     return read_checkpoint(folder), folder
 
@@ -286,7 +290,7 @@ def upcycle(args) -> int:
 
     if not args.num_experts:
         raise ValueError("--upcycle needs --num-experts")
-    dense, origin = read_dense(args.load)
+    dense, origin = read_dense(args.load, args.make_vocab_size_divisible_by)
     moe = upcycle_full(dense, args.num_experts, args.moe_router_topk, args.router_init_std,
                        args.seed)
     expected = checksums(moe.tensors, f"{args.num_experts} experts per layer")

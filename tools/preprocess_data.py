@@ -17,6 +17,9 @@ Same flags and output names as Megatron-LM's tools/preprocess_data.py:
     # A Hugging Face tokenizer directory (DIR/tokenizer.json; eod: its eos_token)
     python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/hf \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR --append-eod
+
+Every tokenizer flag of the training scripts (--tokenizer-type NullTokenizer --vocab-size N
+reads each text as its ids, "3 1 4"; TikTokenizer and its --tiktoken-* flags; ...).
 """
 
 import argparse
@@ -63,12 +66,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    tokenizer_args = {
-        "tokenizer_type": args.tokenizer_type,
-        "tokenizer_model": args.tokenizer_model,
-        "vocab_file": args.vocab_file,
-        "merge_file": args.merge_file,
-    }
+    tokenizer_args = {settings.FLAGS[name].key: getattr(args, settings.FLAGS[name].key)
+                      for name in settings.group("tokenizer")}
     start = time.time()
     num_lines = count_lines(args.input)
     progress = Progress(num_lines, unit="documents")

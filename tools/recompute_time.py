@@ -71,11 +71,12 @@ def worker(args):
     of a step], "losses": [...]}, "load": [per turn]}."""
     import torch
 
+    from megatron_parm.data.loaders import build_iterators
     from megatron_parm.data.tokenizers import build_tokenizer
     from megatron_parm.training.arguments import parse_args
     from megatron_parm.training.model import FORWARD_STEPS
-    from megatron_parm.training.trainer import (Run, build_iterators, build_model_and_optimizer,
-                                                initialize, set_seed)
+    from megatron_parm.training.trainer import (Run, build_model_and_optimizer, initialize,
+                                                set_seed)
 
     runs = {}
     for name, flags in CHOICES:
@@ -85,7 +86,7 @@ def worker(args):
         set_seed(settings.seed)  # the same weights and data for each choice
         tokenizer = build_tokenizer(settings)
         model, optimizer, scheduler = build_model_and_optimizer(settings, tokenizer.vocab_size)
-        train_iter, valid_iter = build_iterators(settings, tokenizer, model, 0)
+        train_iter, valid_iter = build_iterators(settings, tokenizer, len(model), 0)
         runs[name] = Run(settings, model, optimizer, scheduler, FORWARD_STEPS["gpt"],
                          train_iter, valid_iter, 0, 0)
     load, cpu = [], {name: [] for name in runs}

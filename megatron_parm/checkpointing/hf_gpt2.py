@@ -40,7 +40,7 @@ from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.hf_files import read_config, read_weights
 from megatron_parm.checkpointing.state import CHECKPOINT_VERSION
-from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 from megatron_parm.wording import plural
 
 # GPT-2's activation names: the tanh approximation (Megatron's --openai-gelu) or erf GELU.
@@ -95,7 +95,8 @@ def _qkv_per_head(tensor_out_first: torch.Tensor, heads: int) -> torch.Tensor:
     return grouped.reshape(3 * heads * head_dim, *rest)
 
 
-def hf_gpt2_to_full(path: str) -> FullCheckpoint:
+def hf_gpt2_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+                    ) -> FullCheckpoint:
     """The dense checkpoint (model only, iteration 0) of the GPT-2 in directory PATH."""
     config, weights = read_hf_gpt2(path)
     flags = _model_flags(config, path)
@@ -120,7 +121,9 @@ def hf_gpt2_to_full(path: str) -> FullCheckpoint:
         raise CheckpointError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them "
                               f"and so does this conversion")
     vocab = wte.shape[0]
-    padded = padded_vocab_size(vocab, 1)  # loads under any TP that divides it (see data/vocab.py)
+    padded = padded_vocab_size(vocab, 1, make_vocab_size_divisible_by)  # loads under any TP
+    # that divides it (data/vocab.py); recorded with the flags, as a trained checkpoint's
+    flags["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     word_embeddings = torch.zeros(padded, wte.shape[1])
     word_embeddings[:vocab] = wte
     qkv = "decoder.layers.self_attention.linear_qkv"

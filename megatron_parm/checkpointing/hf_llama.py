@@ -50,7 +50,7 @@ from megatron_parm.checkpointing.errors import CheckpointError
 from megatron_parm.checkpointing.full import FullCheckpoint
 from megatron_parm.checkpointing.hf_files import read_config, read_weights, write_weights
 from megatron_parm.checkpointing.state import CHECKPOINT_VERSION
-from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 QKV = "decoder.layers.self_attention.linear_qkv"
 MLP = "decoder.layers.mlp"
@@ -349,7 +349,8 @@ def _objects(flags: dict) -> Dict[str, list]:
 # import and export
 # ---------------------------------------------------------------------------------------------
 
-def hf_to_full(path: str) -> FullCheckpoint:
+def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+               ) -> FullCheckpoint:
     """The checkpoint (model only, iteration 0; its flags in common['args']) of the Hugging
     Face model in directory PATH."""
     config = read_config(path)
@@ -373,7 +374,9 @@ def hf_to_full(path: str) -> FullCheckpoint:
         used.add(name)
         return tensor.to(torch.float32)
 
-    padded = padded_vocab_size(vocab, 1)  # loads under any TP that divides it (data/vocab.py)
+    padded = padded_vocab_size(vocab, 1, make_vocab_size_divisible_by)  # loads under any TP
+    # that divides it (data/vocab.py); recorded with the flags, as a trained checkpoint's
+    flags["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
 
     def padded_rows(tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat([tensor, tensor.new_zeros(padded - vocab, tensor.shape[1])])

@@ -1,5 +1,5 @@
-"""The optimizer's state in a checkpoint: Adam's moments (and, with --bf16 / --fp16, the fp32
-main parameters) as ShardedTensors named after their parameter's global key, in one flat dict
+"""The optimizer's state in a checkpoint: Adam's moments or SGD's momentum buffers (and, with
+--bf16 / --fp16, the fp32 main parameters) as ShardedTensors named after their parameter's global key, in one flat dict
 for all of Megatron's chained optimizers, so that any layout loads any other's.
 
     sharded_optimizer_state(optimizer, model_state, is_loading) -> (tensors, step, targets)
@@ -183,6 +183,18 @@ def load_distributed_state(optimizer, loaded, metadata: dict, step, scaler_state
     set_step(optimizer, step)
 
 
+def init_state(part) -> None:
+    """Create the state a checkpoint loads into: Adam's moments (Megatron's init_state_fn), or
+    SGD's momentum buffers (none without momentum), which torch makes at the first step."""
+    if part.init_state_fn is not None:
+        part.init_state_fn(part.optimizer, part.config)
+        return
+    for group in part.optimizer.param_groups:
+        if group.get("momentum"):
+            for param in group["params"]:
+                part.optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+
+
 def sharded_optimizer_state(optimizer, model_state, is_loading: bool):
     """Adam's moments as ShardedTensors named after their parameter's global key
     ('optimizer.state.exp_avg.decoder.layers...'), in one flat dict for all of Megatron's
@@ -223,7 +235,7 @@ def sharded_optimizer_state(optimizer, model_state, is_loading: bool):
     for part in optimizer_parts(optimizer):
         assert not is_distributed(part), "distributed_state() saves the distributed optimizer"
         if is_loading:
-            part.init_state_fn(part.optimizer, part.config)  # creates the moments to load into
+            init_state(part)
         params = part.get_parameters()  # what the optimizer steps on: fp32 main params, if any
         # The model parameter behind each optimizer parameter (itself, or the bf16/fp16
         # parameter whose main_param it is): the model state names it.

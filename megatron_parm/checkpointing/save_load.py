@@ -88,6 +88,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     fault_point("staged", iteration)
     metadata = save_metadata(optimizer, args)
     state, _ = sharded_state_dict(model, optimizer, is_loading=False, metadata=metadata)
+    if state.get("optimizer_step") is None and "optimizer_state" in state \
+            and scheduler is not None and scheduler.num_steps > 0:
+        # SGD keeps no step count: it stepped (the schedule moved), so its state is saved
+        state["optimizer_step"] = torch.tensor(0.0)
     if state.get("optimizer_step") is None:  # no step taken yet: no moments to save
         for key in ("optimizer_state", "optimizer_step", "optimizer"):
             state.pop(key, None)
@@ -230,9 +234,14 @@ def _check_before_loading(path: str, optimizer, scheduler, args) -> dict:
         check_optimizer_format(path, common, optimizer, layout_of(args))
         if scheduler is not None and common.get("optimizer_step") is not None \
                 and "opt_param_scheduler" in common:
+            saved_args = common.get("args") or {}
+            # lengths shown as iterations too only where both runs count iterations
+            iterations = not saved_args.get("train_samples") and not getattr(
+                args, "train_samples", None)
             check_schedule(path, common["opt_param_scheduler"], scheduler,
-                           (common.get("args") or {}).get("global_batch_size"),
-                           getattr(args, "global_batch_size", None))
+                           saved_args.get("global_batch_size") if iterations else None,
+                           getattr(args, "global_batch_size", None) if iterations else None,
+                           sample_based=getattr(args, "train_samples", None) is not None)
     except CheckpointError as err:
         problems.append(str(err))
     problems = _agree(problems)

@@ -2,7 +2,9 @@
 
 A checkpoint holds the schedule it was trained with (Megatron's OptimizerParamScheduler state:
 peak and minimum learning rate, warmup and decay lengths in samples, decay style, weight decay
-and its schedule's length). A resumed run whose command line describes another schedule must
+and its schedule's length, and the samples it has advanced by), whether it counted iterations
+(--train-iters) or samples (--train-samples): both are samples there, so a run may resume the
+other kind's checkpoint. A resumed run whose command line describes another schedule must
 say which one to follow, as in Megatron-LM:
 
     --override-opt_param-scheduler       the command line's values
@@ -24,18 +26,24 @@ from megatron_parm.wording import plural
 OVERRIDE_FLAG = "--override-opt_param-scheduler"
 USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
 
-# (key in the scheduler's state dict and attribute of the scheduler, the flag that sets it,
-#  whether it counts samples)
+# (key in the scheduler's state dict and attribute of the scheduler, the flag that sets it in
+#  iteration-based training, in sample-based training (--train-samples), whether it counts
+#  samples)
 SCHEDULE_FIELDS = (
-    ("max_lr", "--lr", False),
-    ("min_lr", "--min-lr", False),
-    ("lr_warmup_steps", "--lr-warmup-iters", True),
-    ("lr_decay_steps", "--lr-decay-iters (default: --train-iters)", True),
-    ("lr_decay_style", "--lr-decay-style", False),
-    ("start_wd", "--weight-decay", False),
-    ("end_wd", "--weight-decay", False),
-    ("wd_incr_steps", "--train-iters (the weight-decay schedule's length)", True),
-    ("wd_incr_style", "the weight-decay schedule's style", False),
+    ("max_lr", "--lr", "--lr", False),
+    ("min_lr", "--min-lr", "--min-lr", False),
+    ("lr_warmup_steps", "--lr-warmup-iters (or --lr-warmup-fraction)",
+     "--lr-warmup-samples (or --lr-warmup-fraction)", True),
+    ("lr_decay_steps", "--lr-decay-iters (default: --train-iters)",
+     "--lr-decay-samples (default: --train-samples)", True),
+    ("lr_decay_style", "--lr-decay-style", "--lr-decay-style", False),
+    ("start_wd", "--start-weight-decay (default: --weight-decay)",
+     "--start-weight-decay (default: --weight-decay)", False),
+    ("end_wd", "--end-weight-decay (default: --weight-decay)",
+     "--end-weight-decay (default: --weight-decay)", False),
+    ("wd_incr_steps", "--train-iters (the weight-decay schedule's length)",
+     "--train-samples (the weight-decay schedule's length)", True),
+    ("wd_incr_style", "--weight-decay-incr-style", "--weight-decay-incr-style", False),
 )
 
 
@@ -48,12 +56,14 @@ def _describe(value, samples: bool, batch: Optional[int]) -> str:
 
 
 def schedule_differences(saved: dict, scheduler, saved_batch: Optional[int],
-                         batch: Optional[int]) -> List[Tuple[str, str]]:
+                         batch: Optional[int], sample_based: bool = False
+                         ) -> List[Tuple[str, str]]:
     """(flag, both values) for each value in which the scheduler (built from the command line)
     differs from the checkpoint's state SAVED; *_batch: the global batch sizes, to show
-    iterations."""
+    iterations (None: samples only); sample_based: the command line has --train-samples."""
     differences = []
-    for key, flag, samples in SCHEDULE_FIELDS:
+    for key, iterations_flag, samples_flag, samples in SCHEDULE_FIELDS:
+        flag = samples_flag if sample_based else iterations_flag
         if key not in saved or not hasattr(scheduler, key) or flag in dict(differences):
             continue
         old, new = saved[key], getattr(scheduler, key)
@@ -65,12 +75,12 @@ def schedule_differences(saved: dict, scheduler, saved_batch: Optional[int],
 
 
 def check_schedule(path: str, saved: dict, scheduler, saved_batch: Optional[int],
-                   batch: Optional[int]) -> None:
+                   batch: Optional[int], sample_based: bool = False) -> None:
     """Raise CheckpointError when the command line's schedule differs from the checkpoint's
     and neither flag says which to use."""
     if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
         return
-    differences = schedule_differences(saved, scheduler, saved_batch, batch)
+    differences = schedule_differences(saved, scheduler, saved_batch, batch, sample_based)
     if differences:
         raise CheckpointError(
             f"{path}: the learning-rate schedule on the command line differs from the "

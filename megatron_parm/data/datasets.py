@@ -1,27 +1,30 @@
-"""Train/valid/test datasets and data iterators for GPT and BERT pretraining.
+"""Train/valid/test datasets for GPT and BERT pretraining.
 
-The datasets are Megatron-Core's own (GPTDataset, BERTMaskedWordPieceDataset), built by its
-BlendedMegatronDatasetBuilder from Megatron-LM's flags:
+The datasets are Megatron-Core's own (GPTDataset, MockGPTDataset, BERTMaskedWordPieceDataset),
+built by its BlendedMegatronDatasetBuilder from Megatron-LM's flags:
 
     --data-path P                  one indexed dataset (prefix of P.bin / P.idx)
-    --data-path 0.3 P1 0.7 P2      a weighted blend
+    --data-path 0.3 P1 0.7 P2      a weighted blend (P1 P2: weighted by their sizes)
     --split 969,30,1               train/valid/test shares of every dataset
+    --train-data-path P ... --valid-data-path ... --test-data-path ...
+                                   each split from its own dataset(s), no --split
+    --data-args-path F, --per-split-data-args-path F.json
+                                   the same values read from a file
+    --mock-data                    GPT: Megatron-Core's mock dataset, no files
 
 Distributed behaviour (Megatron-Core's): when torch.distributed is initialized, rank 0 builds
-the index caches (under --data-cache-path, by default next to the data) while the other
-ranks wait at a barrier, then load them. Call the build functions on every rank. Without
-torch.distributed everything runs in the calling process.
-
-Notation: b micro batch size, s sequence length.
+the index caches (under --data-cache-path, by default PREFIX/cache/ next to each dataset)
+while the other ranks wait at a barrier, then load them. Call the build functions on every
+rank. Without torch.distributed everything runs in the calling process. Batches and iterators
+are loaders.py's.
 """
 
 import contextlib
+import json
 import os
 import re
-import signal
 import struct
-from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy
 import torch
@@ -37,7 +40,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import (
     _INDEX_HEADER,
     DType,
@@ -47,33 +50,123 @@ from megatron.core.datasets.indexed_dataset import (
 )
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron_parm.settings.data import DEFAULT_SPLIT
+
 Blend = Tuple[List[str], Optional[List[float]]]
 NumSamples = Sequence[Optional[int]]  # (train, valid, test)
+SPLIT_NAMES = ("train", "valid", "test")  # Megatron-Core's Split order
 
 
 # ---------------------------------------------------------------------------------------------
 # Flags
 # ---------------------------------------------------------------------------------------------
 
-def parse_data_path(data_path: Union[str, Sequence[str], None]) -> Blend:
-    """Turn --data-path into Megatron-Core's blend, checking every prefix exists."""
+def parse_data_path(data_path: Union[str, Sequence[str], None], flag: str = "--data-path") -> Blend:
+    """Turn --data-path (or FLAG, one of the per-split paths) into Megatron-Core's blend,
+    checking every prefix exists."""
     if isinstance(data_path, str):
         data_path = data_path.split()
     if not data_path:
-        raise ValueError("--data-path is required (an indexed dataset prefix, or weighted "
-                         "prefixes 'W1 P1 W2 P2 ...')")
+        raise ValueError(f"{flag} is required (an indexed dataset prefix, or weighted "
+                         f"prefixes 'W1 P1 W2 P2 ...')")
     # Megatron-LM's reading: 'W1 P1 W2 P2 ...' when every other item is a number,
     # otherwise a list of prefixes weighted by their sizes.
     prefixes, weights = get_blend_from_list(list(data_path))
     if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
-        raise ValueError(f"--data-path: weights must be >= 0 with a positive sum, got {weights}")
+        raise ValueError(f"{flag}: weights must be >= 0 with a positive sum, got {weights}")
     for prefix in prefixes:
         if not (os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))):
             raise ValueError(
-                f"--data-path: no such indexed dataset: {prefix} (.bin/.idx not found; build it "
+                f"{flag}: no such indexed dataset: {prefix} (.bin/.idx not found; build it "
                 f"with tools/preprocess_data.py)")
-        check_indexed_dataset(prefix)
+        check_indexed_dataset(prefix, flag)
     return prefixes, weights
+
+
+def _read_text(flag: str, path: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag}: file not found: {path}")
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _read_json(flag: str, path: str):
+    try:
+        return json.loads(_read_text(flag, path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag}: {path} is not JSON: {error}") from None
+
+
+def _given(paths):
+    """A --*-data-path value without its empty items (a config's path emptied on the command
+    line: --data-path '')."""
+    if isinstance(paths, str):
+        paths = paths.split()
+    return [path for path in paths if path] or None if paths is not None else None
+
+
+def data_sources(args) -> Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]:
+    """(blend, blend_per_split) as Megatron-LM reads them: --data-path or --data-args-path
+    (one blend, split by --split), --train/valid/test-data-path or --per-split-data-args-path
+    (a blend per split, None for a split without one), (None, None) with --mock-data. Checks
+    every prefix; ValueError naming the flag for a missing or second source."""
+    data_path = _given(getattr(args, "data_path", None))
+    data_args_path = getattr(args, "data_args_path", None)
+    per_split = {name: _given(getattr(args, f"{name}_data_path", None)) for name in SPLIT_NAMES}
+    per_split_args = getattr(args, "per_split_data_args_path", None)
+    mock = getattr(args, "mock_data", False)
+    if data_path and data_args_path:
+        raise ValueError("--data-args-path holds --data-path's value: give one of the two")
+    if any(per_split.values()) and per_split_args:
+        raise ValueError("--per-split-data-args-path holds the --train/valid/test-data-path "
+                         "values: give them one way")
+    sources = [name for name, given in (
+        ("--mock-data", mock), ("--data-path", data_path or data_args_path),
+        ("--train/valid/test-data-path", any(per_split.values()) or per_split_args)) if given]
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)}: give a single data source (Megatron-LM's "
+                         f"rule)")
+    if not sources:
+        raise ValueError("--data-path is required (an indexed dataset prefix, or weighted "
+                         "prefixes 'W1 P1 W2 P2 ...'), or --train-data-path / --valid-data-path "
+                         "/ --test-data-path, or --mock-data")
+    if mock:
+        return None, None
+    if data_args_path:
+        return parse_data_path(_read_text("--data-args-path", data_args_path).split(),
+                               "--data-args-path"), None
+    if data_path:
+        return parse_data_path(data_path), None
+    if per_split_args:
+        values = _read_json("--per-split-data-args-path", per_split_args)
+        missing = [name for name in SPLIT_NAMES if not isinstance(values, dict) or name not in values]
+        if missing:
+            raise ValueError(f"--per-split-data-args-path: {per_split_args} needs the keys "
+                             f"train, valid and test (missing {', '.join(missing)})")
+        per_split = {name: values[name].split() if isinstance(values[name], str) else values[name]
+                     for name in SPLIT_NAMES}
+        flags = {name: "--per-split-data-args-path" for name in SPLIT_NAMES}
+    else:
+        flags = {name: f"--{name}-data-path" for name in SPLIT_NAMES}
+    return None, [parse_data_path(per_split[name], flags[name]) if per_split[name] else None
+                  for name in SPLIT_NAMES]
+
+
+def sequences_per_dataset(path: Optional[str], blend: Optional[Blend],
+                          blend_per_split: Optional[List[Optional[Blend]]]):
+    """--per-dataset-sequences-path's {prefix: (sequences, documents)} for every prefix of the
+    blends (None without the flag)."""
+    if path is None:
+        return None
+    flag = "--per-dataset-sequences-path"
+    counts = _read_json(flag, path)
+    prefixes = [prefix for one in [blend, *(blend_per_split or [])] if one for prefix in one[0]]
+    for prefix in prefixes:
+        entry = counts.get(prefix) if isinstance(counts, dict) else None
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2
+                and all(isinstance(count, int) and count >= 0 for count in entry)):
+            raise ValueError(f"{flag}: {path} has no [sequences, documents] for {prefix}")
+    return {prefix: tuple(counts[prefix]) for prefix in prefixes}
 
 
 # .idx: header, version (u64), dtype code (u8), sequence count (u64), document count (u64), then
@@ -82,7 +175,7 @@ def parse_data_path(data_path: Union[str, Sequence[str], None]) -> Blend:
 _IDX_FIXED = len(_INDEX_HEADER) + 8 + 1 + 8 + 8
 
 
-def check_indexed_dataset(prefix: str) -> None:
+def check_indexed_dataset(prefix: str, flag: str = "--data-path") -> None:
     """Refuse a damaged PREFIX.idx / PREFIX.bin before Megatron-Core maps them: a header, size
     or length that does not match raises ValueError naming the file, what was expected, what
     was found and how to rebuild it. Reads only the header and the last index entries."""
@@ -90,7 +183,7 @@ def check_indexed_dataset(prefix: str) -> None:
     rebuild = "; rebuild the dataset with tools/preprocess_data.py"
 
     def refuse(path, what):
-        raise ValueError(f"--data-path: {path}: {what}{rebuild}")
+        raise ValueError(f"{flag}: {path}: {what}{rebuild}")
 
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as index:
@@ -153,7 +246,8 @@ def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int,
                                  eval_interval: Optional[int], eval_iters: int) -> List[int]:
     """Samples each split must provide, as Megatron-LM counts them (eval_interval None: one
-    evaluation, at the end)."""
+    evaluation, at the end; the training split's count is data.loaders.phase_start's, which
+    knows --train-samples and the phases)."""
     num_evaluations = train_iters // eval_interval + 1 if eval_interval else 1
     return [
         train_iters * global_batch_size,
@@ -162,19 +256,20 @@ def train_valid_test_num_samples(train_iters: int, global_batch_size: int,
     ]
 
 
-def _resolve_num_samples(blend: Blend, split_matrix, num_samples: NumSamples) -> List:
-    """Per-split sample counts for the builder: 0 for absent splits, and counts required
-    wherever a weighted blend has to be sampled in proportion."""
+def _resolve_num_samples(blends: List[Optional[Blend]], num_samples: NumSamples) -> List:
+    """Per-split sample counts for the builder (BLENDS: each split's blend, None for a split
+    that draws nothing): 0 for absent splits, and counts required wherever a weighted blend has
+    to be sampled in proportion."""
     if len(num_samples) != len(Split):
         raise ValueError(f"num_samples needs one entry per split (train, valid, test), "
                          f"got {num_samples}")
-    resolved = [0 if split_matrix[i] is None else num_samples[i] for i in range(len(Split))]
-    if blend[1] is not None:
-        for split in Split:
-            if resolved[split.value] is None:
-                raise ValueError(
-                    f"--data-path: a weighted blend needs a sample count for the {split.name} "
-                    f"split (got None); give counts or use unweighted prefixes")
+    resolved = [0 if blends[i] is None else num_samples[i] for i in range(len(Split))]
+    for split in Split:
+        blend = blends[split.value]
+        if blend is not None and blend[1] is not None and resolved[split.value] is None:
+            raise ValueError(
+                f"--data-path: a weighted blend needs a sample count for the {split.name} "
+                f"split (got None); give counts or use unweighted prefixes")
     return resolved
 
 
@@ -241,6 +336,9 @@ def _always() -> bool:
 # Dataset builders
 # ---------------------------------------------------------------------------------------------
 
+DataSource = Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]  # data_sources(args)
+
+
 def _build(dataset_cls, config, num_samples: NumSamples,
            is_built_on_rank: Optional[Callable[[], bool]]):
     """(train, valid, test) through megatron-core's builder (caches built on rank 0 first)."""
@@ -249,60 +347,89 @@ def _build(dataset_cls, config, num_samples: NumSamples,
         return tuple(builder.build())
 
 
-def _blend_and_samples(data_path, split: str, num_samples: NumSamples, by_document: bool,
-                       min_sentences: int):
-    """--data-path as Megatron's blend, and per-split sample counts, checked to select data."""
-    blend = parse_data_path(data_path)
+def _source_and_samples(data, split: Optional[str], num_samples: NumSamples, by_document: bool,
+                        min_sentences: int):
+    """(blend, blend_per_split, split, per-split sample counts) for Megatron-Core's config,
+    checked to select data. DATA: a --data-path value, or data_sources(args)'s pair."""
+    blend, per_split = data if isinstance(data, tuple) else (parse_data_path(data), None)
+    if blend is None and per_split is None:  # --mock-data: Megatron-Core splits it 1,1,1
+        return None, None, None, list(num_samples)
+    if per_split is not None:
+        num_samples = _resolve_num_samples(per_split, num_samples)
+        for index, one in enumerate(per_split):
+            if one is not None:  # this split takes the whole of its datasets
+                matrix = [(0.0, 1.0) if i == index else None for i in range(len(Split))]
+                _check_splits_have_data(one[0], matrix, num_samples, by_document, min_sentences)
+        return None, per_split, None, num_samples
     split_matrix = parse_split(split)
-    num_samples = _resolve_num_samples(blend, split_matrix, num_samples)
+    num_samples = _resolve_num_samples([blend if bookends else None for bookends in split_matrix],
+                                       num_samples)
     _check_splits_have_data(blend[0], split_matrix, num_samples, by_document=by_document,
                             min_sentences=min_sentences)
-    return blend, num_samples
+    return blend, None, split, num_samples
 
 
-def build_gpt_datasets(tokenizer, data_path, split: str, seq_length: int, seed: int,
+def build_gpt_datasets(tokenizer, data_path, split: Optional[str], seq_length: int, seed: int,
                        num_samples: NumSamples, *, data_cache_path: Optional[str] = None,
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
                        eod_mask_loss: bool = False, create_attention_mask: bool = True,
+                       mmap_bin_files: bool = True, mid_level_dataset_surplus: float = 0.005,
+                       allow_ambiguous_pad_tokens: bool = False,
+                       sequences_per_dataset_path: Optional[str] = None,
                        is_built_on_rank: Optional[Callable[[], bool]] = None):
-    """Return (train, valid, test) GPT datasets; a split with weight 0 is None.
+    """Return (train, valid, test) GPT datasets; a split with weight 0 (or without data) is
+    None.
 
-    Each sample: tokens [s], labels [s] (tokens shifted by one), loss_mask [s] float,
-    position_ids [s], and attention_mask [1, s, s] bool (True = masked) when requested.
-    num_samples: samples per split (None builds one epoch). is_built_on_rank: Megatron-Core's
-    hook to build only on some ranks (those return None); by default every rank builds.
+    data_path: a --data-path value, or data_sources(args)'s (blend, blend_per_split) pair
+    ((None, None): Megatron-Core's MockGPTDataset). Each sample: tokens [s], labels [s]
+    (tokens shifted by one), loss_mask [s] float, position_ids [s], and attention_mask
+    [1, s, s] bool (True = masked) when create_attention_mask. num_samples: samples per split
+    (None builds one epoch). is_built_on_rank: Megatron-Core's hook to build only on some
+    ranks (those return None); by default every rank builds.
     """
     if seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
-    blend, num_samples = _blend_and_samples(data_path, split, num_samples, by_document=False,
-                                            min_sentences=1)
+    blend, per_split, split, num_samples = _source_and_samples(
+        data_path, split, num_samples, by_document=False, min_sentences=1)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=per_split,
         split=split,
         path_to_cache=data_cache_path,
+        mmap_bin_files=mmap_bin_files,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
+        mid_level_dataset_surplus=mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=allow_ambiguous_pad_tokens,
+        sequences_per_dataset=sequences_per_dataset(sequences_per_dataset_path, blend, per_split),
     )
-    return _build(GPTDataset, config, num_samples, is_built_on_rank)
+    dataset_cls = MockGPTDataset if config.mock else GPTDataset
+    return _build(dataset_cls, config, num_samples, is_built_on_rank)
 
 
-def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed: int,
+def build_bert_datasets(tokenizer, data_path, split: Optional[str], seq_length: int, seed: int,
                         num_samples: NumSamples, *, data_cache_path: Optional[str] = None,
                         mask_prob: float = 0.15, short_seq_prob: float = 0.1,
                         binary_head: bool = True, masking_max_ngram: int = 3,
+                        mid_level_dataset_surplus: float = 0.005,
+                        allow_ambiguous_pad_tokens: bool = False,
                         is_built_on_rank: Optional[Callable[[], bool]] = None):
-    """Return (train, valid, test) BERT datasets; a split with weight 0 is None.
+    """Return (train, valid, test) BERT datasets; a split with weight 0 (or without data) is
+    None.
 
-    data_path must name sentence-split datasets (tools/preprocess_data.py --split-sentences).
-    Each sample: text [s], types [s], labels [s], loss_mask [s], padding_mask [s],
-    is_random (next-sentence label), truncated. Masking follows Megatron-LM's defaults:
-    up to 3-grams, no whole-word masking, no permutation.
+    data_path (a --data-path value, or data_sources(args)'s pair) must name sentence-split
+    datasets (tools/preprocess_data.py --split-sentences). Each sample: text [s], types [s],
+    labels [s], loss_mask [s], padding_mask [s], is_random (next-sentence label), truncated.
+    Masking follows Megatron-LM's defaults: up to 3-grams, no whole-word masking, no
+    permutation.
     """
+    if isinstance(data_path, tuple) and data_path == (None, None):
+        raise ValueError(MOCK_BERT)
     if not tokenizer.has_bert_special_tokens():
         raise ValueError(
             f"--tokenizer-type {tokenizer.tokenizer_type}: BERT needs [CLS], [SEP], [MASK] "
@@ -315,12 +442,13 @@ def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed:
     if seq_length < 5:
         raise ValueError(f"--seq-length must be >= 5 for BERT ([CLS] A [SEP] B [SEP]), "
                          f"got {seq_length}")
-    blend, num_samples = _blend_and_samples(data_path, split, num_samples, by_document=True,
-                                            min_sentences=2 if binary_head else 1)
+    blend, per_split, split, num_samples = _source_and_samples(
+        data_path, split, num_samples, by_document=True, min_sentences=2 if binary_head else 1)
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=per_split,
         split=split,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
@@ -332,8 +460,30 @@ def build_bert_datasets(tokenizer, data_path, split: str, seq_length: int, seed:
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False,
         classification_head=binary_head,
+        mid_level_dataset_surplus=mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=allow_ambiguous_pad_tokens,
     )
     return _build(BERTMaskedWordPieceDataset, config, num_samples, is_built_on_rank)
+
+
+MOCK_BERT = ("--mock-data: Megatron-Core 0.16.1 has a mock dataset for GPT only "
+             "(MockGPTDataset); BERT needs --data-path or --train/valid/test-data-path")
+
+
+def check_data_flags(args, model_type: str) -> None:
+    """The data flags that go together, and the files they name, before any rank starts
+    (ValueError naming the flag); fills --split's default as Megatron-LM does."""
+    blend, per_split = data_sources(args)
+    if blend is None and per_split is None and model_type == "bert":
+        raise ValueError(MOCK_BERT)
+    if per_split is not None and args.split is not None:
+        raise ValueError(f"--split {args.split}: the --train/valid/test-data-path datasets are "
+                         f"each one split's whole (Megatron-Core refuses both)")
+    if blend is not None and args.split is None:
+        args.split = DEFAULT_SPLIT
+    if blend is not None:
+        parse_split(args.split)
+    sequences_per_dataset(getattr(args, "per_dataset_sequences_path", None), blend, per_split)
 
 
 def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSamples,
@@ -341,9 +491,11 @@ def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSample
     """(train, valid, test) from Megatron-LM style args (the data flags of
     megatron_parm.settings plus --seq-length and --seed); model is 'gpt' or 'bert'."""
     common = dict(
-        data_path=args.data_path, split=args.split, seq_length=args.seq_length,
+        data_path=data_sources(args), split=args.split, seq_length=args.seq_length,
         seed=args.seed, num_samples=num_samples,
         data_cache_path=getattr(args, "data_cache_path", None),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        allow_ambiguous_pad_tokens=getattr(args, "allow_ambiguous_pad_tokens", False),
         is_built_on_rank=is_built_on_rank,
     )
     if model == "gpt":
@@ -352,6 +504,9 @@ def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSample
             reset_position_ids=getattr(args, "reset_position_ids", False),
             reset_attention_mask=getattr(args, "reset_attention_mask", False),
             eod_mask_loss=getattr(args, "eod_mask_loss", False),
+            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", True),
+            mmap_bin_files=getattr(args, "mmap_bin_files", True),
+            sequences_per_dataset_path=getattr(args, "per_dataset_sequences_path", None),
         )
     if model == "bert":
         return build_bert_datasets(
@@ -361,137 +516,3 @@ def build_datasets_from_args(args, tokenizer, model: str, num_samples: NumSample
             binary_head=getattr(args, "bert_binary_head", True),
         )
     raise ValueError(f"model must be 'gpt' or 'bert', got {model!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Batching
-# ---------------------------------------------------------------------------------------------
-
-class PretrainingBatchSampler:
-    """Sequential micro batches for one data-parallel rank, resumable.
-
-    Walks the dataset in order from consumed_samples, one global slice of
-    micro_batch_size * data_parallel_size samples at a time, and yields this rank's part
-    (the same order as Megatron-LM's MegatronPretrainingSampler). Shuffling is already in
-    the dataset's index; a trailing partial slice is dropped.
-    """
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-        assert 0 <= data_parallel_rank < data_parallel_size
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.num_samples_per_step = micro_batch_size * data_parallel_size
-
-    def __len__(self) -> int:
-        return max(0, self.total_samples - self.consumed_samples) // self.num_samples_per_step
-
-    def __iter__(self) -> Iterator[List[int]]:
-        begin = self.data_parallel_rank * self.micro_batch_size
-        for start in range(self.consumed_samples,
-                           self.total_samples - self.num_samples_per_step + 1,
-                           self.num_samples_per_step):
-            yield list(range(start + begin, start + begin + self.micro_batch_size))
-
-
-def collate_batch(samples: List[Dict]) -> Dict[str, torch.Tensor]:
-    """Stack samples into a batch of tensors.
-
-    GPT: tokens, labels, position_ids [b, s] int64; loss_mask [b, s] float;
-    attention_mask [b, 1, s, s] bool (True = masked), when the dataset makes one.
-    BERT: text, types, labels, padding_mask [b, s] int64 (padding_mask 1 = real token);
-    loss_mask [b, s] float; is_random, truncated [b] int64.
-    """
-    batch = torch.utils.data.default_collate(samples)
-    if "text" in batch:
-        # Megatron-Core fills padding positions of padding_mask and types with the pad id;
-        # normalize so any pad id gives a 0/1 mask and token-type 0 on padding.
-        batch["padding_mask"] = (batch["padding_mask"] == 1).long()
-        batch["types"] = batch["types"].long() * batch["padding_mask"]
-        batch["loss_mask"] = batch["loss_mask"].float()
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dtype in (torch.int32, torch.int16):
-            batch[key] = value.long()
-    return batch
-
-
-# The DataLoaders' own generator's seed (build_data_loader): only the workers' seeds come from it.
-LOADER_SEED = 0
-
-
-def _worker_catches(signal_name: str, worker_id: int) -> None:
-    """A data-loader worker's start: the first --exit-signal (signal_name) it receives is
-    ignored, so that a job-wide signal (Slurm's) leaves the stop to its rank, which saves and
-    stops (a worker that died of it would fail the rank, through DataLoader's SIGCHLD
-    handler); a second one ends it as before."""
-    signal.signal(signal.Signals[signal_name], _ignore_once)
-
-
-def _ignore_once(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-
-
-def shut_down(iterator) -> None:
-    """End the worker processes behind a build_data_iterator iterator now (a cyclic one keeps
-    them for its whole life), rather than when the rank exits."""
-    close = getattr(iterator, "close", None)  # a cyclic iterator's generator
-    if close is not None:
-        close()
-
-
-def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
-                      data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                      num_workers: int = 0, exit_signal: Optional[str] = None
-                      ) -> Optional[torch.utils.data.DataLoader]:
-    """DataLoader over one split for one data-parallel rank; None when dataset is None.
-    exit_signal (--exit-signal-handler's signal, e.g. 'SIGTERM'): its workers ignore it, as
-    Megatron-LM's do.
-
-    It has a generator of its own: each iterator of a DataLoader draws its workers' base seed
-    from its generator, by default torch's global one, which on CPU is also dropout's (outside
-    the tracker's regions: tp=1 without --sequence-parallel). The iterators start lazily (at
-    the first batch, again at each pass), so a resumed run would draw that seed after its RNG
-    states were restored, where the uninterrupted run drew it long before, and its dropout
-    masks would differ from there on. Nothing in the samples depends on that seed (the
-    datasets and collate_batch draw no random numbers)."""
-    if dataset is None:
-        return None
-    sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
-                                      data_parallel_rank, data_parallel_size)
-    generator = torch.Generator()
-    generator.manual_seed(LOADER_SEED)
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_batch,
-        persistent_workers=num_workers > 0, generator=generator,
-        worker_init_fn=partial(_worker_catches, exit_signal) if exit_signal and num_workers
-        else None,
-    )
-
-
-def build_data_iterator(dataset, micro_batch_size: int, consumed_samples: int = 0,
-                        data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                        num_workers: int = 0, cyclic: bool = False,
-                        exit_signal: Optional[str] = None) -> Optional[Iterator]:
-    """Iterator of batch dicts (see collate_batch); cyclic restarts at the end of the split
-    (for validation sets sized for a single pass, leave it False); exit_signal:
-    build_data_loader's."""
-    loader = build_data_loader(dataset, micro_batch_size, consumed_samples,
-                               data_parallel_rank, data_parallel_size, num_workers, exit_signal)
-    if loader is None:
-        return None
-    if not cyclic:
-        return iter(loader)
-
-    def _cycle():
-        try:
-            while True:
-                yield from loader
-        finally:  # persistent workers: ended with the iterator
-            if getattr(loader, "_iterator", None) is not None:
-                loader._iterator._shutdown_workers()
-                loader._iterator = None
-    return _cycle()

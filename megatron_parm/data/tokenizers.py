@@ -1,10 +1,14 @@
 """Tokenizers built from Megatron-LM's flags, usable offline.
 
     --tokenizer-type SentencePieceTokenizer  --tokenizer-model M.model
+                     GPTSentencePieceTokenizer, Llama2Tokenizer: the same (Megatron-Core builds
+                     all three with its SentencePiece library)
     --tokenizer-type GPT2BPETokenizer        --vocab-file vocab.json --merge-file merges.txt
     --tokenizer-type BertWordPieceLowerCase  --vocab-file vocab.txt
     --tokenizer-type BertWordPieceCase       --vocab-file vocab.txt
     --tokenizer-type HuggingFaceTokenizer    --tokenizer-model DIR   (DIR/tokenizer.json)
+    --tokenizer-type TikTokenizer            --tokenizer-model V.json (tiktoken's vocabulary)
+    --tokenizer-type NullTokenizer           --vocab-size N  (text "3 1 4" is ids; EOD is N)
 
 Every type returns a `ParmTokenizer`, a megatron-core `MegatronTokenizerText`, so it has
 the interface Megatron-Core's datasets and Megatron-LM's training code expect: tokenize,
@@ -15,6 +19,8 @@ routes GPT-2 BPE and BERT WordPiece through HuggingFace `transformers` and downl
 missing vocabularies, so for those two we carry short local implementations that only read
 the files given on the command line. HuggingFaceTokenizer reads a local directory with the
 `tokenizers` library alone (Megatron-Core's own HuggingFaceTokenizer needs `transformers`).
+TikTokenizer and NullTokenizer are Megatron-Core's own library classes (TikTokenizer needs the
+`tiktoken` package; nothing is downloaded).
 
 SentencePiece special tokens: Megatron-LM's legacy SentencePiece tokenizer appends
 <CLS>, <SEP>, ... after the model's vocabulary. Here they live inside the model instead:
@@ -38,7 +44,8 @@ from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 from megatron_parm.data.tokenizer_files import HF_CONFIG_FILE, huggingface_tokenizer_file
-from megatron_parm.settings import TOKENIZER_TYPES  # values of --tokenizer-type
+from megatron_parm.settings.data import (  # values of --tokenizer-type
+    SENTENCEPIECE_TYPES, TOKENIZER_TYPES)
 
 # Pieces that train_sentencepiece reserves; ids are fixed so every model built here agrees.
 SPM_PAD, SPM_UNK, SPM_BOS, SPM_EOS = "<pad>", "<unk>", "<s>", "</s>"
@@ -58,6 +65,10 @@ HF_END_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
 # Flags and the factory
 # ---------------------------------------------------------------------------------------------
 
+# The special tokens Megatron-Core's TikTokenizer requires among its own.
+TIKTOKEN_REQUIRED = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+
+
 def _require_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
     if not path:
         raise ValueError(f"{flag} is required with --tokenizer-type {tokenizer_type}")
@@ -66,21 +77,60 @@ def _require_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
     return path
 
 
+def special_tokens_of(args) -> List[str]:
+    """--tokenizer-special-tokens, or its older name --tiktoken-special-tokens."""
+    return list(getattr(args, "tokenizer_special_tokens", None)
+                or getattr(args, "tiktoken_special_tokens", None) or [])
+
+
+def check_tokenizer_flags(args) -> None:
+    """The tokenizer flags that go together, before anything is read (ValueError naming the
+    flag): Megatron-LM's rules, and what the tokenizers here take."""
+    tokenizer_type = getattr(args, "tokenizer_type", None)
+    special = special_tokens_of(args)
+    if tokenizer_type == "NullTokenizer" and not getattr(args, "vocab_size", None):
+        raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+    if not special:
+        return
+    if tokenizer_type in SENTENCEPIECE_TYPES and not getattr(
+            args, "tokenizer_sentencepiece_legacy", False):
+        raise ValueError(f"--tokenizer-special-tokens: --tokenizer-type {tokenizer_type} takes "
+                         f"them with --tokenizer-sentencepiece-legacy only (Megatron-Core's "
+                         f"rule: otherwise they belong in the SentencePiece model)")
+    if tokenizer_type in ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+                          "NullTokenizer"):
+        where = ("its ids are numbers" if tokenizer_type == "NullTokenizer"
+                 else "here it reads its tokens from --vocab-file: add them there")
+        raise ValueError(f"--tokenizer-special-tokens: not taken by --tokenizer-type "
+                         f"{tokenizer_type} ({where})")
+    if tokenizer_type == "TikTokenizer":
+        missing = [token for token in TIKTOKEN_REQUIRED if token not in special]
+        if missing:
+            raise ValueError(f"--tokenizer-special-tokens: TikTokenizer's must include "
+                             f"{', '.join(TIKTOKEN_REQUIRED)} (missing {', '.join(missing)})")
+
+
 def build_tokenizer(args) -> "ParmTokenizer":
     """Build the tokenizer named by args.tokenizer_type from local files.
 
-    args: any object with tokenizer_type and, as needed, tokenizer_model, vocab_file,
-    merge_file attributes (an argparse.Namespace of the tokenizer flags, for instance).
+    args: any object with tokenizer_type and, as needed, the other tokenizer flags'
+    attributes (an argparse.Namespace of them, for instance; a missing one is its default).
     """
+    check_tokenizer_flags(args)
     tokenizer_type = getattr(args, "tokenizer_type", None)
     tokenizer_model = getattr(args, "tokenizer_model", None)
     vocab_file = getattr(args, "vocab_file", None)
     merge_file = getattr(args, "merge_file", None)
+    special = special_tokens_of(args)
+    include_special = bool(getattr(args, "tokenizer_hf_include_special_tokens", False))
 
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         path = _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
-        library = _SentencePieceLibrary(path)
-        return ParmTokenizer(library, tokenizer_type, path, library_name="sentencepiece")
+        legacy = bool(getattr(args, "tokenizer_sentencepiece_legacy", False))
+        library = _SentencePieceLibrary(path, legacy=legacy, special_tokens=special or None)
+        variant = {"legacy": " ".join(["legacy", *special])} if legacy else {}
+        return ParmTokenizer(library, tokenizer_type, path, library_name="sentencepiece",
+                             **variant)
     if tokenizer_type == "GPT2BPETokenizer":
         vocab_path = _require_file("--vocab-file", vocab_file, tokenizer_type)
         merge_path = _require_file("--merge-file", merge_file, tokenizer_type)
@@ -89,16 +139,76 @@ def build_tokenizer(args) -> "ParmTokenizer":
                              vocab_file=vocab_path, merges_file=merge_path)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         vocab_path = _require_file("--vocab-file", vocab_file, tokenizer_type)
-        library = WordPieceLibrary(vocab_path, lower_case=tokenizer_type.endswith("LowerCase"))
+        library = WordPieceLibrary(vocab_path, lower_case=tokenizer_type.endswith("LowerCase"),
+                                   include_special_tokens=include_special)
         return ParmTokenizer(library, tokenizer_type, vocab_path, library_name="wordpiece",
-                             vocab_file=vocab_path)
+                             vocab_file=vocab_path,
+                             **({"include_special_tokens": "True"} if include_special else {}))
     if tokenizer_type == "HuggingFaceTokenizer":
-        library = HuggingFaceLibrary(tokenizer_model)
-        return ParmTokenizer(library, tokenizer_type, tokenizer_model, library_name="tokenizers")
+        library = HuggingFaceLibrary(tokenizer_model, special, include_special)
+        variant = {"special_tokens": " ".join(special)} if special else {}
+        if include_special:
+            variant["include_special_tokens"] = "True"
+        return ParmTokenizer(library, tokenizer_type, tokenizer_model, library_name="tokenizers",
+                             **variant)
+    if tokenizer_type == "TikTokenizer":
+        path = _require_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        library = _tiktoken_library(path, args, special)
+        return ParmTokenizer(library, tokenizer_type, path, library_name="tiktoken",
+                             vocab_size=str(library.vocab_size),
+                             pattern=getattr(args, "tiktoken_pattern", None) or "v2",
+                             special_tokens=" ".join(library.special_tokens[:len(special)]))
+    if tokenizer_type == "NullTokenizer":
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+        vocab_size = args.vocab_size
+        return ParmTokenizer(NullTokenizer(vocab_size), tokenizer_type, None, library_name="null",
+                             vocab_size=str(vocab_size))
     raise ValueError(
         f"--tokenizer-type: unsupported value {tokenizer_type!r}; choose one of "
         f"{', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def _tiktoken_library(path: str, args, special: List[str]):
+    """Megatron-Core's TikTokenizer over a local vocabulary file (a JSON list of {rank,
+    token_bytes, token_str}), its flags checked first: its own checks are bare asserts."""
+    try:
+        import tiktoken  # noqa: F401 (Megatron-Core's class needs it)
+    except ImportError:
+        raise ValueError("--tokenizer-type TikTokenizer needs the 'tiktoken' package "
+                         "(pip install tiktoken)") from None
+    from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
+        DEFAULT_TIKTOKEN_MAX_VOCAB, TikTokenTokenizer)
+
+    num_special = getattr(args, "tiktoken_num_special_tokens", 1000)
+    vocab_size = getattr(args, "vocab_size", None) or DEFAULT_TIKTOKEN_MAX_VOCAB
+    if not path.endswith(".json"):
+        raise ValueError(f"--tokenizer-model: TikTokenizer reads a .json vocabulary, got {path}")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            entries = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--tokenizer-model: {path} is not JSON: {error}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"--tokenizer-model: {path} is not a tiktoken vocabulary (a JSON list "
+                         f"of rank, token_bytes, token_str)")
+    if len(special or TIKTOKEN_REQUIRED) > num_special or num_special >= vocab_size:
+        raise ValueError(f"--tiktoken-num-special-tokens {num_special} must hold the special "
+                         f"tokens ({len(special or TIKTOKEN_REQUIRED)}) and be below --vocab-size "
+                         f"{vocab_size}")
+    if len(entries) < vocab_size - num_special:
+        raise ValueError(f"--vocab-size {vocab_size} needs {vocab_size - num_special} entries "
+                         f"in --tokenizer-model {path} after --tiktoken-num-special-tokens "
+                         f"{num_special}; it has {len(entries)} (give a smaller --vocab-size)")
+    try:
+        return TikTokenTokenizer(path, special_tokens=special or None,
+                                 num_special_tokens=num_special,
+                                 pattern=getattr(args, "tiktoken_pattern", None) or "v2",
+                                 vocab_size=vocab_size)
+    except (AssertionError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"--tokenizer-model: {path} is not a tiktoken vocabulary Megatron-Core "
+                         f"reads ({type(error).__name__}: {error})") from None
 
 
 class ParmTokenizer(MegatronTokenizerText):
@@ -147,13 +257,17 @@ class _SentencePieceLibrary(_MegatronSentencePieceLibrary):
       the upstream properties rebuild the whole table on each access.
     """
 
-    def __init__(self, model_path: str) -> None:
-        super().__init__(model_path)
+    def __init__(self, model_path: str, legacy: bool = False,
+                 special_tokens: Optional[List[str]] = None) -> None:
+        super().__init__(model_path, special_tokens=special_tokens, legacy=legacy)
         self._model_path = model_path
-        self._vocab = [self.tokenizer.id_to_piece(i) for i in range(self.vocab_size)]
+        # the model's pieces, then (legacy) the special tokens the wrapper added after them
+        self._vocab = _MegatronSentencePieceLibrary.vocab.fget(self)
         self._inv_vocab = dict(enumerate(self._vocab))
 
     def _control_id(self, piece: str) -> int:
+        if piece in self.special_token_to_id:  # legacy: a --tokenizer-special-tokens one
+            return self.special_token_to_id[piece]
         piece_id = self.tokenizer.piece_to_id(piece)
         if piece_id == self.tokenizer.unk_id():
             raise ValueError(
@@ -408,7 +522,9 @@ class WordPieceLibrary(MegatronTokenizerTextAbstract):
 
     max_chars_per_word = 100
 
-    def __init__(self, vocab_file: str, lower_case: bool) -> None:
+    def __init__(self, vocab_file: str, lower_case: bool,
+                 include_special_tokens: bool = False) -> None:
+        self.include_special_tokens = include_special_tokens
         with open(vocab_file, encoding="utf-8") as handle:
             tokens = [line.rstrip("\n").strip() for line in handle]
         self.vocab_dict: Dict[str, int] = {}
@@ -496,7 +612,10 @@ class WordPieceLibrary(MegatronTokenizerTextAbstract):
         return [self.inv_vocab_dict[int(token_id)] for token_id in ids]
 
     def text_to_ids(self, text: str) -> List[int]:
-        return self.tokens_to_ids(self.text_to_tokens(text))
+        ids = self.tokens_to_ids(self.text_to_tokens(text))
+        if self.include_special_tokens:  # as BERT's own tokenizer frames a text
+            return [self.cls_id, *ids, self.sep_id]
+        return ids
 
     def ids_to_text(self, ids: List[int]) -> str:
         special = {BERT_CLS, BERT_SEP, BERT_PAD}
@@ -577,11 +696,14 @@ class HuggingFaceLibrary(MegatronTokenizerTextAbstract):
     its special tokens from DIR/tokenizer_config.json when there is one.
 
     Text is encoded without the tokenizer's own special tokens (its post-processor's BOS /
-    EOS): a document's end is preprocess_data's --append-eod, as with the other types. The
-    end-of-document id is eos_token's, else the first of HF_END_TOKENS the vocabulary has.
+    EOS; with them under --tokenizer-hf-include-special-tokens): a document's end is
+    preprocess_data's --append-eod, as with the other types. The end-of-document id is
+    eos_token's, else the first of HF_END_TOKENS the vocabulary has. special_tokens
+    (--tokenizer-special-tokens) are added to the vocabulary where it lacks them.
     """
 
-    def __init__(self, directory: Optional[str]) -> None:
+    def __init__(self, directory: Optional[str], special_tokens: Iterable[str] = (),
+                 include_special_tokens: bool = False) -> None:
         try:
             import tokenizers
         except ImportError:
@@ -594,6 +716,9 @@ class HuggingFaceLibrary(MegatronTokenizerTextAbstract):
             raise ValueError(f"--tokenizer-model: {path} is not a Hugging Face tokenizer: "
                              f"{error}") from None
         self.directory = directory
+        self.include_special_tokens = include_special_tokens
+        if special_tokens:
+            self.tokenizer.add_special_tokens(list(special_tokens))
         self.vocab_dict: Dict[str, int] = self.tokenizer.get_vocab(with_added_tokens=True)
         self.inv_vocab_dict = {token_id: token for token, token_id in self.vocab_dict.items()}
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -640,7 +765,7 @@ class HuggingFaceLibrary(MegatronTokenizerTextAbstract):
         return [self.inv_vocab_dict[int(token_id)] for token_id in ids]
 
     def text_to_ids(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def ids_to_text(self, ids: List[int]) -> str:
         return self.tokenizer.decode([int(token_id) for token_id in ids],

@@ -6,8 +6,8 @@ line before any rank starts (docs/flags.md lists them all, with why).
     flag.py          Flag (a declaration) and the checks of one value
     megatron_lm.py   Megatron-LM's flags as facts (names, kind, type, default, nargs, choices),
                      from megatron_lm_0_16_1.tsv
-    model.py, moe.py, parm.py, parallel.py, training.py, checkpoints.py, logging.py,
-    precision.py, data.py
+    model.py, moe.py, parm.py, parallel.py, training.py, optimizer.py, checkpoints.py,
+    logging.py, precision.py, data.py
                      the flags of one concern each: what this project implements
     surface.py       the flags it does not implement: no effect here, or refused, and why
     registry.py      FLAGS (every flag by name), the parsers, the refusal and the start-up note

@@ -38,10 +38,11 @@ def flags() -> List[Flag]:
                   "Slurm's --signal=USR1@SECONDS, say). megatron_parm.launch passes it on to "
                   "the ranks when it receives it, or SIGTERM or SIGINT."),
         Flag("--override-opt_param-scheduler", GROUP,
-             help="On resume, take the learning-rate schedule (--lr, --min-lr, "
-                  "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay, "
-                  "--train-iters) from the command line, not the checkpoint. Without this or "
-                  "the next flag a difference is an error."),
+             help="On resume, take the learning-rate and weight-decay schedule (--lr, "
+                  "--min-lr, the warmup and decay lengths in iterations or samples, "
+                  "--lr-decay-style, the weight decay and its schedule, --train-iters or "
+                  "--train-samples) from the command line, not the checkpoint. Without this "
+                  "or the next flag a difference is an error."),
         Flag("--use-checkpoint-opt_param-scheduler", GROUP,
              help="On resume, keep the checkpoint's learning-rate schedule."),
         Flag("--dist-ckpt-optim-fully-reshardable", GROUP,

@@ -124,7 +124,8 @@ class Flag:
     (type, default, kind, inverted, nargs, choices, aliases) are its facts
     (megatron_lm_0_16_1.tsv); a field set to another value must say why in ``differs``.
     ``supported``: the values of its choices that run here; any other is refused in one line
-    with ``unsupported`` (why)."""
+    with ``unsupported`` (why). ``unavailable``: value -> why it cannot run on this machine
+    (a package not installed), or None."""
 
     name: str  # "--num-layers"
     group: str
@@ -142,6 +143,7 @@ class Flag:
     differs: Optional[str] = None  # why a fact differs from Megatron-LM's
     supported: Optional[Sequence] = None
     unsupported: Optional[str] = None
+    unavailable: Optional[Callable[[Any], Optional[str]]] = None
 
     @property
     def key(self) -> str:

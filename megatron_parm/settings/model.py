@@ -10,6 +10,17 @@ GROUP = "model"
 # Values of flags whose implementation modules import torch or Megatron-Core (they import
 # these from here).
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def _impl_unavailable(value: str):
+    """Why a --transformer-impl value cannot run on this machine (a GPU is checked in
+    training, which imports torch)."""
+    import importlib.util
+
+    if value == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        return ("needs Transformer Engine, which is not installed here (the transformer-engine "
+                "package)")
+    return None
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
@@ -23,8 +34,6 @@ def flags() -> List[Flag]:
         Flag("--seq-length", GROUP, check=positive_int),
         Flag("--max-position-embeddings", GROUP, help="Default: --seq-length.",
              check=positive_int),
-        Flag("--vocab-size", GROUP, help="Vocabulary size (the planners; training reads it "
-             "from the tokenizer).", check=positive_int),
         Flag("--hidden-dropout", GROUP),
         Flag("--attention-dropout", GROUP),
         Flag("--disable-bias-linear", GROUP, kind="switch", inverted=False, default=False,
@@ -67,6 +76,7 @@ def flags() -> List[Flag]:
         Flag("--init-method-std", GROUP),
         Flag("--transformer-impl", GROUP, default="local", supported=TRANSFORMER_IMPLS,
              unsupported="not built here: local and transformer_engine are",
+             unavailable=_impl_unavailable,
              differs="Transformer Engine is optional here: its modules only where asked for",
              help="Layer modules: Megatron-Core's own (local, the default here) or Transformer "
                   "Engine's (needs transformer-engine and a GPU)."),

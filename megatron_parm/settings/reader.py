@@ -6,7 +6,9 @@
                                    surface and --parm-*
     read(parser, argv)             argv over the --config file (YAML or JSON) over the defaults,
                                    then every declared check and the refusals: the one reader of
-                                   settings
+                                   settings (a flag given on the command line also replaces the
+                                   file's value of the same setting in another unit:
+                                   --train-samples its train_iters)
     read_config_file(path)         the mapping a config file holds (ValueError naming it)
     config_values(path, parser)    a config file's values for a parser's flags
     require(args, names)           ValueError for the first required flag without a value
@@ -233,7 +235,7 @@ def read(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
         if unused:
             print(f"note: --config {path}: not used {reader}: {', '.join(sorted(unused))}",
                   file=sys.stderr)
-        parser.set_defaults(**values)
+        parser.set_defaults(**_replaced(values, parser, argv))
         args = parser.parse_args(argv)
     check(args)
     problem = refusal(args, [action.flag.name for action in parser._actions
@@ -241,6 +243,16 @@ def read(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
     if problem:
         raise ValueError(problem)
     return args
+
+
+def _replaced(values: dict, parser: argparse.ArgumentParser,
+              argv: Optional[Sequence[str]]) -> dict:
+    """A config file's VALUES less those the command line replaces with another unit of the
+    same setting (registry.ALTERNATIVES: --train-samples replaces the file's train_iters)."""
+    on_command_line = given(parser, sys.argv[1:] if argv is None else argv)
+    dropped = {dest for dests in registry.ALTERNATIVES if on_command_line & set(dests)
+               for dest in dests if dest not in on_command_line}
+    return {dest: value for dest, value in values.items() if dest not in dropped}
 
 
 def check(args: argparse.Namespace) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from megatron_parm.settings import (
-    checkpoints, data, logging, megatron_lm, model, moe, parallel, parm, precision, run_control,
-    surface, training)
+    checkpoints, data, logging, megatron_lm, model, moe, optimizer, parallel, parm, precision,
+    run_control, surface, training)
 from megatron_parm.settings.flag import DECLARED, Flag
 
 IMPLEMENTED, NO_EFFECT, REFUSED = "implemented", "no effect", "refused"
@@ -30,8 +30,9 @@ CONFIG = Flag("--config", "config", str, help="YAML (or JSON) file of flag value
 def _declare() -> List[Flag]:
     """This project's declarations, by concern (the order of --help)."""
     return [CONFIG, *model.flags(), *moe.flags(), *parm.flags(), *parallel.flags(),
-            *parallel.cluster_flags(), *training.flags(), *checkpoints.flags(),
-            *run_control.flags(), *logging.flags(), *precision.flags(), *data.flags(), *data.tokenizer_flags()]
+            *parallel.cluster_flags(), *training.flags(), *optimizer.flags(),
+            *checkpoints.flags(), *run_control.flags(), *logging.flags(), *precision.flags(),
+            *data.flags(), *data.tokenizer_flags()]
 
 
 DECLARATIONS: List[Flag] = _declare()
@@ -63,8 +64,7 @@ def _all_flags() -> Dict[str, Flag]:
 
 
 FLAGS: Dict[str, Flag] = _all_flags()
-# The training parser's flags: a flag surface.py lists is built from its facts there, whatever a
-# planner declares of it (--vocab-size).
+# The training parser's flags that surface.py lists, built from their facts.
 SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_lm.OPTIONS.items()
                             if status(name) != IMPLEMENTED}
 
@@ -73,7 +73,8 @@ SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_l
 TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
 # The groups of training's parser, in --help order.
 TRAINING_GROUPS = (model.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
-                   checkpoints.GROUP, run_control.GROUP, logging.GROUP, precision.GROUP, data.GROUP, data.TOKENIZER)
+                   optimizer.GROUP, checkpoints.GROUP, run_control.GROUP, logging.GROUP,
+                   precision.GROUP, data.GROUP, data.TOKENIZER)
 # Flags of a group that training does not take (the planners' own).
 PLANNER_ONLY = ("--parm-chunk-candidates",)
 
@@ -136,12 +137,15 @@ def refusal(args, names: Optional[Iterable[str]] = None) -> Optional[str]:
         value = _shown(getattr(args, megatron_lm.option(name).dest))
         problems.append(f"{name}{' ' + value if value else ''}: {surface.REFUSED[name]}")
     for flag in FLAGS.values():
-        if flag.supported is None or flag.name not in names or not hasattr(args, flag.key):
+        if flag.name not in names or not hasattr(args, flag.key) or \
+                getattr(args, flag.key) is None:
             continue
-        supported = flag.supported() if callable(flag.supported) else flag.supported
         value = getattr(args, flag.key)
-        if value is not None and value not in supported:
-            problems.append(f"{flag.name} {value}: {flag.unsupported}")
+        supported = flag.supported() if callable(flag.supported) else flag.supported
+        why = flag.unsupported if supported is not None and value not in supported else \
+            flag.unavailable(value) if flag.unavailable is not None else None
+        if why:
+            problems.append(f"{flag.name} {value}: {why}")
     if not problems:
         return None
     return "not available here: " + "; ".join(problems)

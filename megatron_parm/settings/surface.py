@@ -28,6 +28,7 @@ GPU_MEMORY = ("changes where or how long GPU memory is held (offloading, pinning
 CUDA_GRAPHS_OFF = "a setting of CUDA graphs, which are off here"
 FP8_OFF = "a setting of FP8 / FP4 training, which is off here"
 FLEX_OFF = "a setting of the flex dispatcher (DeepEP / HybridEP), which is refused here"
+MUON_OFF = "a setting of --optimizer muon / dist_muon, which is refused here"
 FSDP_OFF = "a setting of FSDP, which is not built here"
 PRECISION_AWARE_OFF = ("a setting of --use-precision-aware-optimizer, which needs Transformer "
                        "Engine")
@@ -46,8 +47,16 @@ EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
 UNREAD = ("Megatron-LM core_v0.16.1 reads it nowhere: with --exit-signal-handler the data "
           "loader's workers catch --exit-signal anyway, there as here")
-VOCAB_FROM_TOKENIZER = ("training takes the vocabulary size from the tokenizer (the planners read"
-                        " this flag)")
+SAMPLE_RATE = ("Megatron-LM reads it only in its legacy ORQA (biencoder) datasets, not when it "
+               "pretrains GPT or BERT")
+DECODER_ONLY = ("the decoder's sequence length of encoder-decoder models (T5), which are not built "
+                "here: GPT and BERT read --seq-length")
+OBJECT_STORAGE = ("caches the indexes of data read from object storage (S3, the multi-storage "
+                  "client), and the data here are local files")
+HF_FAST = ("HuggingFaceTokenizer here always reads tokenizer.json with the tokenizers library (a "
+           "fast tokenizer)")
+HF_REMOTE_CODE = ("HuggingFaceTokenizer here reads tokenizer.json and never runs code of the "
+                  "tokenizer's repository")
 
 # Why a flag is refused.
 NEEDS_TE = "needs Transformer Engine"
@@ -79,9 +88,15 @@ NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project'
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
 FULL_VALIDATION = ("an evaluation runs --eval-iters batches here, a pass over the whole "
                    "validation split is not built")
-VALIDATION_SETS = ("needs --valid-data-path (a validation set per dataset), which is not built "
-                   "here")
+VALIDATION_SETS = ("an evaluation here takes the validation datasets as one blend, a loss for "
+                   "each one is not built")
 NOT_BUILT = "not built here yet"
+FIM = ("Megatron-LM's fill-in-the-middle dataset is in its training package, not in Megatron-Core "
+       "0.16.1, and is not built here")
+LEGACY_TOKENIZER = ("Megatron-LM's legacy tokenizer classes (megatron/training/tokenizer) are not "
+                    "built here: the datasets use the tokenizer --tokenizer-type names")
+TOKENIZER_METADATA = ("picks Megatron-Core's tokenizer library and class from a file, and the "
+                      "tokenizers here are chosen by --tokenizer-type")
 
 NO_EFFECT: Dict[str, str] = {
     "--pipeline-model-parallel-comm-backend": NCCL,
@@ -134,6 +149,14 @@ NO_EFFECT: Dict[str, str] = {
     "--relative-attention-num-buckets": RELATIVE_OFF,
     "--relative-attention-max-distance": RELATIVE_OFF,
     "--onnx-safe": EXPORT,
+    "--muon-momentum": MUON_OFF,
+    "--muon-no-split-qkv": MUON_OFF,
+    "--muon-use-nesterov": MUON_OFF,
+    "--muon-scale-mode": MUON_OFF,
+    "--muon-fp32-matmul-prec": MUON_OFF,
+    "--muon-num-ns-steps": MUON_OFF,
+    "--muon-tp-mode": MUON_OFF,
+    "--muon-extra-scale-factor": MUON_OFF,
     "--profile": PROFILING,
     "--profile-step-start": PROFILING,
     "--profile-step-end": PROFILING,
@@ -192,7 +215,11 @@ NO_EFFECT: Dict[str, str] = {
     "--dataloader-fast-cache-load": INDEX_SPEED,
     "--dataloader-defer-npy-index-mmap": INDEX_SPEED,
     "--num-dataset-builder-threads": INDEX_SPEED,
-    "--vocab-size": VOCAB_FROM_TOKENIZER,
+    "--decoder-seq-length": DECODER_ONLY,
+    "--sample-rate": SAMPLE_RATE,
+    "--object-storage-cache-path": OBJECT_STORAGE,
+    "--tokenizer-hf-use-fast": HF_FAST,
+    "--trust-remote-code": HF_REMOTE_CODE,
     "--log-energy": PROFILING,
     "--log-straggler": TELEMETRY,
     "--straggler-ctrlr-port": TELEMETRY,
@@ -294,29 +321,12 @@ REFUSED: Dict[str, str] = {
     "--use-rope-scaling": NOT_BUILT,
     "--rope-scaling-factor": NOT_BUILT,
     "--no-rope-freq": NOT_BUILT,
-    "--make-vocab-size-divisible-by": NOT_BUILT,
     "--squared-relu": NOT_BUILT,
     "--quick-geglu": NOT_BUILT,
-    "--apply-wd-to-qk-layernorm": NOT_BUILT,
-    "--sgd-momentum": NOT_BUILT,
-    "--muon-momentum": NOT_BUILT,
-    "--muon-no-split-qkv": NOT_BUILT,
-    "--muon-use-nesterov": NOT_BUILT,
-    "--muon-scale-mode": NOT_BUILT,
-    "--muon-fp32-matmul-prec": NOT_BUILT,
-    "--muon-num-ns-steps": NOT_BUILT,
-    "--muon-tp-mode": NOT_BUILT,
-    "--muon-extra-scale-factor": NOT_BUILT,
-    "--no-weight-decay-cond-type": NOT_BUILT,
-    "--rampup-batch-size": NOT_BUILT,
-    "--decrease-batch-size-if-needed": NOT_BUILT,
-    "--train-samples": NOT_BUILT,
     "--batch-size": RENAMED,
     "--checkpoint-activations": RENAMED,
     "--rope-type": NOT_BUILT,
-    "--optimizer": NOT_BUILT,
     "--dump-param-to-param-group-map": NOT_BUILT,
-    "--dataloader-type": NOT_BUILT,
     "--use-legacy-models": LEGACY_MODELS,
     "--perform-rl-step": NOT_PRETRAINING,
     "--rl-prompts-per-eval": NOT_PRETRAINING,
@@ -360,19 +370,7 @@ REFUSED: Dict[str, str] = {
     "--inference-rng-tracker": INFERENCE,
     "--data-parallel-random-init": NOT_BUILT,
     "--init-method-xavier-uniform": NOT_BUILT,
-    "--lr-wsd-decay-style": NOT_BUILT,
-    "--lr-decay-samples": NOT_BUILT,
-    "--lr-wsd-decay-iters": NOT_BUILT,
-    "--lr-wsd-decay-samples": NOT_BUILT,
-    "--lr-warmup-fraction": NOT_BUILT,
-    "--lr-warmup-samples": NOT_BUILT,
-    "--lr-warmup-init": NOT_BUILT,
-    "--start-weight-decay": NOT_BUILT,
-    "--end-weight-decay": NOT_BUILT,
-    "--weight-decay-incr-style": NOT_BUILT,
     "--warmup": RENAMED,
-    "--decoupled-lr": NOT_BUILT,
-    "--decoupled-min-lr": NOT_BUILT,
     "--save-wgrads-interval": NOT_BUILT,
     "--save-dgrads-interval": NOT_BUILT,
     "--save-retain-interval": NOT_BUILT,
@@ -418,52 +416,25 @@ REFUSED: Dict[str, str] = {
     "--lazy-mpu-init": NOT_BUILT,
     "--use-megatron-fsdp": FSDP,
     "--data-parallel-sharding-strategy": FSDP,
-    "--num-distributed-optimizer-instances": NOT_BUILT,
     "--use-torch-fsdp2": FSDP,
     "--cp-comm-type": CONTEXT_PARALLEL,
     "--use-tp-pp-dp-mapping": NOT_BUILT,
     "--fake-process-group": NOT_BUILT,
     "--full-validation": FULL_VALIDATION,
     "--multiple-validation-sets": VALIDATION_SETS,
-    "--phase-transition-iterations": NOT_BUILT,
-    "--train-data-path": NOT_BUILT,
-    "--valid-data-path": NOT_BUILT,
-    "--test-data-path": NOT_BUILT,
-    "--data-args-path": NOT_BUILT,
-    "--per-split-data-args-path": NOT_BUILT,
-    "--per-dataset-sequences-path": NOT_BUILT,
-    "--no-mmap-bin-files": NOT_BUILT,
-    "--mock-data": NOT_BUILT,
-    "--encoder-seq-length": NOT_BUILT,
-    "--decoder-seq-length": NOT_BUILT,
-    "--sample-rate": NOT_BUILT,
-    "--no-create-attention-mask-in-dataloader": NOT_BUILT,
-    "--object-storage-cache-path": NOT_BUILT,
-    "--mid-level-dataset-surplus": NOT_BUILT,
-    "--allow-ambiguous-pad-tokens": NOT_BUILT,
-    "--fim-data": NOT_BUILT,
-    "--fim-rate": NOT_BUILT,
-    "--fim-spm-rate": NOT_BUILT,
-    "--fim-split-sample": NOT_BUILT,
-    "--fim-fragment-rate": NOT_BUILT,
-    "--fim-no-prefix": NOT_BUILT,
-    "--fim-prefix-token": NOT_BUILT,
-    "--fim-middle-token": NOT_BUILT,
-    "--fim-suffix-token": NOT_BUILT,
-    "--fim-pad-token": NOT_BUILT,
-    "--fim-eod-token": NOT_BUILT,
-    "--padded-vocab-size": NOT_BUILT,
-    "--vocab-extra-ids": NOT_BUILT,
-    "--tokenizer-metadata": NOT_BUILT,
-    "--tokenizer-special-tokens": NOT_BUILT,
-    "--legacy-tokenizer": NOT_BUILT,
-    "--tiktoken-pattern": NOT_BUILT,
-    "--tiktoken-num-special-tokens": NOT_BUILT,
-    "--tiktoken-special-tokens": NOT_BUILT,
-    "--tokenizer-sentencepiece-legacy": NOT_BUILT,
-    "--tokenizer-hf-use-fast": NOT_BUILT,
-    "--tokenizer-hf-include-special-tokens": NOT_BUILT,
-    "--trust-remote-code": NOT_BUILT,
+    "--fim-data": FIM,
+    "--fim-rate": FIM,
+    "--fim-spm-rate": FIM,
+    "--fim-split-sample": FIM,
+    "--fim-fragment-rate": FIM,
+    "--fim-no-prefix": FIM,
+    "--fim-prefix-token": FIM,
+    "--fim-middle-token": FIM,
+    "--fim-suffix-token": FIM,
+    "--fim-pad-token": FIM,
+    "--fim-eod-token": FIM,
+    "--tokenizer-metadata": TOKENIZER_METADATA,
+    "--legacy-tokenizer": LEGACY_TOKENIZER,
     "--adlr-autoresume": AUTORESUME,
     "--adlr-autoresume-interval": AUTORESUME,
     "--ict-head-size": NOT_PRETRAINING,

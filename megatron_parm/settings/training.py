@@ -1,15 +1,42 @@
-"""The training flags: batches, iterations, the learning-rate schedule, the optimizer, data-parallel
-gradients, activation recompute."""
+"""The training flags: batches, iterations or samples, the learning-rate and weight-decay
+schedule, data-parallel gradients, activation recompute (the optimizer's own: optimizer.py).
+
+Megatron-LM's rules between them (iterations or samples, one warmup length, the weight-decay
+schedule's ends) are training/arguments.py's; training/schedule.py turns them into Megatron-Core's
+OptimizerParamScheduler and number-of-micro-batches calculator."""
 
 from __future__ import annotations
 
 from typing import List
 
 from megatron_parm.perf_model.recompute import RECOMPUTE_MODULES
-from megatron_parm.settings.flag import Flag, non_negative_int, positive_int
+from megatron_parm.settings.flag import (
+    Flag, non_negative_int, non_negative_number, positive_int)
 
 GROUP = "training"
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+# The flags that say one setting in different units: the command line's choice replaces a config
+# file's other one (a config's train_iters does not stand against --train-samples).
+ALTERNATIVES = (
+    ("train_iters", "train_samples"),
+    ("lr_decay_iters", "lr_decay_samples"),
+    ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"),
+    ("lr_wsd_decay_iters", "lr_wsd_decay_samples"),
+)
+
+
+def _warmup_fraction(flag: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{flag} must be a number in [0, 1) (a share of the decay length), "
+                         f"got {value!r}")
+
+
+def _rampup(flag: str, value) -> None:
+    start, increment, samples = value
+    if start < 1 or increment < 1 or samples < 0:
+        raise ValueError(f"{flag} takes <start batch size> <batch size increment> <ramp-up "
+                         f"samples>: positive, positive and >= 0, got "
+                         f"{' '.join(map(str, value))}")
 
 
 def flags() -> List[Flag]:
@@ -17,21 +44,30 @@ def flags() -> List[Flag]:
         Flag("--micro-batch-size", GROUP, check=positive_int),
         Flag("--global-batch-size", GROUP, help="Default: micro-batch size x data-parallel "
              "size.", check=positive_int),
-        Flag("--train-iters", GROUP, check=positive_int),
-        Flag("--lr", GROUP),
-        Flag("--min-lr", GROUP),
-        Flag("--lr-decay-style", GROUP, supported=LR_DECAY_STYLES,
-             unsupported="not built here"),
-        Flag("--lr-warmup-iters", GROUP, check=non_negative_int),
-        Flag("--lr-decay-iters", GROUP, help="Default: --train-iters.", check=positive_int),
+        Flag("--rampup-batch-size", GROUP, check=_rampup, metavar=("START", "INCREMENT",
+                                                                    "SAMPLES"),
+             help="Grow the global batch from START by INCREMENT up to --global-batch-size, "
+                  "over the first SAMPLES samples (in equal shares of samples per batch size); "
+                  "the micro-batches per iteration follow. Sample-based training only."),
+        Flag("--decrease-batch-size-if-needed", GROUP,
+             help="Run each global batch rounded down to a multiple of micro-batch size x "
+                  "data-parallel size instead of refusing it (the samples left out are logged "
+                  "as skipped)."),
+        Flag("--train-iters", GROUP, check=positive_int,
+             help="Iterations to train (or --train-samples)."),
+        Flag("--train-samples", GROUP, check=positive_int,
+             help="Samples to train instead of --train-iters: the schedule's lengths are then "
+                  "in samples (--lr-decay-samples, --lr-warmup-samples, "
+                  "--lr-wsd-decay-samples)."),
+        *_schedule_flags(),
         Flag("--clip-grad", GROUP),
-        Flag("--weight-decay", GROUP),
-        Flag("--adam-beta1", GROUP),
-        Flag("--adam-beta2", GROUP),
-        Flag("--adam-eps", GROUP),
         Flag("--use-distributed-optimizer", GROUP,
              help="Shard the optimizer state and fp32 main parameters over the data-parallel "
                   "ranks (Megatron-Core's DistributedOptimizer)."),
+        Flag("--num-distributed-optimizer-instances", GROUP, check=positive_int,
+             help="With --use-distributed-optimizer: shard over data-parallel groups of DP / N "
+                  "ranks, N copies of the optimizer (gradients reduce-scattered within a group, "
+                  "then all-reduced across the N)."),
         Flag("--overlap-grad-reduce", GROUP,
              help="Reduce each gradient bucket during backward, as soon as it is complete "
                   "(Megatron-LM's flag)."),
@@ -53,6 +89,43 @@ def flags() -> List[Flag]:
                   "sentence-order loss enters weighted by its micro-batch's tokens, as "
                   "Megatron-Core weights the router's losses."),
         *_recompute_flags(),
+    ]
+
+
+def _schedule_flags() -> List[Flag]:
+    """The learning-rate and weight-decay schedule (Megatron-Core's OptimizerParamScheduler),
+    in iterations or, with --train-samples, in samples."""
+    return [
+        Flag("--lr", GROUP),
+        Flag("--min-lr", GROUP),
+        Flag("--decoupled-lr", GROUP, check=non_negative_number,
+             help="A learning rate of its own for the input embedding and the output layer "
+                  "(the same schedule, to --decoupled-min-lr)."),
+        Flag("--decoupled-min-lr", GROUP, check=non_negative_number,
+             help="With --decoupled-lr: the embedding's and output layer's minimum learning "
+                  "rate (default: --min-lr)."),
+        Flag("--lr-decay-style", GROUP,
+             help="WSD: warmup, stable at --lr, then the last --lr-wsd-decay-iters (or "
+                  "-samples) of the decay length decay in --lr-wsd-decay-style."),
+        Flag("--lr-wsd-decay-style", GROUP),
+        Flag("--lr-decay-iters", GROUP, help="Default: --train-iters.", check=positive_int),
+        Flag("--lr-decay-samples", GROUP, help="Default: --train-samples.", check=positive_int),
+        Flag("--lr-wsd-decay-iters", GROUP, check=positive_int),
+        Flag("--lr-wsd-decay-samples", GROUP, check=positive_int),
+        Flag("--lr-warmup-fraction", GROUP, check=_warmup_fraction,
+             help="Warm up over this share of the decay length (instead of --lr-warmup-iters "
+                  "or --lr-warmup-samples)."),
+        Flag("--lr-warmup-iters", GROUP, check=non_negative_int),
+        Flag("--lr-warmup-samples", GROUP, check=non_negative_int),
+        Flag("--lr-warmup-init", GROUP, check=non_negative_number,
+             help="The learning rate warmup starts from."),
+        Flag("--weight-decay", GROUP),
+        Flag("--start-weight-decay", GROUP, check=non_negative_number,
+             help="With --weight-decay-incr-style linear or cosine: the first weight decay."),
+        Flag("--end-weight-decay", GROUP, check=non_negative_number,
+             help="With --weight-decay-incr-style linear or cosine: the last one, reached at "
+                  "the end of training."),
+        Flag("--weight-decay-incr-style", GROUP),
     ]
 
 

@@ -12,23 +12,25 @@ process group exists, raising ValueError with a message that names the flag.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional
 
 from megatron_parm import settings, tuning
-from megatron_parm.data.datasets import parse_data_path
+from megatron_parm.data.datasets import check_data_flags
+from megatron_parm.data.tokenizers import check_tokenizer_flags
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
     model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
     virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision
+from megatron_parm.training import ddp, mixed_precision, schedule
 from megatron_parm.training.implementation import check_implementation
 
 MODEL_TYPES = ("gpt", "bert")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-            "train_iters", "lr", "tokenizer_type")
+            "lr", "tokenizer_type")
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -57,6 +59,7 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
 def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
     own check ran in settings.read)."""
+    _validate_seq_length(args)
     settings.require(args, REQUIRED)
     if reads_data:
         _validate_inputs(args)
@@ -64,6 +67,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_layout(args, world_size)
     _validate_batch(args, world_size)
     _validate_schedule(args)
+    _validate_optimizer(args, world_size)
     _validate_parm(args, world_size)
     _validate_run_control(args)
     _validate_implementation(args)
@@ -86,12 +90,25 @@ def _validate_config(args) -> None:
                          f"{' '.join(str(error).split())}") from error
 
 
+def _validate_seq_length(args) -> None:
+    """--encoder-seq-length: Megatron-LM's other name of --seq-length (one of the two)."""
+    if args.encoder_seq_length is None:
+        return
+    if args.seq_length is not None:
+        raise ValueError(f"--encoder-seq-length {args.encoder_seq_length} and --seq-length "
+                         f"{args.seq_length}: give one of the two (Megatron-LM's other name of "
+                         f"--seq-length)")
+    args.seq_length = args.encoder_seq_length
+
+
 def _validate_inputs(args) -> None:
-    """The files the data flags name."""
-    if args.split is None:
-        args.split = settings.data.DEFAULT_SPLIT
-    parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
-    if args.tokenizer_type == "SentencePieceTokenizer":
+    """The data and tokenizer flags that go together, and the files they name."""
+    check_data_flags(args, getattr(args, "model_type", "gpt"))  # every prefix names a whole indexed dataset
+    check_tokenizer_flags(args)
+    if getattr(args, "phase_transition_iterations", None):
+        args.phase_transition_iterations = settings.data.phase_transition_iterations(
+            args.phase_transition_iterations)
+    if args.tokenizer_type in settings.data.SENTENCEPIECE_TYPES + ("TikTokenizer",):
         if not args.tokenizer_model or not os.path.isfile(args.tokenizer_model):
             raise ValueError(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if args.tokenizer_type == "HuggingFaceTokenizer":
@@ -167,32 +184,163 @@ def _validate_layout(args, world_size: int) -> None:
 
 
 def _validate_batch(args, world_size: int) -> None:
-    """The data-parallel size, the global batch and the micro-batches per step."""
+    """The data-parallel size, the global batch (each of --rampup-batch-size's too) and the
+    micro-batches per step; args.num_microbatches: the full batch's, which evaluation runs
+    (Megatron-LM's)."""
     pp = args.pipeline_model_parallel_size
     data_parallel_size = world_size // (args.tensor_model_parallel_size * pp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
-    _refuse(batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel_size))
     args.data_parallel_size = data_parallel_size
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * data_parallel_size)
-    _refuse(microbatch_problem(args.num_microbatches, pp,
-                               args.virtual_pipeline_model_parallel_size))
+    _validate_rampup(args)
+    per_step = args.micro_batch_size * data_parallel_size
+    for batch in schedule.ramp_batch_sizes(args):
+        where = "" if batch == args.global_batch_size else \
+            f"--rampup-batch-size: at global batch size {batch}: "
+        if not args.decrease_batch_size_if_needed and batch % per_step:
+            raise ValueError((f"{where}global batch size {batch} must be divisible by "
+                              f"--micro-batch-size x data-parallel size ({per_step})" if where
+                              else batch_problem(batch, args.micro_batch_size, data_parallel_size))
+                             + " (or give --decrease-batch-size-if-needed)")
+        running = schedule.running_batch_size(batch, per_step, args.decrease_batch_size_if_needed)
+        if running == 0:
+            raise ValueError(f"{where}--decrease-batch-size-if-needed: global batch size {batch} "
+                             f"is less than one micro-batch on every data-parallel rank "
+                             f"(--micro-batch-size x data-parallel size = {per_step})")
+        problem = microbatch_problem(running // per_step, pp,
+                                     args.virtual_pipeline_model_parallel_size)
+        _refuse(problem and where + problem)
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def _validate_rampup(args) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES against --global-batch-size (Megatron-Core's
+    calculator asserts these, and divides by zero when there is nothing to ramp)."""
+    if args.rampup_batch_size is None:
+        return
+    start, increment, _ = args.rampup_batch_size
+    if args.train_samples is None:
+        raise ValueError("--rampup-batch-size needs sample-based training: --train-samples "
+                         "instead of --train-iters (as in Megatron-LM)")
+    if not start < args.global_batch_size or (args.global_batch_size - start) % increment:
+        raise ValueError(f"--rampup-batch-size {start} {increment} ...: the start must be below "
+                         f"--global-batch-size ({args.global_batch_size}) and the difference a "
+                         f"multiple of the increment")
 
 
 def _validate_schedule(args) -> None:
-    """The learning-rate schedule, and how a resume treats the checkpoint's."""
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below "
-                         f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
+    """The training length and the learning-rate and weight-decay schedule (Megatron-LM's
+    rules, and what Megatron-Core's OptimizerParamScheduler asserts), and how a resume treats
+    the checkpoint's schedule."""
+    _validate_training_length(args)
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    if args.lr_warmup_init > args.lr:
+        raise ValueError(f"--lr-warmup-init ({args.lr_warmup_init}) must not exceed --lr "
+                         f"({args.lr})")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the embedding's and output "
+                         "layer's own peak learning rate)")
+    _validate_weight_decay(args)
+    unit = "samples" if schedule.sample_based(args) else "iters"
+    lengths = schedule.scheduler_lengths(args)
+    if lengths["lr_warmup_steps"] >= lengths["lr_decay_steps"]:
+        warmup = ("--lr-warmup-fraction" if args.lr_warmup_fraction is not None
+                  else f"--lr-warmup-{unit}")
+        per = 1 if unit == "samples" else args.global_batch_size
+        raise ValueError(f"{warmup} must give a warmup shorter than --lr-decay-{unit} (default "
+                         f"--train-{unit}): {lengths['lr_warmup_steps'] / per:g} against "
+                         f"{lengths['lr_decay_steps'] / per:g} {'samples' if per == 1 else 'iterations'}")
+    if args.lr_decay_style == "WSD" and lengths["wsd_decay_steps"] is None:
+        raise ValueError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of its "
+                         f"final decay)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                          "exclude each other (the command line's schedule, or the checkpoint's)")
     if args.skip_train and not args.load:
         raise ValueError("--skip-train needs --load (the checkpoint to evaluate)")
+
+
+# The schedule's lengths in one unit each: (iterations' flag, samples' flag).
+_LENGTH_FLAGS = (("--lr-decay-iters", "--lr-decay-samples"),
+                 ("--lr-warmup-iters", "--lr-warmup-samples"),
+                 ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"))
+
+
+def _validate_training_length(args) -> None:
+    """Iteration-based (--train-iters) or sample-based (--train-samples) training, each with
+    its own unit for the schedule's lengths (Megatron-LM's rules); fills the decay length's
+    default and, from --train-samples, the iterations."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ValueError("give --train-iters or --train-samples" if args.train_iters is None
+                         else "--train-iters and --train-samples exclude each other (iterations "
+                              "or samples)")
+    sample_based = schedule.sample_based(args)
+    length = "--train-samples" if sample_based else "--train-iters"
+    for iterations, samples in _LENGTH_FLAGS:
+        wrong, right = (iterations, samples) if sample_based else (samples, iterations)
+        if getattr(args, wrong[2:].replace("-", "_")):
+            raise ValueError(f"{wrong} does not go with {length}: give {right}")
+    warmup = _LENGTH_FLAGS[1][1 if sample_based else 0]
+    if args.lr_warmup_fraction is not None and getattr(args, warmup[2:].replace("-", "_")):
+        raise ValueError(f"--lr-warmup-fraction and {warmup} exclude each other (one warmup "
+                         f"length)")
+    if sample_based:
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        args.train_iters = schedule.train_iters_of_samples(args)
+        if args.train_iters < 1:
+            raise ValueError(f"--train-samples ({args.train_samples}) is less than one global "
+                             f"batch ({args.global_batch_size})")
+    elif args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+
+
+def _validate_weight_decay(args) -> None:
+    """The weight-decay schedule: --weight-decay throughout, or from --start-weight-decay up to
+    --end-weight-decay (linear or cosine)."""
+    if args.no_weight_decay_cond_type is not None:  # Megatron-LM's deprecated spelling
+        args.apply_wd_to_qk_layernorm, args.no_weight_decay_cond_type = True, None
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ValueError("--start-weight-decay and --end-weight-decay need "
+                             "--weight-decay-incr-style linear or cosine (constant keeps "
+                             "--weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    if args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                         f"--start-weight-decay and --end-weight-decay")
+    if args.end_weight_decay < args.start_weight_decay:
+        raise ValueError(f"--end-weight-decay ({args.end_weight_decay}) must be at least "
+                         f"--start-weight-decay ({args.start_weight_decay}): Megatron-Core's "
+                         f"schedule only increases weight decay")
+
+
+def _validate_optimizer(args, world_size: int) -> None:
+    """The optimizer's flags against the layout and checkpoints (Megatron-Core 0.16.1's
+    assertions)."""
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1:
+        if not args.use_distributed_optimizer:
+            raise ValueError("--num-distributed-optimizer-instances needs "
+                             "--use-distributed-optimizer (it splits that optimizer's sharding)")
+        if importlib.util.find_spec("einops") is None:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances}: Megatron-Core "
+                             f"0.16.1 builds its groups with the einops package, which is not "
+                             f"installed (pip install einops)")
+        expert_dp = world_size // (args.expert_model_parallel_size
+                                   * args.expert_tensor_parallel_size
+                                   * args.pipeline_model_parallel_size)
+        for name, size in (("data-parallel", args.data_parallel_size),
+                           ("expert data-parallel", expert_dp)):
+            if size % instances:
+                raise ValueError(f"--num-distributed-optimizer-instances ({instances}) must "
+                                 f"divide the {name} size ({size})")
+    if args.optimizer == "sgd" and args.use_distributed_optimizer and (args.save or args.load):
+        raise ValueError("--optimizer sgd with --use-distributed-optimizer: Megatron-Core "
+                         "0.16.1's distributed optimizer saves and loads Adam's state only; "
+                         "drop --use-distributed-optimizer, or --save / --load")
 
 
 def _validate_parm(args, world_size: int) -> None:

@@ -31,7 +31,10 @@ work; nothing here reduces a gradient):
                                module's forward pre-hook in the next forward (needs both flags
                                above, as in Megatron-LM);
   --ddp-average-in-collective  the gradients averaged by the collective (ReduceOp.AVG) instead
-                               of scaled by 1/DP before a summing one.
+                               of scaled by 1/DP before a summing one;
+  --num-distributed-optimizer-instances N   the distributed optimizer sharded within groups of
+                               DP / N ranks (reduce-scatter there, then an all-reduce of each
+                               shard across the N groups), N copies of its state.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective)
 

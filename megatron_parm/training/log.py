@@ -11,7 +11,7 @@ import contextlib
 import math
 import sys
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_parm import settings
 from megatron_parm.wording import plural
@@ -28,12 +28,16 @@ def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
                    elapsed_ms: float, learning_rate: float, global_batch_size: int,
                    losses: Dict[str, float], tokens_per_second: float,
                    grad_norm: Optional[float] = None, skipped: int = 0,
-                   loss_scale: float = 1.0, nan_iterations: int = 0) -> str:
+                   loss_scale: float = 1.0, nan_iterations: int = 0,
+                   skipped_samples: int = 0) -> str:
     """skipped: iterations of the interval whose update was skipped (fp16 overflow);
     nan_iterations: those whose loss was inf or nan; loss_scale: the current loss scale
-    (1.0 without --fp16 / --loss-scale)."""
+    (1.0 without --fp16 / --loss-scale); skipped_samples: the samples of global batches left
+    out so far (--decrease-batch-size-if-needed), shown where there are any."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
+    if skipped_samples > 0:
+        line += f" skipped samples: {skipped_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
@@ -193,6 +197,8 @@ class Interval:
     def restart(self) -> None:
         self.losses: Dict[str, float] = {}
         self.steps = 0
+        self.samples = self.microbatches = 0  # summed over the interval's iterations
+        self.batch_size = 0  # the last iteration's global batch, as it ran
         self.skipped = 0  # Megatron-LM's skipped iterations (fp16: gradients overflowed)
         self.nan = 0  # iterations whose loss was inf or nan
         self.restart_clock()
@@ -201,8 +207,14 @@ class Interval:
         """Evaluation and checkpoint saves are not training time."""
         self.start = time.time()
 
-    def add(self, losses: Dict[str, float], updated: bool) -> None:
+    def add(self, losses: Dict[str, float], updated: bool, batch_size: int,
+            microbatches: int) -> None:
+        """One iteration: its losses, whether the optimizer stepped, the samples it ran and
+        its micro-batches per data-parallel rank (both grow with --rampup-batch-size)."""
         self.steps += 1
+        self.samples += batch_size
+        self.microbatches += microbatches
+        self.batch_size = batch_size
         self.skipped += not updated
         self.nan += any(not math.isfinite(value) for value in losses.values())
         for name, value in losses.items():
@@ -240,6 +252,15 @@ class ChoiceLog:
         self.choices = choices
 
 
+def logged_learning_rate(optimizer) -> float:
+    """Megatron-LM's: the learning rate of the first parameter group on the default schedule
+    (--decoupled-lr's group has its own)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    learning_rate = get_canonical_lr_for_logging(optimizer.param_groups)
+    return optimizer.param_groups[0]["lr"] if learning_rate is None else learning_rate
+
+
 class TrainingLog:
     """The training loop's console and TensorBoard: the progress bar, the iteration line of
     each --log-interval (losses averaged over the interval), validation blocks, the end."""
@@ -256,22 +277,24 @@ class TrainingLog:
     def line_due(self, iteration: int) -> bool:
         return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
 
-    def iteration(self, iteration: int, consumed_samples: int, elapsed: float, optimizer,
+    def iteration(self, iteration: int, samples: Tuple[int, int], elapsed: float, optimizer,
                   grad_norm, router_losses: dict, shares, summary: dict) -> None:
-        """Print the interval's line (ELAPSED: seconds per iteration) and each MoE layer's
-        expert load, record the summary's loss scales and skipped iterations, then start the
-        next interval."""
+        """Print the interval's line (SAMPLES: consumed and skipped so far; ELAPSED: seconds
+        per iteration) and each MoE layer's expert load, record the summary's learning rates,
+        loss scales and skipped iterations, then start the next interval."""
         args, interval = self.args, self.interval
-        learning_rate = optimizer.param_groups[0]["lr"]
+        learning_rate = logged_learning_rate(optimizer)
         logged = {**interval.mean_losses(), **router_losses}
-        tokens_per_second = args.global_batch_size * args.seq_length / elapsed
+        tokens_per_second = interval.samples / interval.steps * args.seq_length / elapsed
         self.progress.clear()
         loss_scale = optimizer.get_loss_scale().item()
-        print_rank_0(iteration_line(iteration, args.train_iters, consumed_samples,
-                                    elapsed * 1000.0, learning_rate, args.global_batch_size,
+        print_rank_0(iteration_line(iteration, args.train_iters, samples[0],
+                                    elapsed * 1000.0, learning_rate, interval.batch_size,
                                     logged, tokens_per_second, grad_norm,
                                     skipped=interval.skipped, loss_scale=loss_scale,
-                                    nan_iterations=interval.nan))
+                                    nan_iterations=interval.nan, skipped_samples=samples[1]))
+        summary.setdefault("learning_rates", []).append((iteration, learning_rate))
+        summary.setdefault("batch_sizes", []).append((iteration, interval.batch_size))
         summary.setdefault("loss_scales", []).append((iteration, loss_scale))
         summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval.skipped
         for layer_number, fractions in shares:

@@ -21,7 +21,7 @@ from megatron.core.transformer.utils import openai_gelu
 from megatron_parm import tuning
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
 from megatron_parm.config import ParmTransformerConfig
-from megatron_parm.data.vocab import padded_vocab_size
+from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
 from megatron_parm.specs import gpt_block_spec, layer_spec
@@ -172,8 +172,9 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
     layers: with the embedding on the first stage, the output layer and loss on the last), on
     the GPU if any; with --bf16 / --fp16 inside Megatron-Core's Float16Module.
 
-    padded_vocab: the padded vocabulary of a checkpoint being resumed (it depends on the TP size
-    it was saved with; keeping it lets the checkpoint load under another TP size).
+    padded_vocab: the padded vocabulary (data.vocab.model_vocab_sizes: a resumed checkpoint's is
+    kept, it depends on the TP size it was saved with); None: --padded-vocab-size, else VOCAB_SIZE
+    padded by --make-vocab-size-divisible-by x TP.
     vp_stage: the virtual pipeline stage of this chunk (interleaving only).
     """
     from megatron.core import parallel_state
@@ -182,7 +183,9 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
                  post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
                  vp_stage=vp_stage)
     config = build_config(args)
-    vocab = padded_vocab or padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+    vocab = padded_vocab or getattr(args, "padded_vocab_size", None) or padded_vocab_size(
+        vocab_size, args.tensor_model_parallel_size,
+        getattr(args, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY))
     if vocab < vocab_size or vocab % args.tensor_model_parallel_size != 0:
         raise ValueError(f"--load: the checkpoint's padded vocabulary ({vocab}) does not fit "
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
@@ -295,10 +298,11 @@ def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
     loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
-                                         batch["attention_mask"], labels=batch["labels"])
+                                         batch.get("attention_mask"), labels=batch["labels"])
         return plan, loss_func
-    # losses [b, s]: per-token cross entropy (the model computes it from labels)
-    losses_bs = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+    # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
+    # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
+    losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                       labels=batch["labels"])
     return losses_bs, loss_func
 

@@ -41,6 +41,7 @@ Flags (megatron_parm/settings/run_control.py; the exits: settings/checkpoints.py
   --distributed-timeout-seconds-after-init   parallel.update_group_timeout after the first
                                      iteration
   --iterations-to-skip              the step's batches drawn and dropped
+  --phase-transition-iterations     a stop (data.loaders says where a phase ends)
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from megatron.core import rerun_state_machine as rerun
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_parm import device
+from megatron_parm.data.loaders import phase_transition_at
 from megatron_parm.parallel import update_group_timeout
 from megatron_parm.training.log import print_rank_0
 
@@ -396,11 +398,11 @@ class RunControl:
     def skips(self, iteration: int) -> bool:
         return iteration in self.args.iterations_to_skip
 
-    def skip(self, train_iter) -> None:
+    def skip(self, train_iter, num_microbatches: int) -> None:
         """Draw and drop the iteration's micro-batches, as Megatron-LM's dummy_train_step."""
         for _ in self.passes(train_iter):
             for iterator in train_iter:
-                for _ in range(self.args.num_microbatches):
+                for _ in range(num_microbatches):
                     next(iterator)
 
     def after_step(self, iteration: int) -> None:
@@ -422,8 +424,8 @@ class RunControl:
         return self.clock.time_up()
 
     def stop_reason(self, iteration: int) -> Optional[str]:
-        """'signal', 'exit-duration-in-mins' or 'exit-interval' when the loop stops after
-        ITERATION (said on the console); None to go on. Collective."""
+        """'signal', 'exit-duration-in-mins', 'phase-transition' or 'exit-interval' when the
+        loop stops after ITERATION (said on the console); None to go on. Collective."""
         args = self.args
         if self.exit_signal.any_rank():
             print_rank_0(f"> exit signal received ({args.exit_signal}): stopping after "
@@ -434,6 +436,11 @@ class RunControl:
                          f"(--exit-duration-in-mins {args.exit_duration_in_mins}): stopping "
                          f"after iteration {iteration}")
             return "exit-duration-in-mins"
+        if phase_transition_at(iteration, args):
+            print_rank_0(f"> --phase-transition-iterations: a phase ends at iteration "
+                         f"{iteration}: stopping (the next launch reads the next phase's data "
+                         f"from its start)")
+            return "phase-transition"
         if args.exit_interval and iteration % args.exit_interval == 0 \
                 and iteration < args.train_iters:
             print_rank_0(f"> --exit-interval {args.exit_interval}: stopping after iteration "

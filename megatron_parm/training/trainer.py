@@ -2,10 +2,11 @@
 
     pretrain(args)   args from megatron_parm.training.arguments.parse_args
 
-Each iteration runs --global-batch-size samples as num_microbatches micro-batches per
-data-parallel rank (gradients accumulate in DDP's buffers, Megatron's schedule scales the
-loss and the MoE auxiliary loss), then one optimizer step with gradient clipping and the
-learning-rate schedule. Works on GPUs with NCCL and on CPUs with gloo.
+Each iteration runs --global-batch-size samples (with --rampup-batch-size, the batch of the
+samples consumed so far: training/schedule.py) as micro-batches per data-parallel rank
+(gradients accumulate in DDP's buffers, Megatron's schedule scales the loss and the MoE
+auxiliary loss), then one optimizer step (training/optimizer.py) with gradient clipping and
+the learning-rate and weight-decay schedule. Works on GPUs with NCCL and on CPUs with gloo.
 
 With --pipeline-model-parallel-size > 1 the model is this rank's stage (a list of chunks, one
 per virtual stage), Megatron-Core's 1F1B or interleaved schedule runs the micro-batches with
@@ -26,8 +27,6 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -43,13 +42,9 @@ from megatron_parm.checkpointing import (
     read_checkpoint_info,
     save_checkpoint,
 )
-from megatron_parm.data.datasets import (
-    build_data_iterator,
-    build_datasets_from_args,
-    shut_down,
-    train_valid_test_num_samples,
-)
+from megatron_parm.data.loaders import build_iterators, check_phase_resume, shut_down
 from megatron_parm.data.tokenizers import build_tokenizer
+from megatron_parm.data.vocab import model_vocab_sizes
 from megatron_parm.parallel import group_timeout, initialize_model_parallel, set_group_timeout
 from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the tools' too)
     TrainingLog,
@@ -58,7 +53,9 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, mixed_precision, run_control, timing
+from megatron_parm.training import ddp, run_control, timing
+from megatron_parm.training.optimizer import build_optimizer
+from megatron_parm.training.schedule import BatchSchedule, build_scheduler
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
     runs_pipelined, still_tuning, unwrap)
@@ -277,7 +274,7 @@ def evaluate(forward_step, data_iterator, model, args, time_up=None) -> Optional
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
-    each in Megatron's DDP, their Adam and the learning-rate schedule."""
+    each in Megatron's DDP, their optimizer and the learning-rate and weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
     ddp_config = ddp.ddp_config(args)
@@ -286,23 +283,8 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        **mixed_precision.optimizer_fields(args)), model)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant",
-        # On resume (Megatron-LM's rules, checked in checkpointing.scheduler): the command
-        # line's schedule, the checkpoint's, or (neither flag) refuse a difference.
-        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler",
-                                                   False))
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
     # Megatron's schedule: no grad sync until the last micro-batch, then finalize grads.
     ddp.set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -332,19 +314,20 @@ def pretrain(args) -> dict:
     torch.distributed.barrier()
     checkpoint, padded_vocab = checkpoint_to_resume(args)
     tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_model_and_optimizer(args, tokenizer.vocab_size,
-                                                            padded_vocab)
+    vocab, padded_vocab = model_vocab_sizes(tokenizer.vocab_size, args, padded_vocab)
+    model, optimizer, scheduler = build_model_and_optimizer(args, vocab, padded_vocab)
     num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print_rank_0(f"> parameters on rank 0: {num_params:,}; vocabulary "
-                 f"{tokenizer.vocab_size} padded to {unwrap(model[0]).vocab_size}; "
+                 f"{vocab} padded to {unwrap(model[0]).vocab_size}; "
                  f"{plural(args.num_microbatches, 'micro-batch')} of {args.micro_batch_size} per "
                  f"data-parallel rank per iteration")
     iteration, consumed_samples = resume(checkpoint, model, optimizer, scheduler, args)
-    train_iter, valid_iter = build_iterators(args, tokenizer, model, consumed_samples)
+    train_iter, valid_iter = build_iterators(args, tokenizer, len(model), consumed_samples,
+                                             iteration)
     forward_step = FORWARD_STEPS[args.model_type]
     if args.skip_train:  # evaluate the loaded model and stop (Megatron-LM's --skip-train)
         summary = {"losses": [], "eval": [], "checkpoint": None, "iteration": iteration}
-        if args.eval_iters > 0:
+        if valid_iter is not None:
             summary["eval"].append((iteration, evaluate(forward_step, valid_iter, model, args)))
             print_rank_0(validation_block(f"iteration {iteration}", summary["eval"][-1][1]))
         return summary
@@ -363,6 +346,7 @@ def pretrain(args) -> dict:
 def train(run: "Run", args) -> None:
     """The loop: an iteration, its log line, evaluation, checkpoint, and the stops."""
     while run.iteration < args.train_iters:
+        run.next_batch()
         faults.record_progress(run.iteration + 1, "training", args.save)  # the launcher's line
         if run.control.skips(run.iteration):  # --iterations-to-skip
             run.skip()
@@ -398,7 +382,9 @@ def initialize(args) -> None:
                               args.moe_token_dispatcher_type, args.distributed_timeout_minutes,
                               pp=args.pipeline_model_parallel_size,
                               vpp=args.virtual_pipeline_model_parallel_size,
-                              ranks_per_node=args.parm_ranks_per_node)
+                              ranks_per_node=args.parm_ranks_per_node,
+                              num_distributed_optimizer_instances=(
+                                  args.num_distributed_optimizer_instances))
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()
 
@@ -415,6 +401,9 @@ def checkpoint_to_resume(args):
         return None, None
     info = read_checkpoint_info(checkpoint[0])
     check_model_flags(info.get("args"), args, checkpoint[0])
+    # Megatron-LM's count of the samples --decrease-batch-size-if-needed left out, carried on
+    args.skipped_train_samples = (info.get("args") or {}).get("skipped_train_samples", 0)
+    check_phase_resume(info.get("args"), args)
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
 
 
@@ -434,26 +423,6 @@ def resume(checkpoint, model, optimizer, scheduler, args):
     return loaded["iteration"], loaded["consumed_samples"]
 
 
-def build_iterators(args, tokenizer, model, consumed_samples: int):
-    """(train, validation) iterators, one per model chunk: the interleaved schedule draws a
-    micro-batch for each chunk's forward step, and every chunk must see the same samples.
-    Every rank reads the samples of its data-parallel rank (TP peers read the same)."""
-    num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
-                                               args.eval_interval, args.eval_iters)
-    train_ds, valid_ds, _ = build_datasets_from_args(args, tokenizer, args.model_type, num_samples)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), args.data_parallel_size
-    # --exit-signal-handler: the workers ignore the signal (a job-wide one reaches them too)
-    caught = args.exit_signal if args.exit_signal_handler else None
-    train_iter = [build_data_iterator(train_ds, args.micro_batch_size, consumed_samples,
-                                      dp_rank, dp_size, args.num_workers, cyclic=True,
-                                      exit_signal=caught)
-                  for _ in model]
-    valid_iter = [build_data_iterator(valid_ds, args.micro_batch_size, 0, dp_rank, dp_size,
-                                      args.num_workers, cyclic=True, exit_signal=caught)
-                  for _ in model]
-    return train_iter, valid_iter
-
-
 class Run:
     """One training run's state between iterations: the model, optimizer and schedule, the
     data, the position (iteration, consumed samples), the log, timers and the summary."""
@@ -466,9 +435,12 @@ class Run:
         self.forward_step = run_control.checked_forward_step(forward_step, args)
         self.train_iter = run_control.wrap_iterators(train_iter)
         self.valid_iter = valid_iter
-        self.data = [*train_iter, *valid_iter]
+        self.data = [*train_iter, *(valid_iter or [])]
         self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.skipped_samples = getattr(args, "skipped_train_samples", 0)  # of a resumed run
         self.start_iteration, self.saved_at = iteration, None
+        self.batches = BatchSchedule(args, torch.distributed.get_rank())
+        self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
         self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
         self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
@@ -482,13 +454,20 @@ class Run:
         self.param_gather.disable(param_sync=False)
         self.grad_ready = ddp.GradReadyCounts(model, args)
 
+    def next_batch(self) -> None:
+        """The next iteration's global batch, from the samples consumed (--rampup-batch-size);
+        where its micro-batches change, with --save, a checkpoint first (Megatron-LM's)."""
+        if self.batches.update(self.consumed_samples) and self.args.save \
+                and self.saved_at != self.iteration:
+            self.save()
+
     def step(self):
         """One iteration: forward and backward over the micro-batches (again, when the rerun
         engine reruns it), the optimizer step and the schedule's; the losses (averaged over
         data-parallel ranks) go to the summary and the log's interval. Returns the gradient
         norm; None when the rerun engine stops the run (summary's exit_code), before the
         optimizer steps."""
-        args, step_start = self.args, time.time()
+        args, batches, step_start = self.args, self.batches, time.time()
         self.timer.step_start()
         for _ in self.control.passes(self.train_iter):
             for chunk in self.model:
@@ -499,7 +478,7 @@ class Run:
             with run_control.rejected_results_stop():
                 losses_reduced = self.forward_backward(
                     forward_step_func=self.forward_step, data_iterator=self.train_iter,
-                    model=self.model, num_microbatches=args.num_microbatches,
+                    model=self.model, num_microbatches=batches.num_microbatches,
                     seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                     forward_only=False)
             self.grad_ready.after_backward()
@@ -512,37 +491,44 @@ class Run:
         update_successful, grad_norm, _ = self.optimizer.step()
         self.param_gather.enable()
         if update_successful:  # else fp16: gradients overflowed, the loss scale was lowered
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=batches.running)
         self.iteration += 1
-        self.consumed_samples += args.global_batch_size
+        self.consumed_samples += batches.running
+        self.skipped_samples += batches.skipped
+        self.args.skipped_train_samples = self.skipped_samples  # saved with the args
         self.summary["iteration_times"].append(time.time() - step_start)
         losses = from_last_stage(reduce_losses(add_losses(losses_reduced))
                                  if parallel_state.is_pipeline_last_stage() else None)
         self.summary["losses"].append(losses["lm loss"])
         self.timer.step_end(self.iteration, losses)
-        self.log.interval.add(losses, update_successful)
+        self.log.interval.add(losses, update_successful, batches.running,
+                              batches.num_microbatches)
         return grad_norm
 
     def skip(self) -> None:
-        """--iterations-to-skip: the iteration's batches drawn and dropped; no step, no log."""
-        self.control.skip(self.train_iter)
+        """--iterations-to-skip: the iteration's batches drawn and dropped (counted as consumed
+        and skipped samples, as Megatron-LM counts them); no step, no log."""
+        self.control.skip(self.train_iter, self.batches.num_microbatches)
         self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
+        self.consumed_samples += self.batches.running
+        self.skipped_samples += self.batches.running
+        self.args.skipped_train_samples = self.skipped_samples  # saved with the args
         print_rank_0(f"> --iterations-to-skip: skipped iteration {self.iteration}")
 
     def log_line(self, grad_norm) -> None:
         """The iteration line of the interval (with the aux loss and the expert load, reduced
         over the ranks: collective), and the step-time breakdown's."""
         seconds_per_step = self.log.interval.seconds_per_step()
-        losses = router_losses(router_loss_names(self.args),
-                               self.log.interval.steps * self.args.num_microbatches,
+        losses = router_losses(router_loss_names(self.args), self.log.interval.microbatches,
                                self.args.num_layers)
-        self.log.iteration(self.iteration, self.consumed_samples, seconds_per_step,
-                           self.optimizer, grad_norm, losses, self.expert_load.shares(),
-                           self.summary)
+        self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
+                           seconds_per_step, self.optimizer, grad_norm, losses,
+                           self.expert_load.shares(), self.summary)
         self.timer.log(self.iteration)
 
     def evaluate(self) -> None:
+        if self.valid_iter is None:  # no validation data (Megatron-LM: no evaluation)
+            return
         faults.record_progress(self.iteration, "evaluating", self.args.save)
         self.param_gather.disable()  # parameters gathered, no hooks (as Megatron-LM)
         with self.control.evaluation(), run_control.rejected_results_stop():

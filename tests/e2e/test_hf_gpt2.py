@@ -213,3 +213,17 @@ def test_bad_hugging_face_directory_refused_naming_what(tmp_path, hf_dir, case, 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     worker(sys.argv[2])
+
+
+def test_import_pads_the_vocabulary_as_make_vocab_size_divisible_by_says(hf_dir):
+    """--from-hf --make-vocab-size-divisible-by 300: 8000 tokens padded to 8100 (zero rows), the
+    padding recorded with the flags; Megatron-LM's default 128 gives 8064."""
+    from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
+
+    default, padded = hf_gpt2_to_full(str(hf_dir[0])), hf_gpt2_to_full(str(hf_dir[0]), 300)
+    embedding = padded.tensors["embedding.word_embeddings.weight"]
+    assert default.common["model_info"]["padded_vocab_size"] == 8064
+    assert padded.common["model_info"]["padded_vocab_size"] == embedding.shape[0] == 8100
+    assert padded.common["args"]["make_vocab_size_divisible_by"] == 300
+    assert torch.equal(embedding[:8000], default.tensors["embedding.word_embeddings.weight"][:8000])
+    assert not embedding[8000:].any()

@@ -6,9 +6,11 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE with parm without tuning (--no-parm-tune; the loop's parm tunes by default);
   * parm tuning with candidates that fail (S2 at 2 forward chunks and Megatron's allgather out
     of memory, parm_hier refused), kept in a cache file, then a run that finds it there;
-  * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS), and with the
-    step's time breakdown written (alltoall, parm_s2);
+  * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS; the
+    distributed optimizer's with the schedule in samples and Megatron-LM's data flags), and with
+    the step's time breakdown written (alltoall, parm_s2);
   * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs);
+  * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK);
   * GPT-2 MoE with Megatron-LM's run-control flags (run_control_runs): --manual-gc,
     --deterministic-mode, the weight-hash check, the timeout after the first iteration, and
     --exit-duration-in-mins passed on one rank only; then a weight-hash check that finds one
@@ -19,8 +21,10 @@ The tests then check, from the recorded summaries and the console output:
   * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
     warning each); the choice is logged once per layer, measured, then cached;
   * the checkpoint is in Megatron-LM's layout and the console lines are in its format;
-  * each data-parallel flag, the timing breakdown and activation recompute leave the losses
-    as they are, and the breakdown has the parts each run must have;
+  * each data-parallel flag, the timing breakdown, activation recompute and the data flags
+    that change no sample (2 DataLoader workers per rank, no attention mask in the batch, no
+    mmap) leave the losses as they are, and the breakdown has the parts each run must have;
+  * mock data trains, its vocabulary padded as --make-vocab-size-divisible-by says;
   * every rank stops at the same iteration when one alone finds the duration passed, collects
     garbage at the same points, and refuses parameters that differ across data-parallel
     replicas.
@@ -69,9 +73,10 @@ def worker(out_path: str, run_dir: str) -> None:
                                                    "--no-parm-tune"])
     results["parm_no_tune"] = pretrain(args)["losses"]
     results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
-    results["ddp"] = {name: pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + flags(
-        run_dir)))["losses"] for name, flags in DDP_RUNS.items()}
+    results["ddp"] = {name: pretrain(parse_args(ddp_argv(name, run_dir)))["losses"]
+                      for name in DDP_RUNS}
     results["recompute"] = recompute_runs()
+    results["mock"] = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + MOCK))["losses"]
     results["run_control"] = run_control_runs()
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
@@ -89,10 +94,18 @@ def worker(out_path: str, run_dir: str) -> None:
 # distributed optimizer; both overlaps, with an evaluation between steps), and the timing
 # breakdown, on 4 iterations of the 20-iteration runs' schedule: name -> flags(run_dir).
 DDP_ITERS = ["--train-iters", "4", "--lr-decay-iters", str(NUM_ITERS), "--log-interval", "2"]
+# The same schedule counted in samples (8 per iteration; the config's warmup of 4 iterations).
+DDP_SAMPLES = ["--train-samples", "32", "--lr-decay-samples", str(NUM_ITERS * 8),
+               "--lr-warmup-samples", "32", "--log-interval", "2"]
 DDP_RUNS = {
     "overlap_grad_reduce": lambda d: ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                                       "--parm-timing-file", f"{d}/timing_alltoall.jsonl"],
-    "distributed_optimizer": lambda d: ["--use-distributed-optimizer"],
+    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
+    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
+    # attention mask in the batch (the model's causal mask), file reads instead of mmap
+    "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
+                                        "--no-create-attention-mask-in-dataloader",
+                                        "--no-mmap-bin-files"],
     "overlap_param_gather": lambda d: ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                        "--overlap-param-gather", "--ddp-bucket-size", "20000",
                                        "--eval-interval", "2"],
@@ -110,6 +123,22 @@ DDP_RUNS = {
                                               "--overlap-grad-reduce", "--ddp-bucket-size",
                                               "20000"],
 }
+
+
+def ddp_argv(name: str, run_dir: str) -> list:
+    """A DDP run's flags: DDP_ITERS' schedule, or for distributed_optimizer DDP_SAMPLES' (SHORT's
+    --train-iters left out)."""
+    if name != "distributed_optimizer":
+        return TINY_GPT + LAYOUT + SHORT + DDP_ITERS + DDP_RUNS[name](run_dir)
+    short = SHORT[2:] if SHORT[:1] == ["--train-iters"] else SHORT
+    return TINY_GPT + LAYOUT + short + DDP_SAMPLES + DDP_RUNS[name](run_dir)
+
+
+# Megatron-Core's mock GPT dataset with Megatron-LM's NullTokenizer (no files), a vocabulary
+# padded to multiples of 64 x TP, in a random order each epoch.
+MOCK = ["--mock-data", "--data-path", "", "--tokenizer-type", "NullTokenizer", "--tokenizer-model",
+        "", "--vocab-size", "1100", "--make-vocab-size-divisible-by", "64", "--dataloader-type",
+        "cyclic"]
 
 
 # Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
@@ -360,6 +389,19 @@ def test_data_parallel_flags_and_timing_leave_the_losses(run):
         reference = results["gpt"][dispatcher]
         assert losses == pytest.approx(reference[:len(losses)], abs=tolerance), name
     assert len(results["ddp"]["overlap_grad_reduce_parm"]) == 10  # past parm's decision
+    # --train-samples 32 at global batch 8: the iteration-based run's 4 iterations (and, by
+    # the losses above, its learning rates)
+    assert len(results["ddp"]["distributed_optimizer"]) == 4
+
+
+def test_mock_data_with_null_tokenizer_trains(run):
+    """--mock-data, --tokenizer-type NullTokenizer --vocab-size 1100 (ids 0..1099, the end of
+    a document 1100), --make-vocab-size-divisible-by 64 at TP 2: 1101 padded to 1152 (the
+    default 128 would give 1280)."""
+    results, stdout, _ = run
+    losses = results["mock"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert "; vocabulary 1101 padded to 1152;" in stdout
 
 
 def test_activation_recompute_leaves_the_losses(run):

@@ -7,6 +7,7 @@ Single process, CPU, a slice of the shipped corpus; run from the repository root
 import argparse
 import importlib.util
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -21,14 +22,13 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.core.tokenizers import MegatronTokenizerBase  # noqa: E402
 
 from megatron_parm.data.datasets import (  # noqa: E402
-    PretrainingBatchSampler,
     build_bert_datasets,
-    build_data_iterator,
     build_gpt_datasets,
     parse_data_path,
     parse_split,
     train_valid_test_num_samples,
 )
+from megatron_parm.data.loaders import PretrainingBatchSampler, build_data_iterator  # noqa: E402
 from megatron_parm.data.preprocess import preprocess_jsonl, split_sentences  # noqa: E402
 from megatron_parm.data.tokenizers import _bytes_to_unicode, build_tokenizer  # noqa: E402
 
@@ -145,8 +145,8 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
                                            tokenizer_model=str(tmp_path / "nope.model")))
     with pytest.raises(ValueError, match="--tokenizer-model is required"):
         build_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer"))
-    with pytest.raises(ValueError, match="--tokenizer-type: unsupported value 'TikTokenizer'"):
-        build_tokenizer(argparse.Namespace(tokenizer_type="TikTokenizer"))
+    with pytest.raises(ValueError, match="--tokenizer-type: unsupported value 'SFTTokenizer'"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="SFTTokenizer"))
     (tmp_path / "vocab.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="--merge-file: file not found"):
         build_tokenizer(argparse.Namespace(tokenizer_type="GPT2BPETokenizer",
@@ -499,3 +499,306 @@ def test_data_errors_name_the_flag(data_dir, spm_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="--data-path: no such indexed dataset"):
         build_bert_datasets(spm_tokenizer, [str(data_dir / "bert")], "1,0,0", 32, 1,
                             [8, None, None], data_cache_path=str(tmp_path / "cache"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's other tokenizer types and flags
+# ---------------------------------------------------------------------------------------------
+
+def test_sentencepiece_types_and_legacy_special_tokens(spm_tokenizer):
+    """GPTSentencePieceTokenizer and Llama2Tokenizer are the SentencePieceTokenizer's ids
+    (Megatron-Core builds all three with its SentencePiece library); legacy mode adds
+    --tokenizer-special-tokens after the model's pieces, and only legacy mode takes them."""
+    text = "Return x.\n\thello world"
+    for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        tokenizer = build_tokenizer(argparse.Namespace(**{**SPM_ARGS, "tokenizer_type": kind}))
+        assert tokenizer.tokenize(text) == spm_tokenizer.tokenize(text)
+        assert (tokenizer.vocab_size, tokenizer.eod) == (8000, spm_tokenizer.eod)
+    legacy = build_tokenizer(argparse.Namespace(**SPM_ARGS, tokenizer_sentencepiece_legacy=True,
+                                                tokenizer_special_tokens=["<tool>", "[CLS]"]))
+    assert legacy.vocab_size == 8001 and legacy.inv_vocab[8000] == "<tool>"
+    assert 8000 in legacy.tokenize("hello <tool> world") and legacy.cls == spm_tokenizer.cls
+    with pytest.raises(ValueError, match="^--tokenizer-special-tokens: --tokenizer-type "
+                                         "SentencePieceTokenizer takes them with "
+                                         "--tokenizer-sentencepiece-legacy only"):
+        build_tokenizer(argparse.Namespace(**SPM_ARGS, tokenizer_special_tokens=["<tool>"]))
+
+
+def test_null_tokenizer_and_mock_gpt_data(tmp_path):
+    """--tokenizer-type NullTokenizer --vocab-size N: text is its ids, the end of a document
+    is N (a vocabulary of N + 1); --mock-data: Megatron-Core's MockGPTDataset, no files."""
+    from megatron_parm.data.datasets import MOCK_BERT
+
+    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=50))
+    assert (tokenizer.vocab_size, tokenizer.eod) == (51, 50)
+    assert tokenizer.tokenize("3 1 4") == [3, 1, 4] and tokenizer.detokenize([3, 1]) == "3 1"
+    assert not tokenizer.has_bert_special_tokens()
+    train, valid, test = build_gpt_datasets(tokenizer, (None, None), None, 32, 1, [16, 8, 8])
+    assert len(train) >= 16 and len(valid) >= 8 and len(test) >= 8
+    tokens = torch.stack([train[i]["tokens"] for i in range(16)])
+    assert int(tokens.max()) <= 50 and bool((tokens == 50).any())  # documents end with EOD
+    with pytest.raises(ValueError, match=r"^--vocab-size is required with --tokenizer-type "
+                                         r"NullTokenizer$"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"))
+    with pytest.raises(ValueError, match=re.escape(MOCK_BERT)):
+        build_bert_datasets(tokenizer, (None, None), None, 32, 1, [8, 8, 8])
+
+
+def _write_tiktoken_vocab(path, merges=(b"he", b"ll", b"hell", b"hello", b" w", b" wo")):
+    """A tiktoken vocabulary as Megatron-Core reads it: a JSON list of {rank, token_bytes,
+    token_str}, the 256 bytes first."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + list(merges)
+    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(),
+                                 "token_str": t.decode("latin-1")} for i, t in enumerate(tokens)]))
+    return len(tokens)
+
+
+def test_tiktokenizer_from_a_local_vocabulary(tmp_path):
+    pytest.importorskip("tiktoken")
+    num_entries = _write_tiktoken_vocab(tmp_path / "vocab.json")
+    args = dict(tokenizer_type="TikTokenizer", tokenizer_model=str(tmp_path / "vocab.json"),
+                vocab_size=num_entries + 16, tiktoken_num_special_tokens=16,
+                tiktoken_pattern="v2")
+    tokenizer = build_tokenizer(argparse.Namespace(**args))
+    # Megatron-Core's default special tokens first: <unk> <s> </s> <mask> <pad> <cls> <sep>
+    assert tokenizer.vocab_size == num_entries + 16
+    assert (tokenizer.eod, tokenizer.pad, tokenizer.cls, tokenizer.sep) == (2, 4, 5, 6)
+    ids = tokenizer.tokenize("hello world")
+    assert ids[0] == 16 + 256 + 3 and tokenizer.detokenize(ids) == "hello world"  # 'hello'
+    special = build_tokenizer(argparse.Namespace(**args, tokenizer_special_tokens=[
+        "<pad>", "<unk>", "<s>", "</s>", "<mask>", "<cls>", "<sep>", "<tool>"]))
+    assert (special.pad, special.eod) == (0, 3)
+    with pytest.raises(ValueError, match=r"^--vocab-size 1000 needs 984 entries in "
+                                         r"--tokenizer-model .* it has 262"):
+        build_tokenizer(argparse.Namespace(**{**args, "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="^--tokenizer-special-tokens: TikTokenizer's must "
+                                         r"include .*\(missing </s>, <mask>, <pad>, <cls>, "
+                                         r"<sep>\)$"):
+        build_tokenizer(argparse.Namespace(**args, tokenizer_special_tokens=["<unk>", "<s>"]))
+
+
+def test_huggingface_and_wordpiece_special_token_flags(tmp_path, documents):
+    """--tokenizer-hf-include-special-tokens: the tokenizer's own framing (its post-processor's
+    <s> ... </s>; BERT's [CLS] ... [SEP]); --tokenizer-special-tokens: added to a Hugging Face
+    vocabulary that lacks them."""
+    directory = tmp_path / "hf"
+    _write_hf_tokenizer(directory, documents[:20], ["<pad>", "<s>", "</s>"],
+                        config={"eos_token": "</s>", "bos_token": "<s>"})
+    plain = build_tokenizer(_hf_args(directory))
+    framed = build_tokenizer(argparse.Namespace(**vars(_hf_args(directory)),
+                                                tokenizer_hf_include_special_tokens=True))
+    assert framed.tokenize("hello") == [plain.bos, *plain.tokenize("hello"), plain.eod]
+    extended = build_tokenizer(argparse.Namespace(**vars(_hf_args(directory)),
+                                                  tokenizer_special_tokens=["<tool>"]))
+    assert extended.vocab_size == plain.vocab_size + 1
+    assert extended.tokenize("a <tool>")[-1] == extended.vocab["<tool>"] == plain.vocab_size
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    bert = build_tokenizer(argparse.Namespace(tokenizer_type="BertWordPieceCase",
+                                              vocab_file=str(tmp_path / "vocab.txt"),
+                                              tokenizer_hf_include_special_tokens=True))
+    assert bert.tokenize("hello") == [2, 5, 3]
+    with pytest.raises(ValueError, match="^--tokenizer-special-tokens: not taken by "
+                                         "--tokenizer-type BertWordPieceCase"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="BertWordPieceCase",
+                                           vocab_file=str(tmp_path / "vocab.txt"),
+                                           tokenizer_special_tokens=["<tool>"]))
+
+
+def test_model_vocabulary_padding_flags():
+    """--make-vocab-size-divisible-by x TP (Megatron-LM's rule), --padded-vocab-size as given,
+    --vocab-extra-ids where Megatron-LM's tokenizer for the model adds them, and a resumed
+    checkpoint's padding kept."""
+    from megatron_parm.data.vocab import model_vocab_sizes, padded_vocab_size
+
+    def flags(**values):
+        base = dict(tokenizer_type="GPT2BPETokenizer", tensor_model_parallel_size=2,
+                    make_vocab_size_divisible_by=128, padded_vocab_size=None, vocab_extra_ids=0)
+        return argparse.Namespace(**{**base, **values})
+
+    assert padded_vocab_size(1101, 2) == 1280 and padded_vocab_size(1101, 2, 64) == 1152
+    assert model_vocab_sizes(50257, flags()) == (50257, 50432)
+    assert model_vocab_sizes(50257, flags(make_vocab_size_divisible_by=1)) == (50257, 50258)
+    assert model_vocab_sizes(50257, flags(padded_vocab_size=50260)) == (50257, 50260)
+    assert model_vocab_sizes(8000, flags(tokenizer_type="SentencePieceTokenizer",
+                                         vocab_extra_ids=100)) == (8100, 8192)
+    assert model_vocab_sizes(8000, flags(vocab_extra_ids=100)) == (8000, 8192)  # GPT-2: none
+    assert model_vocab_sizes(8000, flags(), checkpoint_padded=8064) == (8000, 8064)
+    with pytest.raises(ValueError, match=r"^--padded-vocab-size 8000 is smaller than the "
+                                         r"vocabulary \(8100 tokens"):
+        model_vocab_sizes(8000, flags(tokenizer_type="BertWordPieceCase", vocab_extra_ids=100,
+                                      padded_vocab_size=8000))
+    with pytest.raises(ValueError, match="^--padded-vocab-size 8001 must be divisible by "
+                                         "--tensor-model-parallel-size 2$"):
+        model_vocab_sizes(8000, flags(padded_vocab_size=8001))
+    with pytest.raises(ValueError, match="^--padded-vocab-size 8192: the checkpoint being "
+                                         "loaded has a vocabulary of 8064$"):
+        model_vocab_sizes(8000, flags(padded_vocab_size=8192), checkpoint_padded=8064)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's other data flags
+# ---------------------------------------------------------------------------------------------
+
+def _gpt(tokenizer, data, tmp_path, **kwargs):
+    return build_gpt_datasets(tokenizer, data, kwargs.pop("split", "90,8,2"), 32, 7,
+                              kwargs.pop("num_samples", [16, 8, 4]),
+                              data_cache_path=kwargs.pop("cache", str(tmp_path / "cache")),
+                              **kwargs)
+
+
+def test_gpt_samples_without_mask_or_mmap_and_where_caches_go(data_dir, spm_tokenizer, tmp_path):
+    """--no-create-attention-mask-in-dataloader: no mask in the sample, the rest the same;
+    --no-mmap-bin-files: Megatron-Core reads the .bin with file reads, the same samples;
+    --data-cache-path: the indexes there, else under PREFIX/cache/ (Megatron-Core's default)."""
+    from megatron.core.datasets.indexed_dataset import _FileBinReader, _MMapBinReader
+
+    prefix = [str(data_dir / "gpt_text_document")]
+    reference = _gpt(spm_tokenizer, prefix, tmp_path)[0]
+    assert isinstance(reference.dataset.bin_reader, _MMapBinReader)
+    no_mask = _gpt(spm_tokenizer, prefix, tmp_path, create_attention_mask=False)[0]
+    no_mmap = _gpt(spm_tokenizer, prefix, tmp_path, mmap_bin_files=False)[0]
+    assert isinstance(no_mmap.dataset.bin_reader, _FileBinReader)
+    for i in (0, 5):
+        assert "attention_mask" in reference[i] and "attention_mask" not in no_mask[i]
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(no_mask[i][key], reference[i][key])
+            assert torch.equal(no_mmap[i][key], reference[i][key])
+    assert sorted(p.name.split("-", 1)[1] for p in (tmp_path / "cache").glob("*GPTDataset-train*")) \
+        == ["GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy",
+            "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for suffix in (".bin", ".idx"):
+        (copy / f"gpt{suffix}").write_bytes((data_dir / f"gpt_text_document{suffix}").read_bytes())
+    _gpt(spm_tokenizer, [str(copy / "gpt")], tmp_path, cache=None)
+    assert list((copy / "gpt" / "cache" / "GPTDataset_indices").glob("*-GPTDataset-train-*"))
+
+
+def test_per_split_data_paths_and_files_that_hold_them(data_dir, spm_tokenizer, tmp_path):
+    """--train/valid/test-data-path: each split from its own datasets, whole; the same read
+    from --per-split-data-args-path, and --data-path from --data-args-path; a split without
+    data is None."""
+    from megatron_parm.data.datasets import data_sources
+
+    gpt, bert = str(data_dir / "gpt_text_document"), str(data_dir / "bert_text_sentence")
+
+    def args(**values):
+        base = dict(data_path=None, data_args_path=None, train_data_path=None,
+                    valid_data_path=None, test_data_path=None, per_split_data_args_path=None,
+                    mock_data=False)
+        return argparse.Namespace(**{**base, **values})
+
+    source = data_sources(args(train_data_path=[gpt], valid_data_path=["1", gpt, "1", bert]))
+    assert source == (None, [([gpt], None), ([gpt, bert], [1.0, 1.0]), None])
+    train, valid, test = _gpt(spm_tokenizer, source, tmp_path, split=None)
+    assert test is None and len(train) >= 16 and len(valid) >= 8
+    whole = _gpt(spm_tokenizer, [gpt], tmp_path, split="1,0,0")[0]
+    assert torch.equal(train[3]["tokens"], whole[3]["tokens"])  # the whole dataset, same seed
+    assert {int(valid[i]["dataset_id"]) for i in range(8)} == {0, 1}
+    (tmp_path / "split.json").write_text(json.dumps({"train": gpt, "valid": f"1 {gpt} 1 {bert}",
+                                                     "test": None}))
+    assert data_sources(args(per_split_data_args_path=str(tmp_path / "split.json"))) == source
+    (tmp_path / "blend.txt").write_text(f"0.3 {gpt}\n0.7 {gpt}\n")
+    assert data_sources(args(data_args_path=str(tmp_path / "blend.txt"))) == (
+        ([gpt, gpt], [0.3, 0.7]), None)
+    with pytest.raises(ValueError, match=r"^--mock-data and --data-path: give a single data "
+                                         r"source"):
+        data_sources(args(mock_data=True, data_path=[gpt]))
+    with pytest.raises(ValueError, match=r"^--data-path is required .*or --mock-data$"):
+        data_sources(args(data_path=[""]))
+    with pytest.raises(ValueError, match="^--valid-data-path: no such indexed dataset"):
+        data_sources(args(valid_data_path=[str(tmp_path / "missing")]))
+    (tmp_path / "bad.json").write_text(json.dumps({"train": gpt}))
+    with pytest.raises(ValueError, match="^--per-split-data-args-path: .* needs the keys train, "
+                                         "valid and test \\(missing valid, test\\)$"):
+        data_sources(args(per_split_data_args_path=str(tmp_path / "bad.json")))
+
+
+def test_sequences_per_dataset_and_blend_surplus(data_dir, spm_tokenizer, tmp_path):
+    """--per-dataset-sequences-path: Megatron-Core takes the counts from the file instead of the
+    .idx header (the true counts, as Megatron-LM's tools/build_sequences_per_dataset.py writes
+    them: the same samples);
+    --mid-level-dataset-surplus: the extra share each dataset of a weighted blend builds."""
+    prefix = str(data_dir / "gpt_text_document")
+    full = IndexedDataset(prefix)
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({prefix: [len(full), len(full.document_indices)]}))
+    reference = _gpt(spm_tokenizer, [prefix], tmp_path, split="1,0,0", num_samples=[16, 0, 0])[0]
+    same = _gpt(spm_tokenizer, [prefix], tmp_path, split="1,0,0", num_samples=[16, 0, 0],
+                sequences_per_dataset_path=str(counts))[0]
+    assert torch.equal(same[3]["tokens"], reference[3]["tokens"])
+    assert same.dataset.sequences_per_dataset == (len(full), len(full.document_indices))
+    assert reference.dataset.sequences_per_dataset is None  # read from the header
+    counts.write_text(json.dumps({"other": [1, 1]}))
+    with pytest.raises(ValueError, match="^--per-dataset-sequences-path: .* has no \\[sequences, "
+                                         "documents\\] for .*gpt_text_document$"):
+        _gpt(spm_tokenizer, [prefix], tmp_path, sequences_per_dataset_path=str(counts))
+    blend = ["1", prefix, "1", prefix]
+    surplus = _gpt(spm_tokenizer, blend, tmp_path, split="1,0,0", num_samples=[1000, 0, 0],
+                   mid_level_dataset_surplus=0.5)[0]
+    default = _gpt(spm_tokenizer, blend, tmp_path, split="1,0,0", num_samples=[1000, 0, 0])[0]
+    assert [d.num_samples for d in surplus.datasets] == [750, 750]  # 500 x 1.5
+    assert [d.num_samples for d in default.datasets] == [503, 503]  # 500 x 1.005, rounded up
+
+
+def test_ambiguous_pad_tokens(data_dir, spm_tokenizer, tmp_path):
+    """A tokenizer whose padding id is also its end-of-document id: by default Megatron-Core
+    masks no loss for it; --allow-ambiguous-pad-tokens masks the loss where the label is that
+    id."""
+    tokenizer = build_tokenizer(argparse.Namespace(**SPM_ARGS))
+    tokenizer.__class__ = type("PadIsEod", (type(tokenizer),),
+                               {"pad": property(lambda self: self.eod)})
+    prefix = [str(data_dir / "gpt_text_document")]
+    plain = _gpt(tokenizer, prefix, tmp_path)[0]
+    allowed = _gpt(tokenizer, prefix, tmp_path, allow_ambiguous_pad_tokens=True)[0]
+    sample = next(i for i in range(len(plain)) if (plain[i]["labels"] == tokenizer.eod).any())
+    at_eod = plain[sample]["labels"] == tokenizer.eod
+    assert torch.all(plain[sample]["loss_mask"] == 1)
+    assert torch.all(allowed[sample]["loss_mask"][at_eod] == 0)
+    assert torch.all(allowed[sample]["loss_mask"][~at_eod] == 1)
+
+
+def test_random_batch_sampler_epochs_shards_and_resume():
+    """--dataloader-type cyclic: each data-parallel rank draws its own share of an epoch in a
+    random order (seeded by the epoch), whole steps only; the next pass is the next epoch, and
+    a sampler made at consumed samples goes on where the first one was."""
+    from megatron_parm.data.loaders import RandomBatchSampler
+
+    samplers = [RandomBatchSampler(21, 0, 2, rank, 2) for rank in range(2)]
+    epoch0 = [list(sampler) for sampler in samplers]
+    assert [len(batches) for batches in epoch0] == [5, 5]  # 20 of 21 samples: 5 steps of 4
+    assert sorted(i for batch in epoch0[0] for i in batch) == list(range(10))
+    assert sorted(i for batch in epoch0[1] for i in batch) == list(range(10, 20))
+    assert [i for batch in epoch0[0] for i in batch] != list(range(10))  # shuffled
+    epoch1 = list(samplers[0])
+    assert sorted(i for batch in epoch1 for i in batch) == list(range(10)) and epoch1 != epoch0[0]
+    resumed = RandomBatchSampler(21, 12, 2, 0, 2)  # 3 steps in
+    assert list(resumed) == epoch0[0][3:]
+    assert list(RandomBatchSampler(21, 28, 2, 0, 2)) == epoch1[2:]
+
+
+def test_phases_and_where_iterators_resume():
+    """--phase-transition-iterations: a phase's datasets cover its own samples and are read
+    from their start; the run stops after a transition; validation resumes after the
+    evaluations already run (Megatron-LM's count)."""
+    from megatron_parm.data.loaders import (
+        check_phase_resume, consumed_validation_samples, phase_start, phase_transition_at)
+
+    args = argparse.Namespace(train_iters=100, global_batch_size=8, eval_interval=10,
+                              eval_iters=2, skip_train=False,
+                              phase_transition_iterations=[30, 60])
+    assert [phase_start(args, it) for it in (0, 29, 30, 59, 60, 99)] == [
+        (0, 240), (0, 240), (30, 240), (30, 240), (60, 320), (60, 320)]
+    assert [it for it in range(1, 101) if phase_transition_at(it, args)] == [30, 60]
+    check_phase_resume({"global_batch_size": 8}, args)
+    with pytest.raises(ValueError, match="^--phase-transition-iterations: the checkpoint was "
+                                         "saved with --global-batch-size 16, this run has 8"):
+        check_phase_resume({"global_batch_size": 16}, args)
+    assert consumed_validation_samples(args, 35) == 3 * 2 * 8
+    assert consumed_validation_samples(argparse.Namespace(**{**vars(args), "skip_train": True}),
+                                       35) == 0
+    assert phase_start(argparse.Namespace(**{**vars(args), "phase_transition_iterations": None}),
+                       50) == (0, 800)

@@ -21,8 +21,8 @@ WORLD_SIZE = 2
 def _worker(rank, root):
     sys.path.insert(0, str(REPO))  # spawned interpreters start from scratch
     warnings.filterwarnings("ignore")
-    from megatron_parm.data.datasets import (
-        build_bert_datasets, build_data_iterator, build_gpt_datasets)
+    from megatron_parm.data.datasets import build_bert_datasets, build_gpt_datasets
+    from megatron_parm.data.loaders import build_data_iterator
     from megatron_parm.data.tokenizers import build_tokenizer
 
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,

@@ -39,8 +39,8 @@ def test_each_flag_is_implemented_without_effect_or_refused():
     declared = {flag.name for flag in registry.DECLARATIONS}
     assert not set(surface.NO_EFFECT) & set(surface.REFUSED)
     assert set(surface.NO_EFFECT) | set(surface.REFUSED) <= set(megatron_lm.OPTIONS)
-    # a planner's flag that training takes from elsewhere
-    assert (set(surface.NO_EFFECT) | set(surface.REFUSED)) & declared == {"--vocab-size"}
+    # a declared flag is implemented (the planners' --vocab-size is training's too)
+    assert not (set(surface.NO_EFFECT) | set(surface.REFUSED)) & declared
     for name in megatron_lm.OPTIONS:
         implemented = name in declared and name not in surface.NO_EFFECT
         assert implemented == (registry.status(name) == registry.IMPLEMENTED), name
@@ -139,3 +139,19 @@ def test_a_tool_s_own_flag_sharing_a_refused_name_is_not_refused():
     parser = settings.Parser()
     parser.add_argument("--warmup", type=int, default=1)  # a benchmark's warm-up iterations
     assert settings.read(parser, ["--warmup", "0"]).warmup == 0
+
+
+def test_a_value_this_machine_cannot_run_is_refused_with_the_others(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ValueError, match="^not available here: --fp8-format hybrid: FP8 / FP4 "
+                                         "training needs .*; --transformer-impl "
+                                         "transformer_engine: needs Transformer Engine, which is "
+                                         "not installed here \\(the transformer-engine "
+                                         "package\\)$"):
+        settings.read(settings.training_parser(),
+                      TINY_GPT + ["--transformer-impl", "transformer_engine",
+                                  "--fp8-format", "hybrid"])

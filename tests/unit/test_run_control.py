@@ -324,6 +324,7 @@ def test_test_mode_runs_megatron_cores_realtime_tests(in_repo, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def _model(argv, model_type):
+    from megatron_parm.data.loaders import build_iterators
     from megatron_parm.data.tokenizers import build_tokenizer
     from megatron_parm.training import trainer
     from megatron_parm.training.arguments import parse_args
@@ -332,7 +333,7 @@ def _model(argv, model_type):
     trainer.initialize(args)
     tokenizer = build_tokenizer(args)
     model, _, _ = trainer.build_model_and_optimizer(args, tokenizer.vocab_size)
-    train_iter, _ = trainer.build_iterators(args, tokenizer, model, 0)
+    train_iter, _ = build_iterators(args, tokenizer, len(model), 0)
     return args, model, train_iter[0]
 
 
@@ -433,7 +434,7 @@ class Pids(torch.utils.data.Dataset):
 
 
 def test_data_loader_workers_ignore_the_exit_signal_and_end_with_their_iterator():
-    from megatron_parm.data.datasets import build_data_iterator, shut_down
+    from megatron_parm.data.loaders import build_data_iterator, shut_down
 
     batches = build_data_iterator(Pids(), 1, num_workers=1, cyclic=True, exit_signal="SIGUSR1")
     worker = int(next(batches)["pid"])

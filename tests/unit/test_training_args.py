@@ -50,6 +50,39 @@ def test_missing_tokenizer_model_names_flag():
     assert "--tokenizer-model" in error(TINY_GPT + ["--tokenizer-model", "nope.model"])
 
 
+def test_data_flags_megatron_lm_s_rules(tmp_path):
+    """One data source; --split's default Megatron-LM's spelling, no --split with per-split
+    paths; --encoder-seq-length is --seq-length's other name; --mock-data for GPT only; the
+    NullTokenizer needs --vocab-size; --phase-transition-iterations read as iterations; the same
+    keys in a --config file."""
+    prefix = "data/cache/gpt_text_document"
+    no_split = [a for a in TINY_GPT] + ["--split", "969, 30, 1"]
+    assert parse_args(no_split, world_size=1).split == "969, 30, 1"
+    per_split = TINY_GPT + ["--data-path", "", "--train-data-path", prefix]
+    assert error(per_split + ["--split", "98,2,0"]).startswith("--split 98,2,0: the "
+                                                              "--train/valid/test-data-path")
+    mock = TINY_GPT + ["--data-path", "", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+    assert error(mock) == "--vocab-size is required with --tokenizer-type NullTokenizer"
+    assert parse_args(mock + ["--vocab-size", "100"], world_size=1).mock_data
+    assert error(TINY_GPT + ["--mock-data"]).startswith("--mock-data and --data-path: give a "
+                                                        "single data source")
+    bert = ["--config", "configs/bert_tiny_moe.yaml", "--data-path", "", "--mock-data"]
+    assert error(bert, model_type="bert").startswith("--mock-data: Megatron-Core 0.16.1 has a "
+                                                     "mock dataset for GPT only")
+    assert error(TINY_GPT + ["--encoder-seq-length", "64"]).startswith(
+        "--encoder-seq-length 64 and --seq-length 64: give one of the two")
+    config = tmp_path / "encoder.yaml"
+    config.write_text("\n".join(line for line in (REPO / "configs/gpt2_tiny_moe.yaml").read_text()
+                                .splitlines() if not line.startswith("seq_length"))
+                      + "\nencoder_seq_length: 32\nphase_transition_iterations: '30, 10'\n")
+    args = parse_args(["--config", str(config)], world_size=1)
+    assert args.seq_length == 32 and args.phase_transition_iterations == [10, 30]
+    assert error(TINY_GPT + ["--phase-transition-iterations", "10,x"]).startswith(
+        "--phase-transition-iterations: expected comma-separated iteration numbers")
+    assert error(TINY_GPT + ["--dataloader-type", "external"]).startswith(
+        "not available here: --dataloader-type external: external passes")
+
+
 def test_huggingface_tokenizer_needs_a_directory_with_tokenizer_json(tmp_path):
     hf = TINY_GPT + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
     assert error(hf + [str(tmp_path / "nope")]).startswith(

@@ -1,0 +1,132 @@
+"""tools/megatron_lm_configs.py: a Megatron-LM functional-test configuration (written here in
+its format, not copied) becomes a command line of this machine with only paths and sizes
+changed, which the training parser reads."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from launch import REPO
+from megatron_parm import settings
+
+CONFIG = """\
+ENV_VARS:
+  CUDA_DEVICE_MAX_CONNECTIONS: 1
+MODEL_ARGS:
+  --num-layers: 16
+  --hidden-size: 1024
+  --num-attention-heads: 16
+  --group-query-attention: true
+  --num-query-groups: 8
+  --log-params-norm: true
+  --tensorboard-dir: ${TENSORBOARD_PATH}
+  --micro-batch-size: 4
+  --global-batch-size: 256
+  --seq-length: 4096
+  --train-samples: 100000
+  --lr-decay-samples: 90000
+  --lr-warmup-samples: 1000
+  --save: ${CHECKPOINT_SAVE_PATH}
+  --data-path: ${DATA_PATH}/my-gpt3_00_text_document
+  --vocab-file: ${DATA_PATH}/bpe/vocab.json
+  --merge-file: ${DATA_PATH}/bpe/merges.txt
+  --lr: 3.0e-4
+  --tensor-model-parallel-size: 4
+  --pipeline-model-parallel-size: 4
+  --expert-model-parallel-size: 16
+  --expert-tensor-parallel-size: 1
+  --num-experts: 64
+  --moe-layer-freq: ([0]*2+[1]*14)
+  --moe-router-topk: 8
+  --moe-token-dispatcher-type: flex
+  --no-rope-fusion: true
+  --bf16: false
+TEST_TYPE: regular
+"""
+
+INFERENCE = "MODE: inference\nMODEL_ARGS:\n  --num-layers: 2\n"
+
+SCRIPT = """\
+#!/bin/bash
+GPUS_PER_NODE=8
+MODEL_ARGS=(
+    --num-layers 32
+    --hidden-size 4096   # the width
+    --swiglu
+)
+MOE_ARGS=(
+    --num-experts 8
+    --moe-router-topk 2
+)
+torchrun ${MODEL_ARGS[@]} ${MOE_ARGS[@]}
+"""
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("megatron_lm_configs",
+                                                  REPO / "tools" / "megatron_lm_configs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    cases = tmp_path / "tests" / "functional_tests" / "test_cases"
+    (cases / "moe" / "big_fine_grained").mkdir(parents=True)
+    (cases / "moe" / "big_fine_grained" / "model_config.yaml").write_text(CONFIG)
+    (cases / "moe" / "inference_case").mkdir(parents=True)
+    (cases / "moe" / "inference_case" / "model_config.yaml").write_text(INFERENCE)
+    (tmp_path / "examples" / "mixtral").mkdir(parents=True)
+    (tmp_path / "examples" / "mixtral" / "train_mixtral_8x7b_distributed.sh").write_text(SCRIPT)
+    return tmp_path
+
+
+def test_only_paths_sizes_and_the_dispatcher_change(tool, checkout, tmp_path):
+    found = tool.configurations(str(checkout))
+    assert list(found) == ["big_fine_grained", "examples_mixtral_8x7b"]  # no inference case
+    argv, ranks = tool.adapt("big_fine_grained", found["big_fine_grained"], str(tmp_path / "w"))
+    given = {flag for flag, value in found["big_fine_grained"] if value is not False}
+    named = {word for word in argv if word.startswith("--")}
+    # every flag of the config stays but the tokenizer's files; the tokenizer and the
+    # parallel sizes are the only additions
+    assert given - named == {"--vocab-file", "--merge-file"}
+    assert named - given == {"--tokenizer-type", "--tokenizer-model", "--log-interval"}
+    value = dict(zip(argv, argv[1:]))
+    # 16 layers: the --moe-layer-freq pattern names them all; 8 ranks at most
+    assert value["--num-layers"] == "16" and ranks == 8
+    assert (value["--tensor-model-parallel-size"], value["--pipeline-model-parallel-size"],
+            value["--expert-model-parallel-size"], value["--expert-tensor-parallel-size"]) == (
+                "2", "2", "4", "1")
+    assert value["--moe-token-dispatcher-type"] == "parm" and value["--num-experts"] == "64"
+    assert value["--train-samples"] == str(20 * int(value["--global-batch-size"]))
+    assert value["--data-path"] == tool.DATA_PATH and value["--save"].startswith(str(tmp_path))
+    assert tool.own_dispatcher(found["big_fine_grained"]) == "alltoall"  # flex computes it
+    # the training parser takes it as it is (what it refuses is the run's first line)
+    args = settings.training_parser().parse_args(argv)
+    assert args.num_experts == 64 and args.moe_layer_freq == [0, 0] + [1] * 14
+
+
+def test_a_launch_script_s_arrays_are_read(tool, checkout):
+    pairs = tool.read_script(str(checkout / tool.EXAMPLE))
+    assert pairs == [("--num-layers", "32"), ("--hidden-size", "4096"), ("--swiglu", True),
+                     ("--num-experts", "8"), ("--moe-router-topk", "2")]
+    assert tool.own_dispatcher(pairs) == "allgather"  # Megatron-LM's default
+
+
+def test_the_refusal_line_and_the_loss_comparison(tool):
+    stderr = ("warning: x\nerror: not available here: --context-parallel-size 2: context "
+              "parallelism is not built yet (the next issue); --fp8-format hybrid: FP8 / FP4 "
+              "training needs Transformer Engine on a Hopper or newer GPU\n")
+    refused = tool.refused_flags(stderr)
+    assert [flag for flag, _ in refused] == ["--context-parallel-size", "--fp8-format"]
+    assert [tool.needs_gpu_or_te(reason) for _, reason in refused] == [False, True]
+    assert tool.without(["--a", "1", "--fp8-format", "hybrid", "--b"], ["--fp8-format"]) == [
+        "--a", "1", "--b"]
+    assert tool.compare([1.0, 2.0], [1.0, 2.00005], bf16=False) == (pytest.approx(5e-5), True)
+    assert tool.compare([1.0, 2.0], [1.0, 2.001], bf16=False)[1] is False
+    assert tool.compare([1.0], [1.0, 2.0], bf16=False)[1] is False
+    assert tool.compare([10.0], [10.05], bf16=True)[1] is True
