@@ -75,6 +75,9 @@ TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
 TRAINING_GROUPS = (model.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
                    optimizer.GROUP, checkpoints.GROUP, run_control.GROUP, logging.GROUP,
                    precision.GROUP, data.GROUP, data.TOKENIZER)
+# Dests that say one setting in different units: given on the command line, one replaces the
+# others' config-file values (training.ALTERNATIVES).
+ALTERNATIVES = training.ALTERNATIVES
 # Flags of a group that training does not take (the planners' own).
 PLANNER_ONLY = ("--parm-chunk-candidates",)
 
