@@ -217,6 +217,9 @@ def _patch_rng_tracker() -> None:
     # Checkpoints save "cuda" RNG states next to the CPU one; on CPU they are the CPU state.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
+    # The rerun engine (megatron.core.rerun_state_machine) restores the "cuda" state after
+    # the CPU one before it reruns an iteration: the same CPU state.
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.manual_seed_all = lambda seed: None
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
@@ -373,12 +376,14 @@ class _HostDeviceTorch:
 
 
 def _patch_cuda_device_literals() -> None:
+    from megatron.core import rerun_state_machine
     from megatron.core.optimizer import clip_grads, grad_scaler
     from megatron.core.optimizer import optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
-    for module in (optimizer, clip_grads, grad_scaler, schedules, transformer_utils):
+    for module in (optimizer, clip_grads, grad_scaler, schedules, transformer_utils,
+                   rerun_state_machine):
         module.torch = _HostDeviceTorch()
 
 
@@ -617,7 +622,8 @@ REDIRECTS: Dict[str, Redirect] = {
         why=(
             'tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the '
             'same tracker keeps CPU generator states instead, so model-parallel init and dropout '
-            "forks stay reproducible; activation recompute's saved 'cuda' state is the CPU one."
+            "forks stay reproducible; activation recompute's saved 'cuda' state, and the one the "
+            "rerun engine saves and restores around a rerun, is the CPU one."
         )),
     "uneven_collectives": Redirect(
         _patch_uneven_collectives, with_cuda=True,
@@ -662,8 +668,9 @@ REDIRECTS: Dict[str, Redirect] = {
             "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
             'buffers), the loss scalers (grad_scaler), clip_grads, the pipeline schedules and '
             "transformer.utils (get_default_causal_mask: a causal attention called with "
-            "attention_mask=None, as a GPTModel user may call it) create small tensors with a "
-            "literal device='cuda'. Those five modules see a `torch` whose tensor factories "
+            "attention_mask=None, as a GPTModel user may call it) and the rerun engine "
+            "(rerun_state_machine: its all-reduced flags) create small tensors with a "
+            "literal device='cuda'. Those six modules see a `torch` whose tensor factories "
             "read 'cuda' as the CPU; every other name is torch's own."
         )),
     "float16_param_types": Redirect(

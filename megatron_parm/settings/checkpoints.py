@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_parm.settings.flag import Flag, positive_int
+from megatron_parm.settings.flag import Flag, non_negative_int, positive_int
 
 GROUP = "checkpoints"
 # --ckpt-format's values that run here (the others are FSDP's formats).
 CKPT_FORMATS = ("torch_dist", "torch")
 # --non-persistent-ckpt-type's values that run here ('local' needs NVIDIA's resiliency package).
 NON_PERSISTENT_TYPES = ("global",)
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # no process can handle them
+
+
+def catchable(flag: str, value) -> None:
+    if value in UNCATCHABLE:
+        raise ValueError(f"{flag} {value}: no process can catch {value} (pick another signal, "
+                         f"e.g. SIGTERM or SIGUSR1)")
 
 
 def flags() -> List[Flag]:
@@ -22,9 +29,18 @@ def flags() -> List[Flag]:
              help="Also save every this many iterations (always at the end)."),
         Flag("--exit-interval", GROUP, check=positive_int,
              help="Stop (after saving, with --save) once the iteration is a multiple of this."),
+        Flag("--exit-duration-in-mins", GROUP, check=non_negative_int,
+             help="Stop (after saving, with --save) after the first iteration that ends more "
+                  "than this many minutes after the run started (its earliest rank's start; "
+                  "every rank agrees; 0: never). An evaluation that runs past it ends early."),
         Flag("--exit-signal-handler", GROUP,
-             help="On SIGTERM (Slurm's time limit or preemption), finish the iteration, save "
-                  "(with --save) and stop."),
+             help="On --exit-signal (SIGTERM: Slurm's time limit or preemption), finish the "
+                  "iteration, save (with --save) and stop. The data loader's workers ignore "
+                  "that signal."),
+        Flag("--exit-signal", GROUP, check=catchable,
+             help="The signal --exit-signal-handler catches (default SIGTERM; SIGUSR1 with "
+                  "Slurm's --signal=USR1@SECONDS, say). megatron_parm.launch passes it on to "
+                  "the ranks when it receives it, or SIGTERM or SIGINT."),
         Flag("--override-opt_param-scheduler", GROUP,
              help="On resume, take the learning-rate and weight-decay schedule (--lr, "
                   "--min-lr, the warmup and decay lengths in iterations or samples, "

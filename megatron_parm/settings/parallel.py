@@ -45,6 +45,14 @@ def flags() -> List[Flag]:
              help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "
                   "waits longer on a hung or vanished peer fails and the job ends (default: "
                   "%(default)s)."),
+        Flag("--distributed-timeout-seconds-after-init", GROUP, check=positive_int,
+             help="After the first iteration (which builds and warms up everything), every "
+                  "process group's timeout becomes this many seconds (Megatron-LM's "
+                  "update_pg_timeout)."),
+        Flag("--distributed-backend", GROUP,
+             help="The collectives' backend on a GPU: nccl, or gloo (several ranks may then "
+                  "share one GPU, which NCCL refuses). Without a GPU it is gloo whatever this "
+                  "says (NCCL needs GPUs)."),
     ]
 
 

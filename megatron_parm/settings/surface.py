@@ -23,7 +23,6 @@ GPU_MATH = "sets a cuBLAS math mode of the GPU"
 GPU_OVERLAP = "overlaps or orders GPU work differently, with the same results"
 TP_OVERLAP_OFF = "a setting of --tp-comm-overlap, which is off here (it needs Transformer Engine)"
 NCCL = "tunes NCCL or its buffers (NCCL's defaults run on a GPU here, gloo on CPU)"
-BACKEND = "the backend follows the device here: NCCL on a GPU, gloo on CPU"
 GPU_MEMORY = ("changes where or how long GPU memory is held (offloading, pinning, freeing), with "
               "the same results")
 CUDA_GRAPHS_OFF = "a setting of CUDA graphs, which are off here"
@@ -55,6 +54,8 @@ LOCAL_CKPT_OFF = "a setting of local non-persistent checkpoints, which are refus
 REPLICATION_OFF = "a setting of --replication, which is refused here"
 EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
+UNREAD = ("Megatron-LM core_v0.16.1 reads it nowhere: with --exit-signal-handler the data "
+          "loader's workers catch --exit-signal anyway, there as here")
 SAMPLE_RATE = ("Megatron-LM reads it only in its legacy ORQA (biencoder) datasets, not when it "
                "pretrains GPT or BERT")
 DECODER_ONLY = ("the decoder's sequence length of encoder-decoder models (T5), which are not built "
@@ -92,6 +93,10 @@ FT_PACKAGE = ("NVIDIA's fault-tolerance package is not built here (docs/faults.m
 NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project's, which "
                    "pretrains GPT and BERT MoE models")
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
+FULL_VALIDATION = ("an evaluation runs --eval-iters batches here, a pass over the whole "
+                   "validation split is not built")
+VALIDATION_SETS = ("an evaluation here takes the validation datasets as one blend, a loss for "
+                   "each one is not built")
 NOT_BUILT = "not built here yet"
 REPLICATION = ("replicates local non-persistent checkpoints, which need NVIDIA's resiliency "
                "package (nvidia-resiliency-ext), not used here")
@@ -176,6 +181,7 @@ NO_EFFECT: Dict[str, str] = {
     "--memory-snapshot-path": PROFILING,
     "--empty-unused-memory-level": GPU_MEMORY,
     "--train-sync-interval": GPU_OVERLAP,
+    "--exit-signal-handler-for-dataloader": UNREAD,
     "--disable-gloo-process-groups": GLOO,
     "--tp-comm-overlap-cfg": TP_OVERLAP_OFF,
     "--no-masked-softmax-fusion": FUSED_KERNEL,
@@ -208,7 +214,6 @@ NO_EFFECT: Dict[str, str] = {
     "--use-dist-ckpt": ALWAYS_MCORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
     "--no-overlap-p2p-communication": GPU_OVERLAP,
-    "--distributed-backend": BACKEND,
     "--no-align-grad-reduce": GPU_OVERLAP,
     "--ddp-pad-buckets-for-high-nccl-busbw": NCCL,
     "--overlap-param-gather-with-optimizer-step": GPU_OVERLAP,
@@ -266,7 +271,6 @@ REFUSED: Dict[str, str] = {
     "--moe-extended-tp": NOT_BUILT,
     "--no-initialization": NOT_BUILT,
     "--use-cpu-initialization": NOT_BUILT,
-    "--deterministic-mode": NOT_BUILT,
     "--tp-comm-overlap": NEEDS_TE,
     "--microbatch-group-size-per-virtual-pipeline-stage": NOT_BUILT,
     "--mtp-standalone": MTP,
@@ -284,7 +288,7 @@ REFUSED: Dict[str, str] = {
     "--qk-clip-alpha": NOT_BUILT,
     "--qk-clip-threshold": NOT_BUILT,
     "--attention-output-gate": NOT_BUILT,
-    "--calculate-per-token-loss": NOT_BUILT,
+
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
     "--dsa-indexer-head-dim": NOT_BUILT,
@@ -340,19 +344,7 @@ REFUSED: Dict[str, str] = {
     "--no-rope-freq": NOT_BUILT,
     "--squared-relu": NOT_BUILT,
     "--quick-geglu": NOT_BUILT,
-    "--check-weight-hash-across-dp-replicas-interval": NOT_BUILT,
-    "--exit-duration-in-mins": NOT_BUILT,
-    "--exit-signal": NOT_BUILT,
-    "--exit-signal-handler-for-dataloader": NOT_BUILT,
-    "--manual-gc": NOT_BUILT,
-    "--manual-gc-interval": NOT_BUILT,
-    "--no-manual-gc-eval": NOT_BUILT,
-    "--iterations-to-skip": NOT_BUILT,
     "--batch-size": RENAMED,
-    "--recompute-activations": NOT_BUILT,
-    "--no-check-for-nan-in-loss-and-grad": NOT_BUILT,
-    "--check-for-large-grads": NOT_BUILT,
-    "--result-rejected-tracker-filename": NOT_BUILT,
     "--checkpoint-activations": RENAMED,
     "--dump-param-to-param-group-map": NOT_BUILT,
     "--use-legacy-models": LEGACY_MODELS,
@@ -411,7 +403,6 @@ REFUSED: Dict[str, str] = {
     "--fp16-lm-cross-entropy": NOT_BUILT,
     "--pipeline-model-parallel-layout": PIPELINE_LAYOUT,
     "--model-parallel-size": RENAMED,
-    "--distributed-timeout-seconds-after-init": NOT_BUILT,
     "--ddp-num-buckets": NOT_BUILT,
     "--ddp-reduce-scatter-with-fp32-accumulation": NOT_BUILT,
     "--lazy-mpu-init": NOT_BUILT,
@@ -421,9 +412,8 @@ REFUSED: Dict[str, str] = {
     "--cp-comm-type": CONTEXT_PARALLEL,
     "--use-tp-pp-dp-mapping": NOT_BUILT,
     "--fake-process-group": NOT_BUILT,
-    "--test-mode": NOT_BUILT,
-    "--full-validation": NOT_BUILT,
-    "--multiple-validation-sets": NOT_BUILT,
+    "--full-validation": FULL_VALIDATION,
+    "--multiple-validation-sets": VALIDATION_SETS,
     "--fim-data": FIM,
     "--fim-rate": FIM,
     "--fim-spm-rate": FIM,
@@ -540,10 +530,6 @@ REFUSED: Dict[str, str] = {
     "--enable-ft-package": FT_PACKAGE,
     "--calc-ft-timeouts": FT_PACKAGE,
     "--ft-num-warmup-iters": FT_PACKAGE,
-    "--error-injection-rate": NOT_BUILT,
-    "--error-injection-type": NOT_BUILT,
-    "--rerun-mode": NOT_BUILT,
-    "--check-for-spiky-loss": NOT_BUILT,
     "--sft": NOT_PRETRAINING,
     "--sft-tokenizer-prompt-format": NOT_PRETRAINING,
 }

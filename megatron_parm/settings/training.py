@@ -81,6 +81,13 @@ def flags() -> List[Flag]:
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),
         Flag("--seed", GROUP),
+        Flag("--calculate-per-token-loss", GROUP,
+             help="Average the loss over every token of the global batch (Megatron-Core's "
+                  "schedules with calculate_per_token_loss: each micro-batch's summed loss, "
+                  "the gradients divided by the global batch's token count) instead of over "
+                  "each micro-batch's tokens, then over the micro-batches. BERT's "
+                  "sentence-order loss enters weighted by its micro-batch's tokens, as "
+                  "Megatron-Core weights the router's losses."),
         *_recompute_flags(),
     ]
 
@@ -125,6 +132,8 @@ def _schedule_flags() -> List[Flag]:
 def _recompute_flags() -> List[Flag]:
     """Activation recompute, as Megatron-LM spells it (its rules: training.arguments)."""
     return [
+        Flag("--recompute-activations", GROUP,
+             help="Megatron-LM's older spelling of --recompute-granularity selective."),
         Flag("--recompute-granularity", GROUP,
              help="Recompute activations in the backward pass instead of keeping them: 'full' "
                   "the whole transformer layer (with --recompute-method and "

@@ -87,6 +87,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_checkpoints(args)
     _validate_optimizer(args, world_size)
     _validate_parm(args, world_size)
+    _validate_run_control(args)
     _validate_implementation(args)
     writers.check_args(args)  # --wandb-*
     _validate_config(args)
@@ -414,6 +415,49 @@ def _validate_parm(args, world_size: int) -> None:
     tuning.check_args(args.parm_tune_steps, args.parm_tune_margin, args.parm_tune_candidates,
                       args.parm_tune_cache)
     args.parm_tune_cache = tuning.default_cache(args.parm_tune_cache, args.save)
+
+
+def _validate_run_control(args) -> None:
+    """The run-control flags' rules, Megatron-LM's validate_args' among them."""
+    if args.recompute_activations:  # Megatron-LM's older spelling
+        args.recompute_granularity = "selective"
+    if args.fp16 and args.loss_scale is None:
+        # dynamic loss scaling: a NaN or infinite gradient is its signal to lower the scale,
+        # not an error (Megatron-LM turns the check off too)
+        args.check_for_nan_in_loss_and_grad = False
+    if args.error_injection_rate and args.rerun_mode != "validate_results":
+        raise ValueError(f"--error-injection-rate {args.error_injection_rate} injects errors "
+                         f"only with --rerun-mode validate_results (not {args.rerun_mode})")
+    if args.calculate_per_token_loss and args.ddp_average_in_collective:
+        raise ValueError("--calculate-per-token-loss with --ddp-average-in-collective: the "
+                         "per-token loss sums the gradients over data-parallel ranks "
+                         "(Megatron-Core refuses the average)")
+    if args.result_rejected_tracker_filename and \
+            os.path.isfile(args.result_rejected_tracker_filename):
+        from megatron.core.rerun_state_machine import RerunStateMachine
+
+        rejected = RerunStateMachine.get_skipped_iterations_from_tracker_file(
+            args.result_rejected_tracker_filename)
+        args.iterations_to_skip = sorted({*args.iterations_to_skip, *rejected})
+    if args.deterministic_mode:
+        _validate_deterministic(args)
+
+
+def _validate_deterministic(args) -> None:
+    """--deterministic-mode: Megatron-LM's rules, and cuBLAS's on a GPU."""
+    for key in ("use_flash_attn", "cross_entropy_loss_fusion"):
+        if getattr(args, key):
+            raise ValueError(f"--deterministic-mode with {settings.flag_of(key)}: Megatron-LM "
+                             f"refuses it (that kernel is not deterministic)")
+    if not _cuda_available():
+        return
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        raise ValueError("--deterministic-mode on a GPU needs CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                         "(or :16:8) in the environment (cuBLAS's deterministic workspace)")
+    algorithms = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+    if args.distributed_backend == "nccl" and os.environ.get("NCCL_ALGO") not in algorithms:
+        raise ValueError(f"--deterministic-mode with NCCL needs NCCL_ALGO in the environment, "
+                         f"one of {', '.join(algorithms)} (Megatron-LM's rule)")
 
 
 def _validate_implementation(args) -> None:

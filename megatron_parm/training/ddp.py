@@ -66,8 +66,13 @@ def check_args(args, cuda: bool) -> None:
 
 def ddp_config(args) -> DistributedDataParallelConfig:
     """The DistributedDataParallelConfig Megatron-LM's training builds from the same flags
-    (grad_reduce_in_fp32 from the precision flags; align_param_gather on, its default)."""
+    (grad_reduce_in_fp32 from the precision flags; align_param_gather on, its default; each
+    gradient bucket checked for NaN and Inf before its reduction unless
+    --no-check-for-nan-in-loss-and-grad, and for large norms with --check-for-large-grads:
+    Megatron-Core's rerun engine, training.run_control)."""
     return DistributedDataParallelConfig(
+        check_for_nan_in_grad=getattr(args, "check_for_nan_in_loss_and_grad", False),
+        check_for_large_grads=getattr(args, "check_for_large_grads", False),
         grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,

@@ -58,6 +58,7 @@ def build_config(args) -> ParmTransformerConfig:
         sequence_parallel=args.sequence_parallel,
         **pipeline_fields(args),
         **recompute_fields(args),
+        **run_fields(args),
         use_cpu_initialization=not device.is_cuda(),
         params_dtype=mixed_precision.params_dtype(args),
         bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
@@ -121,6 +122,15 @@ def router_fields(args) -> dict:
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_router_dtype=args.moe_router_dtype, moe_z_loss_coeff=args.moe_z_loss_coeff)
+
+
+def run_fields(args) -> dict:
+    """The config's fields of the run-control and loss flags (Megatron-LM copies them into its
+    TransformerConfig): the per-token loss (Megatron-Core's schedules, DDP and routers read
+    it), deterministic kernels, real-time tests."""
+    return dict(calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+                deterministic_mode=getattr(args, "deterministic_mode", False),
+                test_mode=getattr(args, "test_mode", False))
 
 
 def recompute_fields(args) -> dict:
@@ -277,55 +287,91 @@ def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.T
     return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
 
 
+def _masked_sum(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor):
+    """(the summed loss of the unmasked tokens, their number as an int tensor)."""
+    loss_mask_bs = loss_mask_bs.float()
+    return (losses_bs.float() * loss_mask_bs).sum(), loss_mask_bs.sum().to(torch.int)
+
+
+def _per_token(model) -> bool:
+    """--calculate-per-token-loss (the model config's calculate_per_token_loss)."""
+    return bool(getattr(unwrap(model).config, "calculate_per_token_loss", False))
+
+
+def _reported(loss: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """[summed loss, tokens]: how Megatron-LM reports a per-token loss (the trainer divides the
+    global batch's sums)."""
+    return torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+
+
 # The reported values are clones: Megatron's schedule divides the returned loss in place by
 # the number of micro-batches, and a detached view would follow it.
+#
+# With --calculate-per-token-loss a loss function returns (summed loss, tokens, report), which
+# Megatron-Core's schedules neither divide by the tokens nor by the micro-batches: the
+# gradients are divided by the global batch's token count in finalize_model_grads.
 
-def gpt_loss(loss_mask_bs, losses_bs):
+def gpt_loss(loss_mask_bs, losses_bs, per_token: bool = False):
+    if per_token:
+        lm_loss, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
+        return lm_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens)}
     lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     return lm_loss, {"lm loss": lm_loss.detach().clone()}
 
 
 def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
     batch = next_batch(data_iterator, model)
+    loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
                                          batch.get("attention_mask"), labels=batch["labels"])
-        return plan, partial(gpt_loss, batch["loss_mask"])
+        return plan, loss_func
     # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
     # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
     losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                       labels=batch["labels"])
-    return losses_bs, partial(gpt_loss, batch["loss_mask"])
+    return losses_bs, loss_func
 
 
-def bert_loss(loss_mask_bs, is_random_b, *output):
+def bert_loss(loss_mask_bs, is_random_b, *output, per_token: bool = False):
     # output: the model's (losses, binary logits), or, from the combined 1F1B's plan, its
     # post-process node's outputs as arguments (the losses alone without a binary head)
     if len(output) == 1 and isinstance(output[0], tuple):
         output = output[0]
     losses_bs, binary_logits_b2 = output if len(output) == 2 else (output[0], None)
-    lm_loss = _masked_mean(losses_bs, loss_mask_bs)
+    if per_token:
+        lm_loss, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
+    else:
+        lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     if binary_logits_b2 is None:
+        if per_token:
+            return lm_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens)}
         return lm_loss, {"lm loss": lm_loss.detach().clone()}
     # BERT's second objective here is next-sentence prediction (is B random?).
     sop_loss = torch.nn.functional.cross_entropy(binary_logits_b2.view(-1, 2).float(),
                                                  is_random_b.view(-1), ignore_index=-1)
+    if per_token:  # weighted by the micro-batch's tokens, as Megatron-Core's router losses
+        sop_loss = sop_loss * num_tokens
+        return lm_loss + sop_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens),
+                                                "sop loss": _reported(sop_loss, num_tokens)}
     return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(),
                                 "sop loss": sop_loss.detach().clone()}
 
 
 def bert_forward_step(data_iterator, model, return_schedule_plan=False):
     batch = next_batch(data_iterator, model)
+    loss_func = partial(bert_loss, batch["loss_mask"], batch["is_random"],
+                        per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["text"], batch["padding_mask"],
             tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
             lm_labels=batch["labels"])
-        return plan, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+        return plan, loss_func
     output = model(batch["text"], batch["padding_mask"],
                    tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
                    lm_labels=batch["labels"])
-    return output, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+    return output, loss_func
 
 
 def model_has_tokentypes(model) -> bool:

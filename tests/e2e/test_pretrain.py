@@ -13,6 +13,10 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK);
   * GPT-2 MoE (output layer untied) for 4 iterations with Megatron-LM's logging flags
     (logging_run), then its last gradients saved as a checkpoint in the weights' place.
+  * GPT-2 MoE with Megatron-LM's run-control flags (run_control_runs): --manual-gc,
+    --deterministic-mode, the weight-hash check, the timeout after the first iteration, and
+    --exit-duration-in-mins passed on one rank only; then a weight-hash check that finds one
+    rank's parameters changed.
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
@@ -27,6 +31,9 @@ The tests then check, from the recorded summaries and the console output:
     that of the saved gradients (each shard once over tp=2, ep=2), TensorBoard's tags and
     values read back from the event files, the timers of --timing-log-level 1 and 2, the
     memory lines, progress.txt and W&B's one line where the package is missing.
+  * every rank stops at the same iteration when one alone finds the duration passed, collects
+    garbage at the same points, and refuses parameters that differ across data-parallel
+    replicas.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ def worker(out_path: str, run_dir: str) -> None:
     results["recompute"] = recompute_runs()
     results["mock"] = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + MOCK))["losses"]
     results["logging"] = logging_run(run_dir)
+    results["run_control"] = run_control_runs()
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -231,6 +239,80 @@ def logging_run(run_dir: str) -> list:
             param.data = param.main_grad.view_as(param)
     save_checkpoint(f"{out}/grads", LOGGING_ITERS, model, None, None, 0, args)
     return losses
+
+
+# Megatron-LM's run-control flags on DDP_ITERS (dp = 2): none changes the losses.
+RUN_CONTROL = ["--manual-gc", "--manual-gc-interval", "2", "--deterministic-mode",
+               "--check-weight-hash-across-dp-replicas-interval", "2",
+               "--distributed-timeout-seconds-after-init", "300", "--exit-duration-in-mins", "1"]
+
+
+def run_control_runs():
+    """Per rank, from a DDP_ITERS run with RUN_CONTROL where rank 1's clock alone jumps past
+    --exit-duration-in-mins after iteration 3: (iteration, exit reason, losses, run_control's
+    gc.collect generations, every group's timeout); then, per rank, the error of a run whose
+    rank 0 changed a parameter before the weight-hash check."""
+    import datetime
+    import gc
+    import time
+
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from megatron_parm.training import run_control, trainer
+    from megatron_parm.training.arguments import parse_args
+
+    rank = torch.distributed.get_rank()
+    collections = []
+
+    class Clock:  # time.time() is called once per iteration (no evaluation before the 4th)
+        calls = 0
+
+        def time(self):
+            self.calls += 1
+            return time.time() + (120 if rank == 1 and self.calls >= 3 else 0)
+
+    class CountedGC:
+        def collect(self, generation=2):
+            collections.append(generation)
+            return gc.collect(generation)
+
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+    flags = TINY_GPT + LAYOUT + SHORT + DDP_ITERS
+    run_control.time, run_control.gc = Clock(), CountedGC()
+    try:
+        summary = trainer.pretrain(parse_args(flags + RUN_CONTROL))
+    finally:
+        run_control.time, run_control.gc = time, gc
+    timeouts = sorted({group._get_backend(torch.device("cpu")).options._timeout
+                       / datetime.timedelta(seconds=1)
+                       for group in distributed_c10d._world.pg_map})
+    record = {"iteration": summary["iteration"], "reason": summary.get("exit_reason"),
+              "losses": summary["losses"], "collections": collections, "timeouts": timeouts}
+
+    build = trainer.build_model_and_optimizer
+
+    def changed_on_rank_0(*args, **kwargs):
+        model, optimizer, scheduler = build(*args, **kwargs)
+        if rank == 0:
+            with torch.no_grad():
+                next(model[0].parameters()).add_(1e-3)
+        return model, optimizer, scheduler
+
+    trainer.build_model_and_optimizer = changed_on_rank_0
+    try:
+        trainer.pretrain(parse_args(flags + ["--check-weight-hash-across-dp-replicas-interval",
+                                             "1"]))
+        record["mismatch"] = None
+    except ValueError as error:
+        record["mismatch"] = str(error)
+    finally:
+        trainer.build_model_and_optimizer = build
+    records = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(records, record)
+    return records
 
 
 # Tuning at 1 timed call per candidate: the tiny layer's 4 candidates x 2 calls, decided at
@@ -394,6 +476,31 @@ def test_activation_recompute_leaves_the_losses(run):
         tolerance = 1e-4 if dispatcher == "parm" else 1e-6
         reference = results["gpt"][dispatcher][:len(runs[name]["losses"])]
         assert runs[name]["losses"] == pytest.approx(reference, abs=tolerance), name
+
+
+def test_run_control_on_every_rank(run):
+    """Megatron-LM's run-control flags on 4 ranks: one rank past --exit-duration-in-mins stops
+    them all after the same iteration (saved state aside, the losses those without the flags:
+    deterministic kernels round alike to 1e-5); --manual-gc collects at the start and after
+    iterations 2 on every rank; the group timeouts are 300 s after the first iteration; the
+    weight hashes match, and a parameter changed on rank 0 alone stops every rank."""
+    results, stdout, _ = run
+    records = results["run_control"]
+    reference = results["gpt"]["alltoall"]
+    for rank, record in enumerate(records):
+        assert (record["iteration"], record["reason"]) == (3, "exit-duration-in-mins"), rank
+        assert record["losses"] == pytest.approx(reference[:3], abs=1e-5), rank
+        assert record["collections"] == [2, 2], (rank, record["collections"])
+        assert record["timeouts"] == [300.0], (rank, record["timeouts"])
+        assert record["mismatch"].startswith("--check-weight-hash-across-dp-replicas-interval: "
+                                             "after iteration 0 parameters differ across "
+                                             "data-parallel replicas: "), (rank, record)
+    # rank 0 and its data-parallel peer (rank 2) name the parameter, the others do not
+    assert [record["mismatch"].endswith(f"module.embedding.word_embeddings.weight on rank "
+                                        f"{rank}") for rank, record in enumerate(records)] == \
+        [True, False, True, False]
+    assert stdout.count(">>> Weight hashes match after 2 iterations...") == 1
+    assert "(--exit-duration-in-mins 1): stopping after iteration 3" in stdout
 
 
 def test_timing_breakdown_has_each_part(run):

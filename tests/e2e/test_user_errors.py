@@ -334,7 +334,10 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
             [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4",
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
              "pretrain_scripts/pretrain_gpt2_moe.py", *TINY, "--train-iters", "1000",
-             "--save", str(tmp_path / "ckpt"), "--exit-signal-handler"],
+             "--save", str(tmp_path / "ckpt"), "--exit-signal-handler",
+             # a data-loader worker per rank: the job-wide SIGTERM reaches it too, and it must
+             # leave the stop to its rank (Megatron-LM's worker_init_fn)
+             "--num-workers", "1"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(marker))
         try:
             deadline = time.time() + 300
@@ -355,8 +358,8 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
                 os.kill(pid, signal.SIGKILL)
             launcher.wait()
     output = log_path.read_text()
-    stopped = int(re.search(r"> exit signal received: stopping after iteration (\d+)",
-                            output).group(1))
+    stopped = int(re.search(r"> exit signal received \(SIGTERM\): stopping after iteration "
+                            r"(\d+)", output).group(1))
     assert status == 0, output[-4000:]
     assert len(threads) >= 4 and set(threads) == {"1"}, threads  # the ranks (and their helpers)
     assert "OMP_NUM_THREADS" not in output, output[-4000:]
@@ -365,7 +368,7 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     assert (tmp_path / f"ckpt/iter_{stopped:07d}/metadata.json").is_file()
     assert f"> saved checkpoint at iteration {stopped}" in output
     assert "Traceback" not in output, output[-4000:]
-    assert "launch: SIGTERM received: passed to 4 ranks" in output
+    assert "launch: SIGTERM received: passed to 4 ranks as SIGTERM" in output
     assert pids_with_marker(f"PARM_TEST_LAUNCH={marker}") == []
 
 

@@ -108,15 +108,17 @@ def test_flags_without_effect_are_one_start_up_note(tmp_path):
     config = tmp_path / "mlm.yaml"
     config.write_text((REPO / "configs" / "gpt2_tiny_moe.yaml").read_text()
                       + "no_bias_gelu_fusion: true\nuse_mcore_models: true\n"
-                        "distributed_backend: gloo\nno_parm_tune: true\n")
+                        "exit_signal_handler_for_dataloader: true\nno_parm_tune: true\n")
     args = settings.read(settings.training_parser(),
                          ["--config", str(config), "--no-gradient-accumulation-fusion"])
     assert args.parm_tune is False and args.bias_gelu_fusion is False
     assert settings.no_effect_note(args) == (
-        "note: no effect here: --no-bias-gelu-fusion, --no-gradient-accumulation-fusion: picks a "
-        "fused GPU kernel, and the same computation runs unfused here; --use-mcore-models: always "
-        "so here: Megatron-Core models and its distributed checkpoints; --distributed-backend: "
-        "the backend follows the device here: NCCL on a GPU, gloo on CPU")
+        "note: no effect here: --exit-signal-handler-for-dataloader: Megatron-LM core_v0.16.1 "
+        "reads it nowhere: with --exit-signal-handler the data loader's workers catch "
+        "--exit-signal anyway, there as here; --no-bias-gelu-fusion, "
+        "--no-gradient-accumulation-fusion: picks a fused GPU kernel, and the same computation "
+        "runs unfused here; --use-mcore-models: always so here: Megatron-Core models and its "
+        "distributed checkpoints")
     assert settings.no_effect_note(settings.read(settings.training_parser(), TINY_GPT)) is None
 
 

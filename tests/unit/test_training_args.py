@@ -491,3 +491,67 @@ def test_checkpoint_flag_rules_as_megatron_lm_checks_them():
     args = parse_args(["--config", "configs/bert_tiny_moe.yaml", "--load", "x", "--skip-train",
                        "--ckpt-format", "torch", "--no-save-rng"], model_type="bert", world_size=1)
     assert args.no_load_optim and args.ckpt_format == "torch" and args.no_save_rng
+
+
+# ---------------------------------------------------------------------------------------------
+# run control (training/run_control.py): Megatron-LM's rules between its flags
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--error-injection-rate", "10", "--rerun-mode", "disabled"],
+     "--error-injection-rate 10 injects errors only with --rerun-mode validate_results (not "
+     "disabled)"),
+    (["--calculate-per-token-loss", "--ddp-average-in-collective"],
+     "--calculate-per-token-loss with --ddp-average-in-collective: the per-token loss sums the "
+     "gradients over data-parallel ranks (Megatron-Core refuses the average)"),
+    (["--deterministic-mode", "--cross-entropy-loss-fusion"],
+     "--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM refuses it (that kernel "
+     "is not deterministic)"),
+    (["--exit-signal", "SIGKILL"],
+     "--exit-signal SIGKILL: no process can catch SIGKILL (pick another signal, e.g. SIGTERM or "
+     "SIGUSR1)"),
+    (["--rerun-mode", "report_stats"],
+     "not available here: --rerun-mode report_stats: Megatron-LM core_v0.16.1 cannot run it "
+     "either: it is no mode of Megatron-Core 0.16.1's rerun engine (report_determinism_stats "
+     "there), whose report of the statistics fails (its Caller has no filename)"),
+])
+def test_run_control_rules_name_the_flag(flags, message):
+    assert error(TINY_GPT + flags, world_size=1) == message
+
+
+def test_run_control_flags_as_megatron_lm_reads_them(tmp_path):
+    args = parse_args(TINY_GPT, world_size=1)
+    assert args.check_for_nan_in_loss_and_grad and args.rerun_mode == "validate_results"
+    assert (args.exit_signal, args.iterations_to_skip, args.manual_gc_eval) == ("SIGTERM", [], True)
+    # --recompute-activations: Megatron-LM's older spelling of selective recompute
+    args = parse_args(TINY_GPT + ["--recompute-activations"], world_size=1)
+    assert args.recompute_granularity == "selective"
+    # fp16's dynamic loss scaling lowers the scale on a NaN: Megatron-LM turns the check off
+    assert not parse_args(TINY_GPT + ["--fp16"], world_size=1).check_for_nan_in_loss_and_grad
+    assert parse_args(TINY_GPT + ["--fp16", "--loss-scale", "1024"],
+                      world_size=1).check_for_nan_in_loss_and_grad
+    config = tmp_path / "run.yaml"
+    config.write_text((REPO / "configs/gpt2_tiny_moe.yaml").read_text()
+                      + "exit_signal: SIGUSR1\nno_check_for_nan_in_loss_and_grad: true\n"
+                        "iterations_to_skip: [3, 1]\nno_manual_gc_eval: true\n")
+    args = parse_args(["--config", str(config)], world_size=1)
+    assert (args.exit_signal, args.check_for_nan_in_loss_and_grad, args.manual_gc_eval) == \
+        ("SIGUSR1", False, False)
+    assert args.iterations_to_skip == [3, 1]
+
+
+def test_rejected_results_file_adds_iterations_to_skip(tmp_path):
+    """Megatron-LM's rule (RerunStateMachine.get_skipped_iterations_from_tracker_file): an
+    iteration rejected twice on the same rank, and reproduced, is skipped; one rejected on
+    several ranks of one job is not."""
+    tracker = tmp_path / "rejected.txt"
+    line = ("ts=2026-01-01 00:00:00 node=n device=0 jobID={job} rank={rank} iteration={it} "
+            "status=RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE result=nan message='x'\n")
+    tracker.write_text(line.format(job=1, rank=0, it=7) + line.format(job=2, rank=0, it=7)
+                       + line.format(job=1, rank=0, it=9) + line.format(job=3, rank=0, it=11)
+                       + line.format(job=3, rank=1, it=11) + line.format(job=4, rank=0, it=11))
+    args = parse_args(TINY_GPT + ["--result-rejected-tracker-filename", str(tracker),
+                                  "--iterations-to-skip", "2"], world_size=1)
+    assert args.iterations_to_skip == [2, 7]
+    # the parser's default list is not changed by it
+    assert parse_args(TINY_GPT, world_size=1).iterations_to_skip == []
