@@ -281,6 +281,62 @@ def _patch_sp_layernorm() -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# zero-centered LayerNorm / RMSNorm gamma (--apply-layernorm-1p) without apex or TE
+# ----------------------------------------------------------------------------------------
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm with its gamma stored as gamma - 1: weight and bias start at zero and
+    the input is scaled by 1 + weight, as Megatron-Core's FusedLayerNorm and Transformer
+    Engine's norms do with layernorm_zero_centered_gamma."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with its gamma stored as gamma - 1 (zero at initialization), as
+    Transformer Engine's RMSNorm with zero_centered_gamma."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight + 1,
+                                            self.eps)
+
+
+def _patch_zero_centered_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    wrapped_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if not config.layernorm_zero_centered_gamma or config.normalization not in (
+                "LayerNorm", "RMSNorm"):
+            return wrapped_new(cls, config, hidden_size, eps, persist_layer_norm,
+                               zero_centered_gamma, normalization)
+        norm_cls = ZeroCenteredLayerNorm if config.normalization == "LayerNorm" \
+            else ZeroCenteredRMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                setattr(param, "sequence_parallel", True)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+# ----------------------------------------------------------------------------------------
 # split sizes that already live on the host
 # ----------------------------------------------------------------------------------------
 
@@ -588,6 +644,15 @@ REDIRECTS: Dict[str, Redirect] = {
             "Megatron's local LayerNorm (WrappedTorchNorm) refuses sequence_parallel=True without "
             "apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights get Megatron's "
             'sequence_parallel attribute so their grads are reduced over TP.'
+        )),
+    "zero_centered_norm": Redirect(
+        _patch_zero_centered_norm, with_cuda=True,
+        why=(
+            "Megatron's local LayerNorm (WrappedTorchNorm, without apex or TE) refuses "
+            'layernorm_zero_centered_gamma (--apply-layernorm-1p), which its fused and TE norms '
+            'take; torch.nn.LayerNorm / RMSNorm with the gamma stored as gamma - 1 (zero at '
+            'initialization, the input scaled by 1 + weight) computes what they compute. Not '
+            'about CUDA: applied wherever the local norm is built.'
         )),
     "host_split_sizes": Redirect(
         _patch_host_split_sizes, with_cuda=False,

@@ -58,7 +58,7 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, mixed_precision, timing
+from megatron_parm.training import ddp, mixed_precision, timing, upcycling
 from megatron_parm.training.model import (
     FORWARD_STEPS, build_config, build_model_chunks, expert_module_name, moe_layers,
     runs_pipelined, still_tuning, unwrap)
@@ -106,7 +106,11 @@ def _attempt_store() -> dict:
                 rank=int(os.environ["RANK"]), world_size=world_size)
 
 
-def set_seed(seed: int) -> None:
+def set_seed(seed: int, data_parallel_random_init: bool = False) -> None:
+    """Seed every generator; with --data-parallel-random-init each data-parallel rank with
+    seed + 10 x its rank (Megatron-LM's)."""
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
@@ -193,10 +197,14 @@ Z_LOSS_NAME = "z_loss"
 
 
 def router_loss_names(args) -> list:
-    """The names Megatron-Core's routers track their losses under for these flags."""
-    names = [BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] \
-        if args.num_experts and args.moe_router_load_balancing_type in BALANCING_LOSS_NAMES else []
-    return names + ([Z_LOSS_NAME] if args.num_experts and args.moe_z_loss_coeff else [])
+    """The names Megatron-Core's routers track their losses under for these flags (one per
+    --moe-router-load-balancing-type given, in Megatron-LM's order)."""
+    if not args.num_experts:
+        return []
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    names = [name for kind, name in BALANCING_LOSS_NAMES.items() if kind in types]
+    return names + ([Z_LOSS_NAME] if args.moe_z_loss_coeff else [])
 
 
 def router_losses(names, num_steps: int, num_layers: int) -> dict:
@@ -264,11 +272,12 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     each in Megatron's DDP, their Adam and the learning-rate schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
-    ddp_config = ddp.ddp_config(args)
+    ddp_config = ddp.ddp_config(args, chunks)
     # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
     # wait for the end of the step anyway).
     model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
+    ddp.broadcast_params(model, args)
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -391,7 +400,7 @@ def initialize(args) -> None:
                               pp=args.pipeline_model_parallel_size,
                               vpp=args.virtual_pipeline_model_parallel_size,
                               ranks_per_node=args.parm_ranks_per_node)
-    set_seed(args.seed)
+    set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
 
 
@@ -399,6 +408,8 @@ def checkpoint_to_resume(args):
     """(the checkpoint to resume from or None, its padded vocabulary or None), checked before
     the model is built: its flags must describe the same model, and its padded vocabulary is
     kept (it depends on the TP size it was saved with)."""
+    if getattr(args, "moe_use_upcycling", False):
+        return upcycling.source(args)  # the dense checkpoint: its model is not this run's
     checkpoint = find_checkpoint(args.load, args.save)
     if checkpoint is None:
         if args.load:
@@ -415,6 +426,14 @@ def resume(checkpoint, model, optimizer, scheduler, args):
     schedule; (0, 0) without one."""
     if checkpoint is None:
         return 0, 0
+    if getattr(args, "moe_use_upcycling", False):
+        print_rank_0(f"> upcycling the dense checkpoint {checkpoint[0]} (iteration "
+                     f"{checkpoint[1]}) to {args.num_experts} experts per MoE layer")
+        iteration, consumed_samples = upcycling.upcycle(checkpoint, model, optimizer, scheduler,
+                                                        args)
+        print_rank_0(f"> upcycled checkpoint saved to {args.save}: training from iteration "
+                     f"{iteration}")
+        return iteration, consumed_samples
     # --skip-train only evaluates: the learning-rate schedule is neither needed nor checked.
     loaded = load_checkpoint(checkpoint[0], model, optimizer,
                              None if args.skip_train else scheduler, args)
