@@ -726,6 +726,16 @@ REDIRECTS: Dict[str, Redirect] = {
             "rank killed mid-save and dies with a job-wide SIGTERM. Synchronous saves need no "
             "Manager: a plain queue of this process is installed before every save."
         )),
+    "reduce_scatter_reset": Redirect(
+        None, applied_by="megatron_parm.training.ddp",
+        target="megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func",
+        why=(
+            "Megatron-Core's DistributedDataParallel swaps its buffers' reduce-scatter for the "
+            "fp32-accumulating one (a module global) when a DDP config asks for "
+            "reduce_scatter_with_fp32_accumulation, and never back: a later run of the same "
+            "process without --ddp-reduce-scatter-with-fp32-accumulation puts Megatron-Core's "
+            "own function back before its DDP is built."
+        )),
     "grouped_gemm_check": Redirect(
         None, applied_by="megatron_parm.experts",
         target="megatron.core.transformer.moe.experts.gg.assert_grouped_gemm_is_available",

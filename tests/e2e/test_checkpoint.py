@@ -312,7 +312,8 @@ def worker(mode: str, run_dir: str) -> None:
         results["upcycling"] = {
             "in_run": train(*short, "--moe-use-upcycling", "--load", f"{run}/dense", "--save",
                             f"{run}/upcycling", "--train-iters", "2")["losses"],
-            "offline": train(*short, "--load", f"{run}/upcycled", "--train-iters", "1")["losses"],
+            "offline": train(*short, "--load", f"{run}/upcycled", "--train-iters", "1",
+                             "--lr-warmup-iters", "0")["losses"],
             "saved": sorted(path.name for path in (run / "upcycling").iterdir())}
         results["eval"] = {name: eval_loss(train(*flags, "--load", path, "--skip-train"))
                            for name, path in (("ref", f"{run}/ref/iter_0000010"),
