@@ -285,30 +285,24 @@ def _patch_sp_layernorm() -> None:
 # ----------------------------------------------------------------------------------------
 
 
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """torch's LayerNorm with its gamma stored as gamma - 1: weight and bias start at zero and
-    the input is scaled by 1 + weight, as Megatron-Core's FusedLayerNorm and Transformer
-    Engine's norms do with layernorm_zero_centered_gamma."""
+class _ZeroCenteredGamma:
+    """A torch norm whose gamma is stored as gamma - 1: the weight starts at zero and the input
+    is scaled by 1 + weight, as Megatron-Core's FusedLayerNorm and Transformer Engine's norms do
+    with layernorm_zero_centered_gamma."""
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.elementwise_affine:
             torch.nn.init.zeros_(self.weight)
 
+
+class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight + 1,
                                               self.bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm with its gamma stored as gamma - 1 (zero at initialization), as
-    Transformer Engine's RMSNorm with zero_centered_gamma."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.elementwise_affine:
-            torch.nn.init.zeros_(self.weight)
-
+class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight + 1,
                                             self.eps)
