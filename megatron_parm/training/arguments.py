@@ -194,8 +194,9 @@ def _model_flags(args) -> None:
         args.attention_softmax_in_fp32 = True  # Megatron-LM's: the scaled softmax is in fp32
     gpt_only = _set(args, GPT_ONLY)
     if args.model_type == "bert" and gpt_only:
-        raise ValueError(f"{gpt_only[0]} applies to GPT models (Megatron-LM's BERT has learned "
-                         f"positions and attends both ways)")
+        raise ValueError(f"{gpt_only[0]} applies to GPT models (Megatron-LM's BERT builder does "
+                         f"not take it: BERT has learned positions, its own layer spec and "
+                         f"attends both ways)")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.model_type == "bert" and args.transformer_impl == "local" and \

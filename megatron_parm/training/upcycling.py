@@ -48,6 +48,11 @@ def check_args(args, cuda: bool) -> None:
     if _same_folder(args.load, args.save):
         raise ValueError("--moe-use-upcycling: --load (the dense checkpoint) and --save (the "
                          "MoE run's) must be different folders")
+    if args.expert_tensor_parallel_size != args.tensor_model_parallel_size:
+        raise ValueError(f"--moe-use-upcycling needs --expert-tensor-parallel-size equal to "
+                         f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}): "
+                         f"Megatron-Core's upcycling gives each rank's experts its own shard of "
+                         f"the dense MLP")
     if not all(moe_layer_pattern(args.moe_layer_freq, args.num_layers)):
         raise ValueError("--moe-use-upcycling needs an MoE layer in every layer (--moe-layer-freq "
                          "1): Megatron-Core's upcycling expands every dense MLP")

@@ -289,13 +289,14 @@ def worker(mode: str, run_dir: str) -> None:
         results["dense_eval"] = eval_loss(train(*dense_layout, "--load", f"{run}/dense",
                                                 "--skip-train", "--train-iters", "3", config=dense))
 
-        # --data-parallel-random-init (2 data-parallel ranks): rank 0's weights everywhere, each
-        # rank's own dropout
-        short = [*L222, "--train-iters", "2", "--eval-iters", "0"]
+        # --data-parallel-random-init at (2,1,2): 2 data-parallel ranks, over which the experts
+        # are replicated too: rank 0's weights everywhere, each rank's own dropout
+        short = [*dense_layout, "--train-iters", "2", "--eval-iters", "0"]
         results["dp_random_init"] = {
             "no_dropout": train(*short, *NO_DROPOUT, "--data-parallel-random-init")["losses"],
             "no_dropout_without": train(*short, *NO_DROPOUT)["losses"],
-            "dropout": train(*short, "--data-parallel-random-init")["losses"]}
+            "dropout": train(*short, "--data-parallel-random-init")["losses"],
+            "dropout_without": train(*short)["losses"]}
 
     if mode == "grouped":
         results = grouped_worker(run, train)
@@ -469,7 +470,7 @@ def test_data_parallel_random_init_copies_rank_0_weights(runs):
     assert runs_["no_dropout"] == runs_["no_dropout_without"], runs_
     # the second rank's dropout masks come from its own seed: the first loss (before any update)
     # is not the default run's
-    assert runs_["dropout"][0] != results["main"]["reference"][0], runs_
+    assert runs_["dropout"][0] != runs_["dropout_without"][0], runs_
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

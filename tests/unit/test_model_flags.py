@@ -398,6 +398,13 @@ def test_what_does_not_go_together_is_one_line_naming_the_flag(flags, model_type
     assert message in refusal(flags, model_type)
 
 
+def test_upcycling_needs_the_dense_model_s_shards():
+    assert "--moe-use-upcycling needs --expert-tensor-parallel-size equal to" in refusal(
+        ["--moe-use-upcycling", "--load", "a", "--save", "b", "--tensor-model-parallel-size",
+         "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel", "--global-batch-size",
+         "4"], world_size=4)
+
+
 def test_encoder_num_layers_is_num_layers():
     from megatron_parm import settings
 
