@@ -382,6 +382,7 @@ def grouped_gemm_problem(dtype: str, hidden_size: int, ffn_per_rank: int) -> Opt
 
 
 PIPELINE_FLAG = "--pipeline-model-parallel-size"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 UNEVEN_FLAGS = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
 ACCOUNT_FLAGS = "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
 
@@ -463,13 +464,36 @@ def virtual_stages(num_layers: int, pp: int, vpp: Optional[int],
     return None if vpp == 1 else vpp  # one virtual stage: the plain 1F1B schedule
 
 
-def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int]) -> Optional[str]:
+def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int],
+                       group_size: Optional[int] = None) -> Optional[str]:
     """Why num_microbatches (--global-batch-size / (--micro-batch-size x data-parallel size))
     cannot fill the pipeline, or None. Every stage needs at least pp micro-batches in flight
-    (fewer leave stages idle for the whole step); interleaving runs them in groups of pp, and
-    Megatron-Core 0.16.1 refuses a last group smaller than pp."""
+    (fewer leave stages idle for the whole step); interleaving runs them in groups of
+    group_size (--microbatch-group-size-per-virtual-pipeline-stage, default pp), which
+    Megatron-Core 0.16.1 takes between pp and the micro-batches, with a last group of none or
+    at least pp."""
     if pp == 1:
         return None
+    if num_microbatches < pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}, fewer than {PIPELINE_FLAG} ({pp}): "
+                f"raise --global-batch-size to at least {pp} micro-batches")
+    if vpp is None:
+        return None
+    group = pp if group_size is None else group_size
+    if not pp <= group <= num_microbatches:
+        return (f"{GROUP_FLAG} ({group}) must be between {PIPELINE_FLAG} ({pp}) and the "
+                f"micro-batches per step ({num_microbatches})")
+    if group_size is None and num_microbatches % pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}; interleaving (virtual pipeline "
+                f"stages) needs a multiple of {PIPELINE_FLAG} ({pp})")
+    if 0 < num_microbatches % group < pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}: in groups of {GROUP_FLAG} "
+                f"({group}) the last holds {num_microbatches % group}, fewer than "
+                f"{PIPELINE_FLAG} ({pp})")
+    return None
     if num_microbatches < pp:
         return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
                 f"{plural(num_microbatches, 'micro-batch')}, fewer than {PIPELINE_FLAG} ({pp}): "

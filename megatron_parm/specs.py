@@ -121,7 +121,8 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
 
 def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional[int] = None):
     """Megatron-Core's GPT decoder-block spec for this config and pipeline stage (dense and MoE
-    layers as config.moe_layer_freq says; its normalization, q/k norms), with ParmMoELayer in
+    layers as config.moe_layer_freq says; its normalization, q/k norms: L2 with
+    config.qk_l2_norm, as Megatron-LM's GPT builder asks), with ParmMoELayer in
     every MoE layer (and expert_impl's experts: see with_parm_moe)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -131,7 +132,8 @@ def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional
         config = copy.copy(config)
         config.moe_grouped_gemm = False
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                       normalization=config.normalization, vp_stage=vp_stage)
+                                       normalization=config.normalization,
+                                       qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
     block.layer_specs = [with_parm_moe(with_mla_core_attention(spec), expert_impl)
                          for spec in block.layer_specs]
     return block

@@ -34,7 +34,11 @@ SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "untie_embeddings_and_output_weights", "openai_gelu", "swiglu",
                "normalization", "position_embedding_type", "group_query_attention",
                "num_query_groups", "kv_channels", "qk_layernorm", "moe_layer_freq",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias",
+               "squared_relu", "quick_geglu", "attention_output_gate", "softmax_type",
+               "layernorm_zero_centered_gamma")
+# The flags of SHAPE_FLAGS whose name is not their key's (settings is a layer above).
+FLAG_NAMES = {"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -177,7 +181,8 @@ def check_model_flags(saved_args: Optional[dict], args, path: str) -> None:
         if flag in saved_args and flag in current and \
                 _effective(saved_args, flag) != _effective(current, flag):
             raise CheckpointError(
-                f"{path} holds a different model: it was saved with --{flag.replace('_', '-')} "
+                f"{path} holds a different model: it was saved with "
+                f"{FLAG_NAMES.get(flag, '--' + flag.replace('_', '-'))} "
                 f"{saved_args[flag]!r}, this run has {getattr(args, flag)!r}")
 
 

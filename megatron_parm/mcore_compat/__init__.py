@@ -284,6 +284,56 @@ def _patch_sp_layernorm() -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# zero-centered LayerNorm / RMSNorm gamma (--apply-layernorm-1p) without apex or TE
+# ----------------------------------------------------------------------------------------
+
+
+class _ZeroCenteredGamma:
+    """A torch norm whose gamma is stored as gamma - 1: the weight starts at zero and the input
+    is scaled by 1 + weight, as Megatron-Core's FusedLayerNorm and Transformer Engine's norms do
+    with layernorm_zero_centered_gamma."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+
+class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight + 1,
+                                            self.eps)
+
+
+def _patch_zero_centered_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    wrapped_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if not config.layernorm_zero_centered_gamma or config.normalization not in (
+                "LayerNorm", "RMSNorm"):
+            return wrapped_new(cls, config, hidden_size, eps, persist_layer_norm,
+                               zero_centered_gamma, normalization)
+        norm_cls = ZeroCenteredLayerNorm if config.normalization == "LayerNorm" \
+            else ZeroCenteredRMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                setattr(param, "sequence_parallel", True)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+# ----------------------------------------------------------------------------------------
 # split sizes that already live on the host
 # ----------------------------------------------------------------------------------------
 
@@ -641,6 +691,15 @@ REDIRECTS: Dict[str, Redirect] = {
             "apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights get Megatron's "
             'sequence_parallel attribute so their grads are reduced over TP.'
         )),
+    "zero_centered_norm": Redirect(
+        _patch_zero_centered_norm, with_cuda=True,
+        why=(
+            "Megatron's local LayerNorm (WrappedTorchNorm, without apex or TE) refuses "
+            'layernorm_zero_centered_gamma (--apply-layernorm-1p), which its fused and TE norms '
+            'take; torch.nn.LayerNorm / RMSNorm with the gamma stored as gamma - 1 (zero at '
+            'initialization, the input scaled by 1 + weight) computes what they compute. Not '
+            'about CUDA: applied wherever the local norm is built.'
+        )),
     "host_split_sizes": Redirect(
         _patch_host_split_sizes, with_cuda=False,
         why=(
@@ -725,6 +784,16 @@ REDIRECTS: Dict[str, Redirect] = {
             "it creates in a multiprocessing Manager: a spawned helper process that outlives a "
             "rank killed mid-save and dies with a job-wide SIGTERM. Synchronous saves need no "
             "Manager: a plain queue of this process is installed before every save."
+        )),
+    "reduce_scatter_reset": Redirect(
+        None, applied_by="megatron_parm.training.ddp",
+        target="megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func",
+        why=(
+            "Megatron-Core's DistributedDataParallel swaps its buffers' reduce-scatter for the "
+            "fp32-accumulating one (a module global) when a DDP config asks for "
+            "reduce_scatter_with_fp32_accumulation, and never back: a later run of the same "
+            "process without --ddp-reduce-scatter-with-fp32-accumulation puts Megatron-Core's "
+            "own function back before its DDP is built."
         )),
     "grouped_gemm_check": Redirect(
         None, applied_by="megatron_parm.experts",

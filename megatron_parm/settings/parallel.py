@@ -40,6 +40,12 @@ def flags() -> List[Flag]:
              help="Count the embedding as a layer of the first stage when splitting."),
         Flag("--account-for-loss-in-pipeline-split", GROUP,
              help="Count the output layer and loss as a layer of the last stage."),
+        Flag("--microbatch-group-size-per-virtual-pipeline-stage", GROUP, check=positive_int,
+             help="Interleaved schedule: micro-batches a virtual stage runs in a row (default "
+                  "--pipeline-model-parallel-size: depth first)."),
+        Flag("--use-tp-pp-dp-mapping", GROUP,
+             help="Megatron-Core's other rank order (tensor, pipeline, then data parallel); "
+                  "without pipelining it is the default order."),
         Flag("--distributed-timeout-minutes", GROUP, float, check=positive_number,
              differs="a fraction of a minute is taken too",
              help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "

@@ -66,6 +66,12 @@ HF_FAST = ("HuggingFaceTokenizer here always reads tokenizer.json with the token
            "fast tokenizer)")
 HF_REMOTE_CODE = ("HuggingFaceTokenizer here reads tokenizer.json and never runs code of the "
                   "tokenizer's repository")
+UNREAD_BY_CORE = ("Megatron-LM 0.16.1 hands it to no Megatron-Core code that reads it (only its "
+                  "legacy models did), so it changes nothing there either")
+ROPE_FACTOR = ("Megatron-LM 0.16.1's GPT builder does not pass it on: --use-rope-scaling scales by "
+               "Megatron-Core's factor 8 there too")
+T5_DECODER = "sets the decoder of T5 models, not built here: GPT and BERT take --num-layers"
+QK_CLIP_OFF = "a setting of --qk-clip, which is refused here"
 
 # Why a flag is refused.
 NEEDS_TE = "needs Transformer Engine"
@@ -112,9 +118,14 @@ TOKENIZER_METADATA = ("picks Megatron-Core's tokenizer library and class from a 
                       "tokenizers here are chosen by --tokenizer-type")
 MAX_ATTENTION_LOGIT = ("Megatron-Core 0.16.1 measures the attention logits only in Transformer "
                        "Engine's attention (2.9 or newer), as Megatron-LM requires too")
+QK_CLIP = ("needs Transformer Engine's attention (2.9 or newer), which records the largest "
+           "attention logits that the clip scales the query and key weights by")
+MOE_LATENT = ("needs Transformer Engine: Megatron-Core 0.16.1 builds the latent projections "
+              "with its TELinear")
 
 NO_EFFECT: Dict[str, str] = {
     "--pipeline-model-parallel-comm-backend": NCCL,
+    "--moe-extended-tp": UNREAD_BY_CORE,
     "--no-async-tensor-model-parallel-allreduce": GPU_OVERLAP,
     "--no-tp-comm-bulk-wgrad": TP_OVERLAP_OFF,
     "--no-tp-comm-bulk-dgrad": TP_OVERLAP_OFF,
@@ -132,7 +143,9 @@ NO_EFFECT: Dict[str, str] = {
     "--wgrad-deferral-limit": GPU_OVERLAP,
     "--overlap-p2p-communication-warmup-flush": GPU_OVERLAP,
     "--cpu-offloading-num-layers": GPU_MEMORY,
-    "--attention-backend": FUSED_KERNEL,
+    "--apply-residual-connection-post-layernorm": UNREAD_BY_CORE,
+    "--qk-clip-alpha": QK_CLIP_OFF,
+    "--qk-clip-threshold": QK_CLIP_OFF,
     "--disable-bf16-reduced-precision-matmul": GPU_MATH,
     "--use-fused-weighted-squared-relu": FUSED_KERNEL,
     "--distribute-saved-activations": GPU_MEMORY,
@@ -161,8 +174,11 @@ NO_EFFECT: Dict[str, str] = {
     "--fine-grained-activation-offloading": GPU_MEMORY,
     "--offload-modules": GPU_MEMORY,
     "--min-offloaded-tensor-size": GPU_MEMORY,
+    "--decoder-num-layers": T5_DECODER,
     "--relative-attention-num-buckets": RELATIVE_OFF,
     "--relative-attention-max-distance": RELATIVE_OFF,
+    "--rotary-seq-len-interpolation-factor": UNREAD_BY_CORE,
+    "--rope-scaling-factor": ROPE_FACTOR,
     "--onnx-safe": EXPORT,
     "--muon-momentum": MUON_OFF,
     "--muon-no-split-qkv": MUON_OFF,
@@ -212,6 +228,7 @@ NO_EFFECT: Dict[str, str] = {
     "--ckpt-fully-parallel-save": PARALLEL_SAVE_DEFAULT,
     "--no-strict-fsdp-dtensor-load": FSDP_OFF,
     "--use-dist-ckpt": ALWAYS_MCORE,
+    "--fp16-lm-cross-entropy": UNREAD_BY_CORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
     "--no-overlap-p2p-communication": GPU_OVERLAP,
     "--no-align-grad-reduce": GPU_OVERLAP,
@@ -268,27 +285,12 @@ REFUSED: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": CONTEXT_PARALLEL,
     "--max-seqlen-per-dp-cp-rank": CONTEXT_PARALLEL,
     "--hybrid-context-parallel": CONTEXT_PARALLEL,
-    "--moe-extended-tp": NOT_BUILT,
-    "--no-initialization": NOT_BUILT,
-    "--use-cpu-initialization": NOT_BUILT,
     "--tp-comm-overlap": NEEDS_TE,
-    "--microbatch-group-size-per-virtual-pipeline-stage": NOT_BUILT,
     "--mtp-standalone": MTP,
     "--mtp-num-layers": MTP,
     "--mtp-loss-scaling-factor": MTP,
-    "--softmax-type": NOT_BUILT,
-    "--fp32-residual-connection": NOT_BUILT,
-    "--apply-residual-connection-post-layernorm": NOT_BUILT,
-    "--apply-layernorm-1p": NOT_BUILT,
-    "--glu-linear-offset": NOT_BUILT,
-    "--activation-func-clamp-value": NOT_BUILT,
-    "--rotary-interleaved": NOT_BUILT,
-    "--qk-l2-norm": NOT_BUILT,
-    "--qk-clip": NOT_BUILT,
-    "--qk-clip-alpha": NOT_BUILT,
-    "--qk-clip-threshold": NOT_BUILT,
-    "--attention-output-gate": NOT_BUILT,
 
+    "--qk-clip": QK_CLIP,
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
     "--dsa-indexer-head-dim": NOT_BUILT,
@@ -300,23 +302,16 @@ REFUSED: Dict[str, str] = {
     "--linear-value-head-dim": NOT_BUILT,
     "--linear-num-key-heads": NOT_BUILT,
     "--linear-num-value-heads": NOT_BUILT,
-    "--embedding-init-method-std": NOT_BUILT,
     "--init-model-with-meta-device": FSDP,
-    "--apply-query-key-layer-scaling": NOT_BUILT,
     "--fp8-format": NEEDS_GPU_FP8,
     "--use-kitchen-attention": NOT_BUILT,
     "--kitchen-attention-backend": NOT_BUILT,
     "--fp4-format": NEEDS_GPU_FP8,
     "--fp4-param-gather": NEEDS_GPU_FP8,
     "--moe-enable-routing-replay": NOT_BUILT,
-    "--moe-router-force-load-balancing": NOT_BUILT,
     "--moe-use-legacy-grouped-gemm": NEEDS_DEEPEP,
-    "--moe-input-jitter-eps": NOT_BUILT,
     "--moe-enable-deepep": NEEDS_DEEPEP,
-    "--moe-token-drop-policy": NOT_BUILT,
-    "--moe-layer-recompute": NOT_BUILT,
-    "--moe-apply-probs-on-input": NOT_BUILT,
-    "--moe-latent-size": NOT_BUILT,
+    "--moe-latent-size": MOE_LATENT,
     "--enable-cuda-graph": CUDA_GRAPHS,
     "--external-cuda-graph": CUDA_GRAPHS,
     "--cuda-graph-impl": CUDA_GRAPHS,
@@ -333,17 +328,6 @@ REFUSED: Dict[str, str] = {
     "--mamba-num-heads": MAMBA,
     "--disable-mamba-mem-eff-path": MAMBA,
     "--mlp-chunks-for-prefill": INFERENCE,
-    "--encoder-num-layers": NOT_BUILT,
-    "--decoder-num-layers": NOT_BUILT,
-    "--window-size": NOT_BUILT,
-    "--window-attn-skip-freq": NOT_BUILT,
-    "--use-rotary-position-embeddings": NOT_BUILT,
-    "--rotary-seq-len-interpolation-factor": NOT_BUILT,
-    "--use-rope-scaling": NOT_BUILT,
-    "--rope-scaling-factor": NOT_BUILT,
-    "--no-rope-freq": NOT_BUILT,
-    "--squared-relu": NOT_BUILT,
-    "--quick-geglu": NOT_BUILT,
     "--batch-size": RENAMED,
     "--checkpoint-activations": RENAMED,
     "--dump-param-to-param-group-map": NOT_BUILT,
@@ -388,8 +372,6 @@ REFUSED: Dict[str, str] = {
     "--rl-skip-bos-token": NOT_PRETRAINING,
     "--te-rng-tracker": NEEDS_TE,
     "--inference-rng-tracker": INFERENCE,
-    "--data-parallel-random-init": NOT_BUILT,
-    "--init-method-xavier-uniform": NOT_BUILT,
     "--warmup": RENAMED,
     "--save-wgrads-interval": GRAD_FILES,
     "--save-dgrads-interval": GRAD_FILES,
@@ -398,19 +380,13 @@ REFUSED: Dict[str, str] = {
     "--ckpt-convert-format": NOT_BUILT,
     "--ckpt-convert-save": NOT_BUILT,
     "--ckpt-convert-update-legacy-dist-opt-format": NOT_BUILT,
-    "--grad-reduce-in-bf16": NOT_BUILT,
-    "--attention-softmax-in-fp32": NOT_BUILT,
-    "--fp16-lm-cross-entropy": NOT_BUILT,
     "--pipeline-model-parallel-layout": PIPELINE_LAYOUT,
     "--model-parallel-size": RENAMED,
-    "--ddp-num-buckets": NOT_BUILT,
-    "--ddp-reduce-scatter-with-fp32-accumulation": NOT_BUILT,
     "--lazy-mpu-init": NOT_BUILT,
     "--use-megatron-fsdp": FSDP,
     "--data-parallel-sharding-strategy": FSDP,
     "--use-torch-fsdp2": FSDP,
     "--cp-comm-type": CONTEXT_PARALLEL,
-    "--use-tp-pp-dp-mapping": NOT_BUILT,
     "--fake-process-group": NOT_BUILT,
     "--full-validation": FULL_VALIDATION,
     "--multiple-validation-sets": VALIDATION_SETS,
@@ -469,8 +445,6 @@ REFUSED: Dict[str, str] = {
     "--dino-warmup-teacher-temp": NOT_PRETRAINING,
     "--dino-teacher-temp": NOT_PRETRAINING,
     "--dino-warmup-teacher-temp-epochs": NOT_PRETRAINING,
-    "--moe-use-upcycling": NOT_BUILT,
-    "--moe-upcycling-granularity": NOT_BUILT,
     "--moe-pad-experts-for-cuda-graph-inference": INFERENCE,
     "--cache-mla-latents": INFERENCE,
     "--linear-attention-freq": NOT_BUILT,

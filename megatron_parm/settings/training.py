@@ -77,6 +77,12 @@ def flags() -> List[Flag]:
         Flag("--ddp-bucket-size", GROUP, check=positive_int,
              help="Parameters per gradient bucket with --overlap-grad-reduce (default: "
                   "Megatron-Core's, max(40M, 1M x data-parallel size))."),
+        Flag("--ddp-num-buckets", GROUP, check=positive_int,
+             help="With --overlap-grad-reduce: this many gradient buckets (the rank's "
+                  "parameters divided evenly; instead of --ddp-bucket-size)."),
+        Flag("--ddp-reduce-scatter-with-fp32-accumulation", GROUP,
+             help="With --use-distributed-optimizer: reduce-scatter the gradients as an "
+                  "all-to-all and a sum in fp32 (for bf16 gradients)."),
         Flag("--ddp-average-in-collective", GROUP,
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),
@@ -150,4 +156,7 @@ def _recompute_flags() -> List[Flag]:
              help="With --recompute-granularity selective: the submodules to recompute "
                   "(default: core_attn). moe: the whole MoE layer, its dispatcher's "
                   "collectives included; moe_act needs --moe-grouped-gemm."),
+        Flag("--moe-layer-recompute", GROUP,
+             help="Megatron-LM's older spelling of --recompute-granularity selective with "
+                  "moe added to --recompute-modules."),
     ]

@@ -25,8 +25,9 @@ from megatron_parm.layout_rules import (
     mla_problem, model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem,
     shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision, schedule, writers
-from megatron_parm.training.implementation import check_implementation
+from megatron_parm.training import ddp, mixed_precision, schedule, upcycling, writers
+from megatron_parm.training.implementation import check_implementation, expert_implementation
+from megatron_parm.wording import plural
 
 MODEL_TYPES = ("gpt", "bert")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -77,6 +78,7 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
     own check ran in settings.read)."""
     _validate_seq_length(args)
+    _encoder_num_layers(args)
     settings.require(args, REQUIRED)
     if reads_data:
         _validate_inputs(args)
@@ -139,16 +141,34 @@ def _validate_inputs(args) -> None:
             raise ValueError(f"{flag}: file not found: {path}")
 
 
+def _encoder_num_layers(args) -> None:
+    """--encoder-num-layers: Megatron-LM's other name of --num-layers (one of the two)."""
+    if args.encoder_num_layers is None:
+        return
+    if args.num_layers is not None and args.num_layers != args.encoder_num_layers:
+        raise ValueError(f"--num-layers ({args.num_layers}) and --encoder-num-layers "
+                         f"({args.encoder_num_layers}) name the same depth: give one of them")
+    args.num_layers = args.encoder_num_layers
+
+
 def _one_per_layer_type(args) -> None:
     """--moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient
-    per balancing type), which Megatron-LM reads as the one value when it holds one."""
+    per balancing type), which Megatron-LM reads as the one value when it holds one; several
+    types need as many coefficients (sinkhorn runs alone in Megatron-Core 0.16.1)."""
     for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = getattr(args, key)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, key, value[0])
-        elif isinstance(value, list):
-            raise ValueError(f"{settings.flag_of(key)} {' '.join(map(str, value))}: several "
-                             f"load-balancing losses at once are not built here (give one)")
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    num_types = len(types) if isinstance(types, list) else 1
+    num_coeffs = len(coeffs) if isinstance(coeffs, list) else 1
+    if num_types != num_coeffs:
+        raise ValueError(f"--moe-aux-loss-coeff needs one coefficient per "
+                         f"--moe-router-load-balancing-type ({plural(num_types, 'type')}, "
+                         f"{plural(num_coeffs, 'coefficient')})")
+    if isinstance(types, list) and "sinkhorn" in types:
+        raise ValueError("--moe-router-load-balancing-type sinkhorn runs alone (Megatron-Core "
+                         "0.16.1 ignores it among several types)")
 
 
 def _validate_model(args) -> None:
@@ -163,6 +183,7 @@ def _validate_model(args) -> None:
         args.max_position_embeddings = args.seq_length
     if not args.add_position_embedding:
         args.position_embedding_type = "none"
+    _model_flags(args)
     _refuse(shape_problem(args.hidden_size, args.num_attention_heads, args.seq_length,
                           args.max_position_embeddings, args.num_experts, args.moe_router_topk))
     if args.model_type == "bert" and args.untie_embeddings_and_output_weights:
@@ -195,6 +216,65 @@ def _validate_rope_type(args) -> None:
                          f"(standard attention takes rope only, as in Megatron-LM)")
 
 
+# Flags of GPT's layers alone (Megatron-LM's BERT builder does not take them, or, the window,
+# would make BERT's attention causal), and those of them that need rotary positions.
+GPT_ONLY = ("--use-rotary-position-embeddings", "--rotary-interleaved", "--use-rope-scaling",
+            "--rope-type", "--no-rope-freq", "--qk-l2-norm", "--window-size",
+            "--window-attn-skip-freq")
+ROPE_ONLY = ("--rotary-interleaved", "--use-rope-scaling", "--rope-type", "--no-rope-freq")
+GATED_ONLY = ("--glu-linear-offset", "--activation-func-clamp-value")
+ACTIVATIONS = ("--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu")
+# MoE flags with an effect only where there are experts.
+MOE_ONLY = ("--moe-input-jitter-eps", "--moe-router-force-load-balancing",
+            "--moe-apply-probs-on-input", "--moe-token-drop-policy", "--moe-use-upcycling")
+
+
+def _set(args, names) -> list:
+    """The flags among NAMES (declared ones) that args sets to other than their default."""
+    return [name for name in names
+            if getattr(args, settings.FLAGS[name].key) != settings.FLAGS[name].default]
+
+
+def _model_flags(args) -> None:
+    """The attention, position, activation and MoE flags beyond the architecture's rules:
+    Megatron-LM's implications, and what goes together."""
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True  # Megatron-LM's: the scaled softmax is in fp32
+    gpt_only = _set(args, GPT_ONLY)
+    if args.model_type == "bert" and gpt_only:
+        raise ValueError(f"{gpt_only[0]} applies to GPT models (Megatron-LM's BERT builder does "
+                         f"not take it: BERT has learned positions, its own layer spec and "
+                         f"attends both ways)")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.model_type == "bert" and args.transformer_impl == "local" and \
+            args.attention_backend not in ("local", "auto"):
+        raise ValueError(f"--attention-backend {args.attention_backend}: BERT's local attention "
+                         f"(Megatron-Core's DotProductAttention) takes local or auto, as "
+                         f"Megatron-Core's BertModel")
+    rope_only = _set(args, ROPE_ONLY)
+    if rope_only and args.position_embedding_type != "rope":
+        raise ValueError(f"{rope_only[0]} needs --position-embedding-type rope")
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        raise ValueError("--window-attn-skip-freq needs --window-size (the window)")
+    activations = _set(args, ACTIVATIONS)
+    if len(activations) > 1:
+        raise ValueError(f"{activations[0]} and {activations[1]} both pick the MLPs' "
+                         f"activation: give one")
+    gated_only = _set(args, GATED_ONLY)
+    if gated_only and not (args.swiglu or args.quick_geglu):
+        raise ValueError(f"{gated_only[0]} applies to gated MLPs (--swiglu or --quick-geglu)")
+    moe_only = _set(args, MOE_ONLY)
+    if moe_only and not args.num_experts:
+        raise ValueError(f"{moe_only[0]} needs --num-experts (the model is dense)")
+    if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
+        raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (Megatron-Core "
+                         f"0.16.1), got {args.moe_router_topk}")
+    if args.moe_token_drop_policy != "probs" and args.moe_expert_capacity_factor is None:
+        raise ValueError("--moe-token-drop-policy applies with --moe-expert-capacity-factor "
+                         "(dropless routing drops nothing)")
+
+
 def _validate_layout(args, world_size: int) -> None:
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.expert_tensor_parallel_size is None:
@@ -213,6 +293,11 @@ def _validate_layout(args, world_size: int) -> None:
         _refuse(mla_problem(tp, args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim))
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
+    if args.use_tp_pp_dp_mapping and args.pipeline_model_parallel_size > 1:
+        raise ValueError("--use-tp-pp-dp-mapping with --pipeline-model-parallel-size > 1 is not "
+                         "built here: parm_hier's node groups and the planners' node accounting "
+                         "take each pipeline stage as consecutive ranks (Megatron-Core's default "
+                         "order); without pipelining both orders are the same")
 
 
 def _validate_batch(args, world_size: int) -> None:
@@ -225,6 +310,10 @@ def _validate_batch(args, world_size: int) -> None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
     args.data_parallel_size = data_parallel_size
     _validate_rampup(args)
+    group_size = args.microbatch_group_size_per_vp_stage
+    if group_size is not None and args.virtual_pipeline_model_parallel_size is None:
+        raise ValueError("--microbatch-group-size-per-virtual-pipeline-stage orders the "
+                         "interleaved schedule: it needs --num-virtual-stages-per-pipeline-rank")
     per_step = args.micro_batch_size * data_parallel_size
     for batch in schedule.ramp_batch_sizes(args):
         where = "" if batch == args.global_batch_size else \
@@ -240,7 +329,7 @@ def _validate_batch(args, world_size: int) -> None:
                              f"is less than one micro-batch on every data-parallel rank "
                              f"(--micro-batch-size x data-parallel size = {per_step})")
         problem = microbatch_problem(running // per_step, pp,
-                                     args.virtual_pipeline_model_parallel_size)
+                                     args.virtual_pipeline_model_parallel_size, group_size)
         _refuse(problem and where + problem)
     args.num_microbatches = args.global_batch_size // per_step
 
@@ -463,6 +552,7 @@ def _validate_deterministic(args) -> None:
 def _validate_implementation(args) -> None:
     """What this machine and Megatron-Core 0.16.1 can run: data parallelism, precision,
     layer modules, activation recompute."""
+    _moe_layer_recompute(args)
     _refuse(recompute_problem(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
         args.recompute_modules,
@@ -486,6 +576,40 @@ def _validate_implementation(args) -> None:
                          hidden_size=args.hidden_size,
                          ffn_per_rank=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
                          // args.expert_tensor_parallel_size)
+    _modules_for_flags(args)
+    upcycling.check_args(args, _cuda_available())
+
+
+def _moe_layer_recompute(args) -> None:
+    """--moe-layer-recompute, as Megatron-Core 0.16.1's TransformerConfig reads it: selective
+    recompute with moe among the modules (core_attn by default)."""
+    if not args.moe_layer_recompute:
+        return
+    if args.recompute_granularity == "full":
+        raise ValueError("--moe-layer-recompute cannot go with --recompute-granularity full "
+                         "(it asks for selective recompute of the MoE layers)")
+    args.recompute_granularity = "selective"
+    modules = list(args.recompute_modules or ["core_attn"])
+    args.recompute_modules = modules + ([] if "moe" in modules else ["moe"])
+
+
+def _modules_for_flags(args) -> None:
+    """Flags the layer modules this run builds cannot take."""
+    if args.fp32_residual_connection:
+        if not (args.bf16 or args.fp16):
+            raise ValueError("--fp32-residual-connection needs --bf16 or --fp16 (the residual "
+                             "stream is fp32 anyway)")
+        if args.transformer_impl != "transformer_engine":
+            raise ValueError("--fp32-residual-connection needs --transformer-impl "
+                             "transformer_engine: Megatron-Core's local LayerNorm (torch's) "
+                             "takes no fp32 input with bf16 / fp16 weights")
+    experts = expert_implementation(args.transformer_impl, args.moe_grouped_gemm,
+                                    cuda=_cuda_available(), bf16=args.bf16)
+    gated = _set(args, GATED_ONLY + ("--quick-geglu",))
+    if args.num_experts and experts in ("GroupedMLP", "TorchGroupedMLP") and gated:
+        raise ValueError(f"{gated[0]} with --moe-grouped-gemm: Megatron-Core 0.16.1's GroupedMLP "
+                         f"(which {experts} follows) takes neither Quick-GELU nor the GLU's "
+                         f"offset and clamp; drop --moe-grouped-gemm (SequentialMLP experts)")
 
 
 def _refuse(problem: Optional[str]) -> None:

@@ -15,7 +15,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm import tuning
@@ -42,7 +45,8 @@ def build_config(args) -> ParmTransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         **architecture_fields(args),
         **(mla_fields(args) if mla else {}),
-        init_method_std=args.init_method_std,
+        **megatron_lm_fields(args),
+        **init_fields(args),
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
@@ -59,7 +63,6 @@ def build_config(args) -> ParmTransformerConfig:
         **pipeline_fields(args),
         **recompute_fields(args),
         **run_fields(args),
-        use_cpu_initialization=not device.is_cuda(),
         params_dtype=mixed_precision.params_dtype(args),
         bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
         fp16=mixed_precision.params_dtype(args) == torch.float16,
@@ -91,10 +94,56 @@ def architecture_fields(args) -> dict:
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute)
+    fields.update(activation_fields(args))
+    return fields
+
+
+def activation_fields(args) -> dict:
+    """The MLPs' activation (dense and experts), as Megatron-LM maps its flags: --swiglu,
+    --squared-relu, --quick-geglu (gated), --openai-gelu, else GELU. Unfused: the fused kernels
+    compute the same."""
     if args.swiglu:
-        fields.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
-    else:
-        fields.update(activation_func=openai_gelu if args.openai_gelu else F.gelu)
+        return dict(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    if getattr(args, "squared_relu", False):
+        return dict(activation_func=squared_relu)
+    if getattr(args, "quick_geglu", False):
+        return dict(gated_linear_unit=True, activation_func=quick_gelu,
+                    bias_activation_fusion=False)
+    return dict(activation_func=openai_gelu if args.openai_gelu else F.gelu)
+
+
+# TransformerConfig fields that Megatron-LM's core_transformer_config_from_args copies from the
+# flag of the same name (their dests): attention, positions, norms, activations' GLU settings,
+# router and pipeline settings. A flag an older checkpoint's args lack keeps Megatron-Core's
+# default.
+SAME_NAME_FIELDS = (
+    "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "fp32_residual_connection",
+    "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
+    "rotary_interleaved", "no_rope_freq", "qk_l2_norm", "attention_output_gate",
+    "softmax_type", "window_size", "window_attn_skip_freq", "embedding_init_method_std",
+    "perform_initialization", "moe_router_force_load_balancing", "moe_input_jitter_eps",
+    "moe_token_drop_policy", "moe_apply_probs_on_input", "moe_layer_recompute",
+    "microbatch_group_size_per_vp_stage")
+
+
+def megatron_lm_fields(args) -> dict:
+    """The SAME_NAME_FIELDS args has, and --attention-backend as Megatron-Core's enum."""
+    fields = {name: getattr(args, name) for name in SAME_NAME_FIELDS if hasattr(args, name)}
+    if getattr(args, "attention_backend", None) is not None:
+        fields["attention_backend"] = AttnBackend[args.attention_backend]
+    return fields
+
+
+def init_fields(args) -> dict:
+    """The weights' initialization: normal (--init-method-std), or Xavier-uniform for every
+    weight the normal one would take (--init-method-xavier-uniform: Megatron-LM meant the output
+    layers' too); on the CPU with --use-cpu-initialization, and always without a GPU."""
+    fields = dict(init_method_std=args.init_method_std,
+                  use_cpu_initialization=bool(getattr(args, "use_cpu_initialization", False))
+                  or not device.is_cuda())
+    if getattr(args, "init_method_xavier_uniform", False):
+        fields.update(init_method=torch.nn.init.xavier_uniform_,
+                      output_layer_init_method=torch.nn.init.xavier_uniform_)
     return fields
 
 
@@ -215,6 +264,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
             rotary_percent=args.rotary_percent,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
             **stage,
         )
     else:

@@ -30,10 +30,14 @@ Z_LOSS_NAME = "z_loss"
 
 
 def router_loss_names(args) -> list:
-    """The names Megatron-Core's routers track their losses under for these flags."""
-    names = [BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] \
-        if args.num_experts and args.moe_router_load_balancing_type in BALANCING_LOSS_NAMES else []
-    return names + ([Z_LOSS_NAME] if args.num_experts and args.moe_z_loss_coeff else [])
+    """The names Megatron-Core's routers track their losses under for these flags (one per
+    --moe-router-load-balancing-type given, in Megatron-LM's order)."""
+    if not args.num_experts:
+        return []
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    names = [name for kind, name in BALANCING_LOSS_NAMES.items() if kind in types]
+    return names + ([Z_LOSS_NAME] if args.moe_z_loss_coeff else [])
 
 
 def console_name(name: str) -> str:

@@ -58,7 +58,7 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, run_control, timing
+from megatron_parm.training import ddp, mixed_precision, run_control, timing, upcycling
 from megatron_parm.training.optimizer import build_optimizer
 from megatron_parm.training.progress_log import ProgressLog
 from megatron_parm.training.schedule import BatchSchedule, build_scheduler
@@ -113,7 +113,11 @@ def _attempt_store() -> dict:
                 rank=int(os.environ["RANK"]), world_size=world_size)
 
 
-def set_seed(seed: int) -> None:
+def set_seed(seed: int, data_parallel_random_init: bool = False) -> None:
+    """Seed every generator; with --data-parallel-random-init each data-parallel rank with
+    seed + 10 x its rank (Megatron-LM's)."""
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
@@ -243,11 +247,12 @@ def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     each in Megatron's DDP, their optimizer and the learning-rate and weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
-    ddp_config = ddp.ddp_config(args)
+    ddp_config = ddp.ddp_config(args, chunks)
     # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
     # wait for the end of the step anyway).
     model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
+    ddp.broadcast_params(model, args)
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)
@@ -352,7 +357,7 @@ def initialize(args) -> None:
                               ranks_per_node=args.parm_ranks_per_node,
                               num_distributed_optimizer_instances=(
                                   args.num_distributed_optimizer_instances))
-    set_seed(args.seed)
+    set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
 
 
@@ -360,6 +365,8 @@ def checkpoint_to_resume(args):
     """(the checkpoint to resume from or None: checkpointing.Found, its padded vocabulary or
     None), checked before the model is built: its flags must describe the same model, and its
     padded vocabulary is kept (it depends on the TP size it was saved with)."""
+    if getattr(args, "moe_use_upcycling", False):
+        return upcycling.source(args)  # the dense checkpoint: its model is not this run's
     if getattr(args, "checkpoint_args_note", None):  # --use-checkpoint-args
         print_rank_0(f"> {args.checkpoint_args_note}")
     checkpoint = find_checkpoint(args.load, args.save, args.ckpt_step, args.pretrained_checkpoint,
@@ -388,6 +395,14 @@ def resume(checkpoint, model, optimizer, scheduler, args):
     schedule as the checkpoint flags say; (0, 0) without one or with --finetune."""
     if checkpoint is None:
         return 0, 0
+    if getattr(args, "moe_use_upcycling", False):
+        print_rank_0(f"> upcycling the dense checkpoint {checkpoint.path} (iteration "
+                     f"{checkpoint.iteration}) to {args.num_experts} experts per MoE layer")
+        iteration, consumed_samples = upcycling.upcycle(checkpoint, model, optimizer, scheduler,
+                                                        args)
+        print_rank_0(f"> upcycled checkpoint saved to {args.save}: training from iteration "
+                     f"{iteration}")
+        return iteration, consumed_samples
     options = LoadOptions.from_args(args)
     loaded = load_checkpoint(checkpoint.path, model, optimizer, scheduler, args,
                              options.finetuning() if checkpoint.pretrained else options)

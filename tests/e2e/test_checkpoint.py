@@ -359,6 +359,15 @@ def worker(mode: str, run_dir: str) -> None:
         results["dense_eval"] = eval_loss(train(*dense_layout, "--load", f"{run}/dense",
                                                 "--skip-train", "--train-iters", "3", config=dense))
 
+        # --data-parallel-random-init at (2,1,2): 2 data-parallel ranks, over which the experts
+        # are replicated too: rank 0's weights everywhere, each rank's own dropout
+        short = [*dense_layout, "--train-iters", "2", "--eval-iters", "0"]
+        results["dp_random_init"] = {
+            "no_dropout": train(*short, *NO_DROPOUT, "--data-parallel-random-init")["losses"],
+            "no_dropout_without": train(*short, *NO_DROPOUT)["losses"],
+            "dropout": train(*short, "--data-parallel-random-init")["losses"],
+            "dropout_without": train(*short)["losses"]}
+
     if mode == "grouped":
         results = grouped_worker(run, train)
 
@@ -368,6 +377,15 @@ def worker(mode: str, run_dir: str) -> None:
 
     if mode == "wide":
         flags = layout_flags(2, 4, 2, "parm_s2")
+        # --moe-use-upcycling of the dense checkpoint against its offline upcycled copy: the
+        # same first loss (each MoE layer computes its dense MLP)
+        short = [*flags, *NO_DROPOUT, "--eval-iters", "0"]
+        results["upcycling"] = {
+            "in_run": train(*short, "--moe-use-upcycling", "--load", f"{run}/dense", "--save",
+                            f"{run}/upcycling", "--train-iters", "2")["losses"],
+            "offline": train(*short, "--load", f"{run}/upcycled", "--train-iters", "1",
+                             "--lr-warmup-iters", "0")["losses"],
+            "saved": sorted(path.name for path in (run / "upcycling").iterdir())}
         results["eval"] = {name: eval_loss(train(*flags, "--load", path, "--skip-train"))
                            for name, path in (("ref", f"{run}/ref/iter_0000010"),
                                               ("relayout", f"{run}/relayout"),
@@ -639,6 +657,26 @@ def test_upcycled_model_starts_at_the_dense_loss(runs):
     assert "4 experts per layer" in conversions["upcycle"].stdout
     dense, upcycled = results["main"]["dense_eval"], results["wide"]["eval"]["upcycled"]
     assert abs(dense - upcycled) <= 1e-5, (dense, upcycled)
+
+
+def test_moe_use_upcycling_starts_at_the_dense_model(runs):
+    _, results, _, _ = runs
+    upcycling = results["wide"]["upcycling"]
+    # iteration 1 is the upcycled checkpoint (Megatron-LM's); the run trains iteration 2 on the
+    # first batch, which the offline copy (iteration 0) trains as its iteration 1
+    assert "iter_0000001" in upcycling["saved"] and "iter_0000002" in upcycling["saved"]
+    assert len(upcycling["in_run"]) == 1
+    assert abs(upcycling["in_run"][0] - upcycling["offline"][0]) <= 1e-5, upcycling
+
+
+def test_data_parallel_random_init_copies_rank_0_weights(runs):
+    _, results, _, _ = runs
+    runs_ = results["main"]["dp_random_init"]
+    # the same weights on both data-parallel ranks (rank 0's, which the default seed gives)
+    assert runs_["no_dropout"] == runs_["no_dropout_without"], runs_
+    # the second rank's dropout masks come from its own seed: the first loss (before any update)
+    # is not the default run's
+    assert runs_["dropout"][0] != runs_["dropout_without"][0], runs_
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
