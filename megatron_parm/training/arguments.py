@@ -16,14 +16,13 @@ import os
 from typing import List, Optional
 
 from megatron_parm import settings, tuning
-from megatron_parm.data.datasets import parse_data_path
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
+    architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
     model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem, shape_problem,
     virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision
+from megatron_parm.training import mixed_precision
 from megatron_parm.training.implementation import check_implementation
 
 MODEL_TYPES = ("gpt", "bert")
@@ -54,9 +53,13 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
     return args
 
 
-def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
+def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True,
+             megatron_core: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
-    own check ran in settings.read)."""
+    own check ran in settings.read). megatron_core=False leaves out the one check that imports
+    Megatron-Core (its TransformerConfig's refusals: seconds of import), as the launcher does
+    (megatron_parm.launch checks the rest before any rank starts; keep the others free of
+    Megatron-Core: tests/unit/test_training_args.py checks it)."""
     settings.require(args, REQUIRED)
     if reads_data:
         _validate_inputs(args)
@@ -66,7 +69,8 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_schedule(args)
     _validate_parm(args, world_size)
     _validate_implementation(args)
-    _validate_config(args)
+    if megatron_core:
+        _validate_config(args)
 
 
 def _validate_config(args) -> None:
@@ -87,6 +91,8 @@ def _validate_config(args) -> None:
 
 def _validate_inputs(args) -> None:
     """The files the data flags name."""
+    from megatron_parm.data.datasets import parse_data_path  # Megatron-Core's datasets
+
     if args.split is None:
         args.split = settings.data.DEFAULT_SPLIT
     parse_data_path(args.data_path)  # every prefix names a whole indexed dataset
@@ -230,7 +236,7 @@ def _validate_implementation(args) -> None:
         grouped_gemm=bool(args.moe_grouped_gemm),
         shared_experts=args.moe_shared_expert_intermediate_size is not None,
         shared_expert_overlap=args.moe_shared_expert_overlap))
-    ddp.check_args(args, _cuda_available())
+    _validate_ddp(args, _cuda_available())
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(
         args.overlap_moe_expert_parallel_comm, args.delay_wgrad_compute,
@@ -245,6 +251,14 @@ def _validate_implementation(args) -> None:
                          hidden_size=args.hidden_size,
                          ffn_per_rank=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
                          // args.expert_tensor_parallel_size)
+
+
+def _validate_ddp(args, cuda: bool) -> None:
+    """Megatron-LM's data-parallel flags (training/ddp.py maps them onto Megatron-Core)."""
+    _refuse(ddp_problem(overlap_param_gather=args.overlap_param_gather,
+                        overlap_grad_reduce=args.overlap_grad_reduce,
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        average_in_collective=args.ddp_average_in_collective, cuda=cuda))
 
 
 def _refuse(problem: Optional[str]) -> None:

@@ -216,6 +216,39 @@ def test_checkpoint_flags_of_an_earlier_version_get_todays_defaults():
             flags["num_layers"]) == ("LayerNorm", "learned_absolute", 1, 2)
 
 
+_TINY_SAVED = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256,
+               "num_attention_heads": 4, "seq_length": 64, "max_position_embeddings": 64,
+               "num_experts": 4, "moe_router_topk": 2, "disable_bias_linear": True}
+
+
+@pytest.mark.parametrize("common,layout,world,words", [
+    # a distributed optimizer's dp-reshardable state: refused whatever the target layout
+    ({"optimizer_step": 40, "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}},
+     (1, 4, 1, 1), 4, ["--load", "dp-reshardable", "--dist-ckpt-optim-fully-reshardable"]),
+    # the padded vocabulary is fixed at save time: 8192 does not split over 3 TP ranks
+    ({"args": {**_TINY_SAVED, "num_attention_heads": 6, "hidden_size": 96, "seq_length": 96,
+               "max_position_embeddings": 96}},
+     (3, 1, 1, 1), 3, ["--target-tensor-parallel-size 3", "padded vocabulary (8192"]),
+    # each expert's FFN (256) over 3 expert-tensor ranks
+    ({}, (1, 1, 3, 1), 3, ["--target-expert-tensor-parallel-size"]),
+    ({}, (1, 1, 1, 3), 3, ["--target-pipeline-parallel-size"]),
+])
+def test_conversion_refusals_come_before_any_process_and_name_the_tools_flags(
+        common, layout, world, words):
+    """tools/convert_checkpoint.py checks everything the target layout's ranks would refuse
+    before it starts them (relayout_problem), in this tool's flags (--target-*, --load), not
+    training's (--tensor-model-parallel-size, --use-distributed-optimizer alone)."""
+    convert = _load_tool("convert_checkpoint")
+    plain = {"args": _TINY_SAVED, "optimizer_step": 40,
+             "layout": {"world_size": 4, "tensor_model_parallel_size": 2,
+                        "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+             "model_info": {"padded_vocab_size": 8192, "vocab_size": 8000}}
+    problem = convert.relayout_problem("SAVE/iter_0000040", {**plain, **common}, layout, world)
+    assert problem is not None and all(word in problem for word in words), problem
+    assert "--tensor-model-parallel-size" not in problem, problem
+    assert convert.relayout_problem("SAVE/iter_0000040", plain, (1, 4, 1, 1), 4) is None
+
+
 def test_every_shipped_grid_loads():
     """Each grid a doc or tool names (configs/bench/*.yaml with a `grid`) reads as the layer
     benchmark reads it (an old expression-style exclude_if is refused there)."""
