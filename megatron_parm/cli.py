@@ -7,7 +7,8 @@
                          entry points in one process)
     optional_packages_note()   one line naming the optional packages that are not installed
 
-A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
+A closed output (`tool | head`) ends the tool quietly with status 141, as SIGPIPE ends a Unix
+tool. A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
 project's code raises (a `raise` statement in it, not a library's or Python's own): it is
 printed as one line `error: <message>` by the first rank that sees it (ranks claim the report
 in torchrun's store; without one, rank 0 prints), with exit status 2 and no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
@@ -42,6 +43,7 @@ from megatron_parm import faults
 
 USER_ERROR = 2   # exit status of a user's mistake (argparse's own)
 BUG = 1
+BROKEN_PIPE = 128 + 13  # the reader of the output went away (SIGPIPE's status)
 DEBUG_ENV = "MEGATRON_PARM_DEBUG"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,12 +181,29 @@ def call(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt as interrupt:
         return _report(interrupt, "interrupted", 130)
     except BaseException as error:  # noqa: BLE001 - this is the top of the program
+        if isinstance(error, BrokenPipeError) and _stdout_closed():
+            # The reader went away (`tool | head`): stop quietly, with the status a Unix
+            # tool that SIGPIPE ends has; whatever is still buffered goes nowhere.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return BROKEN_PIPE
         if is_user_error(error):
             return _report(error, str(error), USER_ERROR)
         if faults.is_communication_error(error) and faults.log_follow_on(error) \
                 and os.environ.get(DEBUG_ENV, "") in ("", "0"):
             return BUG  # a peer died or hung: the launcher's line says which, this is in its log
         return _report(error, None, BUG)
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe nobody reads any more (not a socket of a peer)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, no file descriptor
+        return False
 
 
 def _report(error: BaseException, message: Optional[str], status: int) -> int:

@@ -348,6 +348,29 @@ def checkpoint(tmp_path):
     return write_full(str(tmp_path / "ckpt"), 3, _tiny_full())
 
 
+def test_a_tool_whose_reader_went_away_stops_quietly(checkpoint):
+    """`tools/inspect_checkpoint.py SAVE | head -30`: once head has its lines, the tool ends
+    with SIGPIPE's status and without a BrokenPipeError traceback (stdout unbuffered here, so
+    that the first print meets the closed pipe)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.Popen([sys.executable, "-u", "tools/inspect_checkpoint.py", checkpoint],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == cli.BROKEN_PIPE, err
+    assert err == "", err
+
+
+def test_a_broken_pipe_elsewhere_is_still_a_bug(capsys):
+    """Only a closed standard output is quiet: a BrokenPipeError from anything else (a socket
+    to a peer) keeps its traceback."""
+    def main():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert cli.call(main) == cli.BUG
+    assert "BrokenPipeError" in capsys.readouterr().err
+
+
 def test_checkpoints_of_this_project_load_safely(checkpoint, tmp_path):
     info = read_checkpoint_info(checkpoint)
     assert info["iteration"] == 3 and isinstance(info["rng_state"]["per_rank"][0]["numpy"][1],
