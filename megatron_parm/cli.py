@@ -20,8 +20,10 @@ MEGATRON_PARM_DEBUG=1 prints every rank's traceback.
 
 Warnings: rank 0 shows each once, in one line; other ranks show none. Megatron-Core's fallback
 warnings for missing optional packages (Transformer Engine, Apex), and warnings about its own
-defaults or its use of deprecated torch calls, which a user cannot act on, are not shown; the
-trainer prints optional_packages_note() once instead.
+defaults or its use of deprecated torch calls, which a user cannot act on, are not shown, each
+filtered by its message and the module it comes from (HIDDEN_WARNINGS); the trainer prints
+optional_packages_note() once instead. hide_library_warnings() (megatron_parm's, opt-in) does
+the same for a script of one's own that uses the library.
 
 This module imports nothing heavy (torch only when an error is reported), so scripts can
 import it before Megatron-Core.
@@ -37,7 +39,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from megatron_parm import faults
 
@@ -50,16 +52,36 @@ PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Optional packages Megatron-Core falls back from, as (import name, what users call it).
 OPTIONAL_PACKAGES = (("transformer_engine", "Transformer Engine"), ("apex", "Apex"))
 
-# Warnings nobody running this project can act on: (message pattern, why it is hidden).
+
+
+class Hidden(NamedTuple):
+    """A warning nobody using this project can act on, hidden where it arises: its message (a
+    regular expression matched at the start) from its module (matched whole)."""
+    message: str
+    module: str
+    why: str
+    library: bool  # hidden by hide_library_warnings() too (Megatron-Core's or torch's own)
+
+
+# The warnings the scripts and tools hide (setup_warnings), and why.
 HIDDEN_WARNINGS = (
-    (r"(Transformer Engine|Apex).* (is|are) not installed", "replaced by optional_packages_note()"),
-    (r"moe_ffn_hidden_size is not set", "--moe-ffn-hidden-size defaults to --ffn-hidden-size "
-                                        "(documented in --help)"),
-    (r"full scope is deprecated", "Megatron-Core's own default for cuda_graph_scope"),
-    (r"torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-     "Megatron-Core's calls, not the user's"),
-    (r"assuming the intent is to (load|save) in a single process",
-     "the tools read and write whole checkpoints in one process on purpose"),
+    Hidden(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed", r"megatron\.core\..*",
+           "Megatron-Core's fallbacks from optional packages: optional_packages_note() says "
+           "it once", library=True),
+    Hidden(r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config",
+           "Megatron-Core's own default for cuda_graph_scope", library=True),
+    Hidden(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+           r"torch\.distributed\.c10d_logger", "Megatron-Core's calls, not the user's",
+           library=True),
+    Hidden(r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+           r"megatron\.core\.optimizer\.optimizer", "Megatron-Core's zero_grad on the "
+           "distributed optimizer's shard views (--use-distributed-optimizer)", library=True),
+    Hidden(r"moe_ffn_hidden_size is not set", r"megatron\.core\.transformer\.transformer_config",
+           "--moe-ffn-hidden-size defaults to --ffn-hidden-size (documented in --help)",
+           library=False),
+    Hidden(r"torch\.distributed is .*assuming the intent is to (load|save) in a single process",
+           r"torch\.distributed\.checkpoint\.utils",
+           "the tools read and write whole checkpoints in one process on purpose", library=False),
 )
 # Shown only where they apply.
 _CUDA_ONLY_WARNING = re.compile(r"CUDA_DEVICE_MAX_CONNECTIONS")
@@ -90,10 +112,27 @@ def setup_warnings() -> None:
     if rank() != 0:
         warnings.simplefilter("ignore")
         return
-    if not sys.warnoptions:
-        for pattern, _ in HIDDEN_WARNINGS:
-            warnings.filterwarnings("ignore", message=f".*{pattern}")
+    _hide(HIDDEN_WARNINGS)
     warnings.showwarning = _show_warning
+
+
+def hide_library_warnings() -> None:
+    """For Megatron-Core with Parm's dispatchers in a script of one's own (README, "Using it in
+    Megatron-Core"): hide the warnings of HIDDEN_WARNINGS that Megatron-Core 0.16.1 and torch
+    print about their own internals, each where it arises, and say once (on rank 0) which
+    optional packages are missing. Opt in: call it before importing Megatron-Core. Nothing else
+    changes (each is an ordinary warnings filter; -W and PYTHONWARNINGS still win)."""
+    _hide([hidden for hidden in HIDDEN_WARNINGS if hidden.library])
+    note = optional_packages_note()
+    if note and rank() == 0:
+        warnings.warn(note, stacklevel=2)
+
+
+def _hide(entries) -> None:
+    if sys.warnoptions:  # filters given with -W or PYTHONWARNINGS take precedence
+        return
+    for hidden in entries:
+        warnings.filterwarnings("ignore", message=hidden.message, module=hidden.module + r"\Z")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -114,20 +114,54 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
                           env={**run_env, **env}, timeout=120)
 
 
-WARN = ("from megatron_parm import cli; cli.setup_warnings(); import warnings; "
-        "warnings.warn('Apex is not installed. Falling back to Torch Norm'); "
-        "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch "
-        "optimizers.'); warnings.warn('something\\n  worth   knowing'); "
+# Warnings as Megatron-Core and torch raise them (the message, from the module), and others.
+FROM_MEGATRON = (
+    "import warnings; "
+    "warnings.warn_explicit('Apex is not installed. Falling back to Torch Norm', UserWarning, "
+    "'backends.py', 21, module='megatron.core.models.backends'); "
+    "warnings.warn_explicit('Transformer Engine and Apex are not installed. Falling back to "
+    "Torch optimizers.', UserWarning, '__init__.py', 24, module='megatron.core.optimizer'); "
+    "warnings.warn_explicit('The .grad attribute of a Tensor that is not a leaf Tensor is being "
+    "accessed.', UserWarning, 'optimizer.py', 66, module='megatron.core.optimizer.optimizer'); "
+    "warnings.warn_explicit('moe_ffn_hidden_size is not set, using ffn_hidden_size instead.', "
+    "UserWarning, 'transformer_config.py', 1056, "
+    "module='megatron.core.transformer.transformer_config'); "
+    "warnings.warn('The .grad attribute of a Tensor that is not a leaf Tensor is being accessed "
+    "(yours)'); ")
+WARN = ("from megatron_parm import cli; cli.setup_warnings(); " + FROM_MEGATRON +
+        "warnings.warn('something\\n  worth   knowing'); "
         "warnings.warn('something\\n  worth   knowing')")
 
 
 def test_warnings_once_on_rank_0_in_one_line():
+    """Hidden where they arise: the same message from another module (the user's) is shown."""
     rank0 = _python(WARN, RANK="0")
     assert rank0.stderr.splitlines() == [
+        "warning: The .grad attribute of a Tensor that is not a leaf Tensor is being accessed "
+        "(yours) [UserWarning, <string>:1]",
         "warning: something worth knowing [UserWarning, <string>:1]"], rank0.stderr
     assert _python(WARN, RANK="3").stderr == ""
     note = cli.optional_packages_note()
     assert note is None or note.startswith("optional packages not installed: ")
+
+
+def test_library_users_opt_in_to_hiding_megatron_cores_own_warnings():
+    """megatron_parm.hide_library_warnings(): Megatron-Core's and torch's warnings about their
+    own internals hidden where they arise, what a library user can act on kept (the MoE FFN
+    size is theirs to give), the missing packages said once on rank 0; importing megatron_parm
+    alone changes no filter."""
+    code = ("import warnings; before = list(warnings.filters); import megatron_parm; "
+            "assert warnings.filters == before; megatron_parm.hide_library_warnings(); "
+            + FROM_MEGATRON)
+    shown = [line for line in _python(code, RANK="0").stderr.splitlines()
+             if "Warning: " in line]
+    note = cli.optional_packages_note()
+    assert [line.split("Warning: ", 1)[1] for line in shown] == (
+        [note] if note else []) + [
+        "moe_ffn_hidden_size is not set, using ffn_hidden_size instead.",
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed (yours)"]
+    assert not [line for line in _python(code, RANK="1").stderr.splitlines()
+                if "optional packages" in line]
 
 
 def test_counts_say_1_rank_not_1_ranks():
