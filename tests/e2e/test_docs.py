@@ -188,8 +188,8 @@ def _noise(path: Path, text: str, output: str) -> list:
         results = [line for line in lines if LIBRARY_LINE.match(line)]
         others = [line for line in lines if not LIBRARY_LINE.match(line)]
         assert len(results) == 2, output  # one line per rank
-        return [line for line in others if not any(part in line for part in LIBRARY_NOTE)] + \
-            (others if len(others) > len(LIBRARY_NOTE) else [])
+        notes = [line for line in others if any(part in line for part in LIBRARY_NOTE)]
+        return [line for line in others if line not in notes] + notes[len(LIBRARY_NOTE):]
     if _is_training_run(text):
         return [line for line in lines
                 if not TRAINING_LINE.match(line) or line.startswith("warning: ")]
