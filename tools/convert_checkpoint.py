@@ -355,7 +355,6 @@ def relayout_problem(path: str, info: dict, layout, world: int):
     from megatron_parm.checkpointing.state import RESHARDABLE_FLAG, describe_layout
     from megatron_parm.layout_rules import model_problem, pipeline_stage_layers
     from megatron_parm.parallel import validate_layout
-    from megatron_parm.training.model import build_config
 
     tp, ep, etp, pp = layout
     saved = saved_flags(info["args"])
@@ -386,6 +385,8 @@ def relayout_problem(path: str, info: dict, layout, world: int):
         for flag, target_flag in TARGET_FLAGS.items():
             problem = problem.replace(flag, target_flag)
         return f"target layout ({plural(world, 'rank')}, --target-world-size): {problem}"
+    from megatron_parm.training.model import build_config  # Megatron-Core: seconds to import
+
     try:  # Megatron-Core's own checks of the model against the layout
         build_config(target_args(saved, layout, world))
     except (ValueError, AssertionError) as err:

@@ -164,6 +164,31 @@ def test_library_users_opt_in_to_hiding_megatron_cores_own_warnings():
                 if "optional packages" in line]
 
 
+@pytest.mark.parametrize("target", ["demo", "layer-demo"])
+def test_the_makefiles_multi_rank_targets_take_a_master_port(target, tmp_path):
+    """A second job on the machine must not collide with the first: MASTER_PORT given, the
+    launch uses it; not given, torchrun's --standalone picks a free port (make -n: the
+    commands, not run; run_local.sh's rendezvous lines are run alone)."""
+    def commands(*variables):
+        proc = subprocess.run(["make", "-n", "--always-make", target, *variables], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    if target == "layer-demo":
+        assert "--master-port 29613" in commands("MASTER_PORT=29613")
+        assert "--standalone" in commands() and "--master-port" not in commands()
+        return
+    assert "MASTER_PORT=29613 pretrain_scripts/run_local.sh" in commands("MASTER_PORT=29613")
+    script = (REPO / "pretrain_scripts/run_local.sh").read_text()
+    rendezvous = script[script.index("RENDEZVOUS=(--standalone)"):script.index("# tee ignores")]
+    for port, expected in (("29613", "--master-addr 127.0.0.1 --master-port 29613"),
+                           ("", "--standalone")):
+        shown = subprocess.run(["bash", "-c", f'MASTER_PORT={port}\n{rendezvous}'
+                                f'echo "${{RENDEZVOUS[@]}}"'], capture_output=True, text=True)
+        assert shown.stdout.strip() == expected, (port, shown.stdout, shown.stderr)
+
+
 def test_counts_say_1_rank_not_1_ranks():
     assert [plural(n, "rank") for n in (0, 1, 4)] == ["0 ranks", "1 rank", "4 ranks"]
     assert [plural(n, "micro-batch") for n in (1, 2)] == ["1 micro-batch", "2 micro-batches"]
