@@ -40,6 +40,7 @@ with torchrun's own failure report after the rank's one line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -312,8 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = torchrun.get_args_parser().parse_args(argv)
-    problem, script_args = script_flags(parsed.training_script, parsed.training_script_args)
-    if problem:  # before any rank starts (a rank would find it after ~20 s, once per rank)
+    problem, script_args = script_flags(parsed.training_script, parsed.training_script_args,
+                                        parsed.nnodes, _nproc(torchrun, parsed.nproc_per_node))
+    if problem:  # before any rank starts (a rank would find it after ~20-60 s)
         print(f"error: {problem}", file=sys.stderr)
         return USER_ERROR
     grace_s = STOP_GRACE_S if parsed.shutdown_timeout is None else parsed.shutdown_timeout
@@ -360,23 +362,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
-def script_flags_problem(script: str, script_args: List[str]) -> Optional[str]:
+def script_flags_problem(script: str, script_args: List[str],
+                         nnodes: str = "1", nproc_per_node: Optional[int] = None) -> Optional[str]:
     """For the pretraining scripts (megatron_parm.settings.TRAINING_SCRIPTS): one line naming
     what their argv and --config file ask for that cannot run: a flag training does not know
-    (with the closest valid ones), a bad value, or a flag refused here (settings.read); None for
-    a clean argv or another script. The rules between flags are checked by the script itself,
-    once the ranks start."""
-    return script_flags(script, script_args)[0]
+    (with the closest valid ones), a bad value, or a flag refused here (settings.read); then,
+    where the world size is known (NNODES fixed, NPROC_PER_NODE given), every rule between the
+    flags and the layout (training.arguments.validate, the same message a rank would print)
+    but Megatron-Core's own TransformerConfig checks and the data files, which the ranks check
+    (importing Megatron-Core would take longer than the check saves). None for a clean argv or
+    another script."""
+    return script_flags(script, script_args, nnodes, nproc_per_node)[0]
 
 
-def script_flags(script: str, script_args: List[str]):
+def script_flags(script: str, script_args: List[str], nnodes: str = "1",
+                 nproc_per_node: Optional[int] = None):
     """(script_flags_problem's line or None, the flags a pretraining script reads or None)."""
-    if os.path.basename(script) not in settings.TRAINING_SCRIPTS or \
-            {"-h", "--help"} & set(script_args):
+    model_type = settings.TRAINING_SCRIPTS.get(os.path.basename(script))
+    if model_type is None or {"-h", "--help"} & set(script_args):
         return None, None
     try:
         with argparse_errors_raise():
-            return None, settings.read(settings.training_parser(), script_args)
+            args = settings.read(settings.training_parser(), script_args)
+        nodes = _fixed_nodes(nnodes)
+        if nproc_per_node is None or nodes is None:
+            return None, args  # an elastic or unknown world: the ranks check the layout
+        args.model_type = model_type
+        world_size = nodes * nproc_per_node
+        from megatron_parm.training.arguments import validate
+
+        with _local_world_size(nproc_per_node):  # the ranks' LOCAL_WORLD_SIZE (node size)
+            validate(args, world_size, reads_data=False, megatron_core=False)
+        return None, args
     except ValueError as error:  # cli.UsageError included
         return str(error), None
 
@@ -387,6 +404,37 @@ def exit_signal(script_args) -> signal.Signals:
     if script_args is not None and script_args.exit_signal_handler:
         return signal.Signals[script_args.exit_signal]
     return signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _local_world_size(nproc_per_node: int):
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+def _fixed_nodes(nnodes: str) -> Optional[int]:
+    """torchrun's --nnodes (N, or MIN:MAX; default 1:1) where it fixes the number of nodes."""
+    parts = str(nnodes).split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        return None
+    return low if low == high and len(parts) <= 2 else None
+
+
+def _nproc(torchrun, nproc_per_node: str) -> Optional[int]:
+    """Ranks per node as torchrun counts them (a number, or 'cpu', 'gpu', 'auto'), or None."""
+    try:
+        return torchrun.determine_local_world_size(nproc_per_node)
+    except ValueError:
+        return None  # torchrun says why when it starts
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:

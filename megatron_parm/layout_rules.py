@@ -346,6 +346,32 @@ def moe_overlap_problem(overlap: bool, delay_wgrad: bool, *, dispatcher: str, ep
     return None
 
 
+def ddp_problem(*, overlap_param_gather: bool, overlap_grad_reduce: bool,
+                use_distributed_optimizer: bool, average_in_collective: bool, cuda: bool,
+                num_buckets: Optional[int] = None, bucket_size: Optional[int] = None,
+                reduce_scatter_with_fp32_accumulation: bool = False) -> Optional[str]:
+    """Why Megatron-LM's data-parallel flags cannot go together (its rules), or run on this
+    machine with Megatron-Core 0.16.1 (cuda: a GPU is usable), or None."""
+    if overlap_param_gather and not use_distributed_optimizer:
+        return ("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
+                "distributed optimizer's parameter all-gather): add it or drop "
+                "--overlap-param-gather")
+    if overlap_param_gather and not overlap_grad_reduce:
+        return ("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it "
+                "or drop --overlap-param-gather")
+    if num_buckets is not None and bucket_size is not None:
+        return ("--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets: give "
+                "one of them")
+    if reduce_scatter_with_fp32_accumulation and not use_distributed_optimizer:
+        return ("--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer "
+                "(it replaces its gradients' reduce-scatter)")
+    if average_in_collective and not cuda:
+        return ("--ddp-average-in-collective needs NCCL: gloo (this machine has no GPU) has no "
+                "ReduceOp.AVG; drop the flag (the gradients are then scaled by 1/DP before a "
+                "summing collective, the same average)")
+    return None
+
+
 def expert_split_problem(moe_ffn_hidden_size: Optional[int], etp: int) -> Optional[str]:
     """Why each expert's FFN does not split over the ETP ranks, or None."""
     if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:

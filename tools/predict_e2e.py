@@ -168,7 +168,7 @@ def _cells(picks) -> str:
 
 def table(args) -> str:
     profile = load_profile(args.parm_profile, require_terms=True)
-    header = [f"Predicted by `python tools/predict_e2e.py` (profile {profile.name}: "
+    header = [f"Predicted by `.venv/bin/python tools/predict_e2e.py` (profile {profile.name}: "
               f"{profile.provenance}; bf16, {args.gpu_memory_gb:g} GiB per GPU, each config's "
               f"micro- and global batch; tokens/s of the whole step, each dispatcher at its "
               f"fastest fitting layout; layout (tp,ep,etp), with ppN vppV where pipelined and "

@@ -324,11 +324,15 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     x, grad = _inputs(spec, seed, 2)
 
     results = {key: Timing(str(key), [], {}) for key in keys}
-    for key in keys:  # parm's measured choice (--parm-tune): its tuning calls come first, so
-        # that its bytes, memory and times are its choice's
-        while getattr(layers[key].token_dispatcher, "tuning", False):
+    for key in keys:  # parm's measured choice (--parm-tune): its first call starts the tuning
+        # (or decides), and its tuning calls come before the others, so that its bytes, memory
+        # and times are its choice's
+        dispatcher = layers[key].token_dispatcher
+        first = hasattr(dispatcher, "tuning") and dispatcher.choice is None
+        while first or getattr(dispatcher, "tuning", False):
             step(layers[key], x, grad)
             layers[key].zero_grad(set_to_none=True)
+            first = False
     for key in keys:  # one accounted step each (also a warm-up)
         with track_comm() as stats, account_native_dispatchers():
             step(layers[key], x, grad)

@@ -176,12 +176,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             # naming the path and what is wrong
             return load_profile(path, require_terms=True)
         default = default_profile_path()
-        if tune:
-            warnings.warn(f"--parm-profile not given: parm ranks the schedules with the shipped "
-                          f"estimate {default} and measures the best few in the run's first "
-                          f"steps (--no-parm-tune: the estimate alone; tools/calibrate.py "
-                          f"measures a profile)")
-        else:
+        # Without a profile parm ranks the schedules with the shipped estimate and measures the
+        # best few (--parm-tune, the default then): its choice line says so; nothing to warn of.
+        if not tune:
             warnings.warn(f"--parm-profile not given and --no-parm-tune: parm runs what the "
                           f"shipped estimate {default} predicts fastest, untested on this "
                           f"machine (it can be 1.3x slower than the best schedule: "

@@ -68,9 +68,9 @@ FLAGS: Dict[str, Flag] = _all_flags()
 SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_lm.OPTIONS.items()
                             if status(name) != IMPLEMENTED}
 
-# The pretraining entry points (pretrain_scripts/): the launcher checks their flags against
-# training_parser() before it starts any rank.
-TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
+# The pretraining entry points (pretrain_scripts/) and the model each trains: the launcher
+# checks their flags against training_parser() before it starts any rank.
+TRAINING_SCRIPTS = {"pretrain_gpt2_moe.py": "gpt", "pretrain_bert_moe.py": "bert"}
 # The groups of training's parser, in --help order.
 TRAINING_GROUPS = (model.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
                    optimizer.GROUP, checkpoints.GROUP, run_control.GROUP, logging.GROUP,

@@ -17,15 +17,13 @@ import os
 from typing import List, Optional
 
 from megatron_parm import settings, tuning
-from megatron_parm.data.datasets import check_data_flags
-from megatron_parm.data.tokenizers import check_tokenizer_flags
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
+    architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
     mla_problem, model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem,
     shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision, schedule, upcycling, writers
+from megatron_parm.training import mixed_precision, schedule, upcycling, writers
 from megatron_parm.training.implementation import check_implementation, expert_implementation
 from megatron_parm.wording import plural
 
@@ -74,9 +72,13 @@ def _checkpoint_args(args) -> Optional[str]:
     return f"--use-checkpoint-args: from {path}: {shown or 'the same flags'}"
 
 
-def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
+def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True,
+             megatron_core: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
-    own check ran in settings.read)."""
+    own check ran in settings.read). megatron_core=False leaves out the one check that imports
+    Megatron-Core (its TransformerConfig's refusals: seconds of import), as the launcher does
+    (megatron_parm.launch checks the rest before any rank starts; keep the others free of
+    Megatron-Core: tests/unit/test_training_args.py checks it)."""
     _validate_seq_length(args)
     _encoder_num_layers(args)
     settings.require(args, REQUIRED)
@@ -92,7 +94,8 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_run_control(args)
     _validate_implementation(args)
     writers.check_args(args)  # --wandb-*
-    _validate_config(args)
+    if megatron_core:
+        _validate_config(args)
 
 
 def _validate_config(args) -> None:
@@ -124,6 +127,9 @@ def _validate_seq_length(args) -> None:
 
 def _validate_inputs(args) -> None:
     """The data and tokenizer flags that go together, and the files they name."""
+    from megatron_parm.data.datasets import check_data_flags  # Megatron-Core's datasets
+    from megatron_parm.data.tokenizers import check_tokenizer_flags
+
     check_data_flags(args, getattr(args, "model_type", "gpt"))  # every prefix names a whole indexed dataset
     check_tokenizer_flags(args)
     if getattr(args, "phase_transition_iterations", None):
@@ -561,7 +567,7 @@ def _validate_implementation(args) -> None:
         shared_experts=args.moe_shared_expert_intermediate_size is not None,
         shared_expert_overlap=args.moe_shared_expert_overlap,
         multi_latent_attention=args.multi_latent_attention))
-    ddp.check_args(args, _cuda_available())
+    _validate_ddp(args, _cuda_available())
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(
         args.overlap_moe_expert_parallel_comm, args.delay_wgrad_compute,
@@ -610,6 +616,17 @@ def _modules_for_flags(args) -> None:
         raise ValueError(f"{gated[0]} with --moe-grouped-gemm: Megatron-Core 0.16.1's GroupedMLP "
                          f"(which {experts} follows) takes neither Quick-GELU nor the GLU's "
                          f"offset and clamp; drop --moe-grouped-gemm (SequentialMLP experts)")
+
+
+def _validate_ddp(args, cuda: bool) -> None:
+    """Megatron-LM's data-parallel flags (training/ddp.py maps them onto Megatron-Core)."""
+    _refuse(ddp_problem(overlap_param_gather=args.overlap_param_gather,
+                        overlap_grad_reduce=args.overlap_grad_reduce,
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        average_in_collective=args.ddp_average_in_collective, cuda=cuda,
+                        num_buckets=args.ddp_num_buckets, bucket_size=args.ddp_bucket_size,
+                        reduce_scatter_with_fp32_accumulation=(
+                            args.ddp_reduce_scatter_with_fp32_accumulation)))
 
 
 def _refuse(problem: Optional[str]) -> None:

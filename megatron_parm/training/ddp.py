@@ -6,8 +6,8 @@ training maps them.
     --ddp-average-in-collective are declared in megatron_parm.settings;
     the distributed optimizer's checkpoints, --dist-ckpt-optim-fully-reshardable:
     checkpointing/optimizer_state.py)
-    check_args(args, cuda)           what Megatron-Core cannot run here: ValueError naming the
-                                     flag, why, and which flag to drop
+    (what Megatron-Core cannot run here, naming the flag, why and which flag to drop:
+    layout_rules.ddp_problem, checked with the other flags by training/arguments.py)
     ddp_config(args, chunks)         the DistributedDataParallelConfig (chunks: this rank's
                                      model chunks, whose parameters --ddp-num-buckets divides)
     broadcast_params(model, args)    --data-parallel-random-init: the first data-parallel
@@ -56,29 +56,6 @@ from megatron.core.distributed import param_and_grad_buffer
 
 from megatron_parm.mcore_compat.comm_stream import on_compute_thread
 from megatron_parm.training import mixed_precision
-
-
-def check_args(args, cuda: bool) -> None:
-    """Refuse, with one ValueError naming the flag, a combination Megatron-LM refuses or
-    Megatron-Core 0.16.1 cannot run on this machine (cuda: a GPU is usable)."""
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps "
-                         "the distributed optimizer's parameter all-gather): add it or drop "
-                         "--overlap-param-gather")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (as in "
-                         "Megatron-LM): add it or drop --overlap-param-gather")
-    if args.ddp_num_buckets is not None and args.ddp_bucket_size is not None:
-        raise ValueError("--ddp-num-buckets and --ddp-bucket-size both size the gradient "
-                         "buckets: give one of them")
-    if args.ddp_reduce_scatter_with_fp32_accumulation and not args.use_distributed_optimizer:
-        raise ValueError("--ddp-reduce-scatter-with-fp32-accumulation needs "
-                         "--use-distributed-optimizer (it replaces its gradients' "
-                         "reduce-scatter)")
-    if args.ddp_average_in_collective and not cuda:
-        raise ValueError("--ddp-average-in-collective needs NCCL: gloo (this machine has no "
-                         "GPU) has no ReduceOp.AVG; drop the flag (the gradients are then "
-                         "scaled by 1/DP before a summing collective, the same average)")
 
 
 # The reduce-scatter Megatron-Core's buffers call: its DDP swaps in the fp32-accumulating one

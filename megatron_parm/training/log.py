@@ -459,8 +459,10 @@ class TrainingLog:
 
     def done(self, iteration: int, summary: dict) -> None:
         self.writers.close()
-        print_rank_0(f"> done: {plural(iteration, 'iteration')}, final lm loss "
-                     f"{summary['losses'][-1]:.4f}"
+        # One iteration's loss, labelled so: the iteration lines average --log-interval's.
+        print_rank_0(f"> done: {plural(iteration, 'iteration')}; lm loss of iteration "
+                     f"{iteration}: {summary['losses'][-1]:.6E} (an iteration line's lm loss is "
+                     f"its interval's mean, --log-interval {self.args.log_interval})"
                      if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
         print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
         logdir = self.args.tensorboard_dir

@@ -36,7 +36,7 @@ def bench_output(tmp_path_factory):
     proc = torchrun("tools/bench_moe_layer.py", 4, "--grid", str(grid), "--output", str(out),
                     "--label", "loopback", "--run-id", "a", "--iters", "2", "--warmup", "0",
                     "--chunk-variants", "2,4", "--dispatchers", "all," + ",".join(MODES),
-                    timeout=600)
+                    "--parm-tune-margin", "100", timeout=600)
     return tmp, out, proc.stdout
 
 
@@ -70,6 +70,11 @@ def test_bench_writes_a_line_per_config_and_dispatcher(bench_output):
     assert "[2/2] MoE layer" in stdout and "parm_s2@4" in stdout
     choices = {r["dispatcher"]: r["choice"] for r in records if r["config"] == 1}
     assert all(choices[d] for d in ["parm"] + MODES)  # each mode logs the schedule it chose
+    # parm measured its candidates (every one within --parm-tune-margin 100) before its timed
+    # calls, which are its choice's: its line says measured, not the model's prediction
+    lines = [line for line in stdout.splitlines()
+             if line.startswith(("parm chose ", "parm:measured chose "))]
+    assert len(lines) == 4 and all(" (measured, median of " in line for line in lines), stdout
     for r in records:  # parm's bytes are its choice's (its tuning calls are not accounted)
         if r["dispatcher"] in ["parm"] + MODES:
             chosen = r["choice"].split("(")[0]

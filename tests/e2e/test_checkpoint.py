@@ -970,6 +970,15 @@ def test_distopt_damaged_shards_named_by_inspect_and_converter(distopt_runs, tmp
     assert ".bucket_idx_0.exp_avg " in proc.stdout, proc.stdout
     to_file = convert("--load", str(good), "--to-single-file", str(tmp_path / "x.pt"))
     assert to_file.returncode == 0, to_file.stdout + to_file.stderr
+    # another layout: refused in one line before any rank process starts, in the tool's flags
+    relayout = convert("--load", str(good), "--save", str(tmp_path / "relayout"),
+                       "--target-tensor-parallel-size", "1", "--target-expert-parallel-size", "2")
+    assert relayout.returncode == 2 and relayout.stderr.startswith(f"error: --load {good}: "), \
+        relayout.stdout + relayout.stderr
+    assert len(relayout.stderr.splitlines()) == 1 and "resharding" not in relayout.stdout, \
+        relayout.stdout + relayout.stderr
+    assert "--dist-ckpt-optim-fully-reshardable" in relayout.stderr, relayout.stderr
+    assert not (tmp_path / "relayout").exists()
     metadata = FileSystemReader(str(good)).read_metadata()
     index, info = next((i, v) for i, v in metadata.storage_data.items()
                        if i.fqn.endswith(".exp_avg_sq") and "bucket_idx" in i.fqn)

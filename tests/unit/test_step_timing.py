@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_parm.training import ddp, timing
+from megatron_parm.training import arguments, ddp, timing
 
 SLEEP = 0.05
 
@@ -146,15 +146,16 @@ def test_ddp_config_carries_the_flags_as_megatron_lm_does():
 ])
 def test_ddp_flags_megatron_core_cannot_run_here_are_refused(given, cuda, message):
     with pytest.raises(ValueError, match=message):
-        ddp.check_args(flags(**given), cuda)
+        arguments._validate_ddp(flags(**given), cuda)
 
 
 def test_ddp_flags_it_runs_pass():
-    ddp.check_args(flags(ddp_average_in_collective=True), cuda=True)
-    ddp.check_args(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                         overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
+    arguments._validate_ddp(flags(ddp_average_in_collective=True), cuda=True)
+    arguments._validate_ddp(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                  overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
     # its checkpoints are Megatron-Core's sharded state (tests/e2e/test_checkpoint.py -k distopt)
-    ddp.check_args(flags(use_distributed_optimizer=True, save="ckpt", load="ckpt"), cuda=False)
+    arguments._validate_ddp(flags(use_distributed_optimizer=True, save="ckpt", load="ckpt"),
+                            cuda=False)
 
 
 class FakeChunk:

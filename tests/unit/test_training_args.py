@@ -209,6 +209,42 @@ def test_iteration_line_has_loss_scale_and_nan_iterations():
             "skipped iterations:   2 | number of nan iterations:   1 | tokens per second:") in line
 
 
+def test_the_docs_example_log_line_is_what_the_trainer_prints():
+    """docs/pretraining.md's example iteration line, printed again from its own values by
+    iteration_line: every field, in order and format (loss scale, number of nan iterations)."""
+    text = (REPO / "docs/pretraining.md").read_text()
+    example = next(line for line in text.split("## What the log shows", 1)[1].splitlines()
+                   if line.startswith(" iteration "))
+    head, *parts = [part.strip() for part in example.strip(" |").split(" | ")]
+    fields = dict(part.split(": ", 1) for part in parts)
+    iteration, train_iters = (int(n) for n in re.findall(r"\d+", head))
+    losses = {name: float(value) for name, value in fields.items()
+              if name.endswith("loss") and name != "loss scale"}
+    again = iteration_line(
+        iteration, train_iters, int(fields["consumed samples"]),
+        float(fields["elapsed time per iteration (ms)"]), float(fields["learning rate"]),
+        int(fields["global batch size"]), losses, float(fields["tokens per second"]),
+        float(fields["grad norm"]), skipped=int(fields["number of skipped iterations"]),
+        loss_scale=float(fields["loss scale"]),
+        nan_iterations=int(fields["number of nan iterations"]))
+    assert example == again
+
+
+def test_the_last_line_says_whose_loss_it_is(capsys):
+    """The end of a run names its loss as one iteration's, unlike the iteration lines' interval
+    means (Megatron-LM's lines name each value)."""
+    import argparse
+
+    from megatron_parm.training.log import TrainingLog
+
+    args = argparse.Namespace(tensorboard_dir=None, train_iters=40, log_interval=5,
+                              moe_token_dispatcher_type="alltoall")
+    TrainingLog(args, True, 0, "").done(40, {"losses": [7.0, 6.6823], "checkpoint": None})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("> done: 40 iterations; lm loss of iteration 40: 6.682300E+00 (an "
+                        "iteration line's lm loss is its interval's mean, --log-interval 5)"), lines
+
+
 def one_line_error(argv) -> str:
     message = error(argv)
     assert "\n" not in message, message
