@@ -121,7 +121,8 @@ def flags(**given):
                   use_distributed_optimizer=False, ddp_bucket_size=None,
                   ddp_average_in_collective=False, save=None, load=None, bf16=False,
                   fp16=False, accumulate_allreduce_grads_in_fp32=False,
-                  num_distributed_optimizer_instances=1)
+                  num_distributed_optimizer_instances=1, ddp_num_buckets=None,
+                  ddp_reduce_scatter_with_fp32_accumulation=False)
     values.update(given)
     return argparse.Namespace(**values)
 
@@ -143,6 +144,10 @@ def test_ddp_config_carries_the_flags_as_megatron_lm_does():
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), False,
      "--overlap-param-gather needs --overlap-grad-reduce"),
     (dict(ddp_average_in_collective=True), False, "--ddp-average-in-collective needs NCCL"),
+    (dict(ddp_num_buckets=4, ddp_bucket_size=10), False,
+     "--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets"),
+    (dict(ddp_reduce_scatter_with_fp32_accumulation=True), False,
+     "--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer"),
 ])
 def test_ddp_flags_megatron_core_cannot_run_here_are_refused(given, cuda, message):
     with pytest.raises(ValueError, match=message):

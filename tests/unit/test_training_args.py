@@ -233,13 +233,11 @@ def test_the_docs_example_log_line_is_what_the_trainer_prints():
 def test_the_last_line_says_whose_loss_it_is(capsys):
     """The end of a run names its loss as one iteration's, unlike the iteration lines' interval
     means (Megatron-LM's lines name each value)."""
-    import argparse
-
     from megatron_parm.training.log import TrainingLog
 
-    args = argparse.Namespace(tensorboard_dir=None, train_iters=40, log_interval=5,
-                              moe_token_dispatcher_type="alltoall")
-    TrainingLog(args, True, 0, "").done(40, {"losses": [7.0, 6.6823], "checkpoint": None})
+    args = parse_args(TINY_GPT + ["--train-iters", "40", "--log-interval", "5"], world_size=1,
+                      reads_data=False)
+    TrainingLog(args, True, 0, "", 512).done(40, {"losses": [7.0, 6.6823], "checkpoint": None})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("> done: 40 iterations; lm loss of iteration 40: 6.682300E+00 (an "
                         "iteration line's lm loss is its interval's mean, --log-interval 5)"), lines
@@ -485,9 +483,6 @@ def test_swiglu_ffn_default_is_megatron_lms():
                                    "--moe-shared-expert-intermediate-size"),
     (["--group-query-attention", "--num-query-groups", "3"],
      "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--multi-latent-attention"], "not available here: --multi-latent-attention: multi-latent "
-                                   "attention is not built yet: Megatron-Core 0.16.1 runs it only "
-                                   "with Transformer Engine's attention"),
 ])
 def test_architecture_mistakes_name_the_flag(flags, message):
     assert message in error(TINY_GPT + flags, world_size=1)
