@@ -189,6 +189,10 @@ def test_parm_mode_variants_are_checked():
         moe_layer.parse_variant("parm:fast")
     with pytest.raises(ValueError, match="parm_s1 does not choose"):
         moe_layer.parse_variant("parm_s1:measured")
+    # parm_hier_s2 has one chunk count for both passes
+    assert moe_layer.parse_variant("parm_hier_s2@4") == ("parm_hier_s2", 4, 4)
+    with pytest.raises(ValueError, match="runs its backward in its forward's chunks"):
+        moe_layer.parse_variant("parm_hier_s2@4/2")
 
 
 # ---------------------------------------------------------------------------------------------
