@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import utils
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
+from megatron_parm.dispatchers import row_order
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher, Route
 from megatron_parm.config import parm_setting
@@ -156,11 +157,13 @@ def relay_order(primaries: torch.Tensor, seconds: torch.Tensor, secondary_rows: 
     num_rows, num_secondaries = int(primaries.sum()), int(seconds.sum())
     expert = torch.arange(G, device=device).repeat(K)
     source = torch.arange(K, device=device).repeat_interleave(G)
+    # the host counts on the rows' device in one transfer that does not wait
+    primaries, seconds, rows_per_source = row_order.to_device(
+        [primaries.reshape(-1), seconds.reshape(-1), primaries.sum(dim=1)], device)
 
     def spread(values, counts, total):
-        return torch.repeat_interleave(values, counts.reshape(-1).to(device), output_size=total)
+        return torch.repeat_interleave(values, counts, output_size=total)
 
-    rows_per_source = primaries.sum(dim=1).to(device)
     first_row = rows_per_source.cumsum(0) - rows_per_source
     sec_source = spread(source, seconds, num_secondaries)
     pair_row = torch.cat([torch.arange(num_rows, device=device),

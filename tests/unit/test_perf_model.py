@@ -396,6 +396,38 @@ def test_shipped_profiles_load(profile_file):
         assert profile.beta[kind]["intra"] < profile.beta[kind]["inter"]
 
 
+# the cluster kinds beyond one DGX (docs/benchmark.md, "Predicted on a real cluster"): every
+# number names its source
+SOURCED_ESTIMATES = ("h100_roce_estimate", "l40s_ethernet_estimate")
+
+
+@pytest.mark.parametrize("name", SOURCED_ESTIMATES)
+def test_cluster_estimates_name_a_source_for_every_number(name):
+    profile = load_profile(name, require_terms=True)
+    assert profile.sources and set(profile.sources) == set(profile.numbers())
+    # each from a datasheet or a published measurement, or saying that none was found
+    for path, text in profile.sources.items():
+        assert any(word in text.lower() for word in ("datasheet", "measured", "fitted",
+                                                     "published", "no published", "cluster kind",
+                                                     "not measured")), (path, text)
+    # the links these kinds stand for: the inter-node link per GPU well below one NIC per GPU
+    dgx = load_profile("nvlink_ib_estimate")
+    assert profile.beta["all_to_all"]["inter"] > 4 * dgx.beta["all_to_all"]["inter"]
+
+
+def test_profile_sources_name_numbers_of_a_profile(tmp_path):
+    data = profile_dict()
+    data["sources"] = {"beta.all_to_all.inter": "a datasheet"}
+    assert load_profile(_write(tmp_path, data, "ok.yaml")).sources == data["sources"]
+    data["sources"] = {"beta.all_to_all.wan": "a datasheet"}
+    with pytest.raises(ValueError, match="field sources names no number of a profile: "
+                                         "beta.all_to_all.wan"):
+        load_profile(_write(tmp_path, data))
+    data["sources"] = {"compute.beta": ""}
+    with pytest.raises(ValueError, match="field sources must map"):
+        load_profile(_write(tmp_path, data))
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_profile_round_trip(tmp_path, suffix):
     profile = load_profile(os.path.join(PROFILE_DIR, "emulated_pcie.yaml"))
