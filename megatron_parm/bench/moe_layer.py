@@ -173,6 +173,9 @@ def parse_variant(entry: str) -> Tuple[str, Optional[int], Optional[int]]:
         raise ValueError(f"{entry}: expected {name}@C or {name}@C/B with integer chunk counts") from None
     for count, flag in zip(counts, (schedules.CHUNKS_FLAG, schedules.BWD_CHUNKS_FLAG)):
         schedules.check_num_chunks(count, flag)
+    if schedules.get(name).pair(*counts) != counts:
+        raise ValueError(f"{entry}: {name} runs its backward in its forward's chunks "
+                         f"({name}@{counts[0]})")
     return name, counts[0], counts[1]
 
 

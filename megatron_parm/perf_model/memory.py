@@ -118,6 +118,7 @@ tiny configs and several layouts and dispatchers, and at pp = 2 and 4 the peak o
 stage holds in one training step of Megatron-Core's 1F1B schedule.
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -396,10 +397,12 @@ def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int
     moe_layers, layers = spec.moe_layers, list(layers)
     kept = [layer.kept(moe_layers[index], recompute) for index in layers]
     recomputing = 0.0
+    # sums of kept[:i + 1], added in the same order as sum() would (so the same floats)
+    through = list(itertools.accumulate(kept))
     for local, index in enumerate(layers):  # selective: a layer's MLP side, recomputed
         dropped = layer.mlp_dropped(moe_layers[index], recompute)
         if dropped:
-            recomputing = max(recomputing, sum(kept[:local + 1]) + dropped)
+            recomputing = max(recomputing, through[local] + dropped)
     for unit in recompute.units(len(layers)):
         for local in unit:
             kept[local] = layer.layer_input

@@ -48,6 +48,7 @@ at TP 1.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, Iterable, Optional, Tuple, Union
 
 from megatron_parm.data.vocab import padded_vocab_size
@@ -243,10 +244,7 @@ class ModelSpec:
     @property
     def moe_layers(self) -> Tuple[bool, ...]:
         """Per layer, True for an MoE layer (Megatron-Core's reading of --moe-layer-freq)."""
-        freq = self.moe_layer_freq
-        pattern = moe_layer_pattern(list(freq) if isinstance(freq, tuple) else freq,
-                                    self.num_layers)
-        return tuple(bool(flag) for flag in pattern)
+        return _moe_layers(self.moe_layer_freq, self.num_layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -261,6 +259,14 @@ class ModelSpec:
     def tied_output(self) -> bool:
         """True when the output layer reuses the word embeddings (BERT always does)."""
         return self.model_type == "bert" or not self.untie_embeddings_and_output_weights
+
+
+# The planner asks these hundreds of thousands of times per plan with a few distinct inputs
+# (pure functions of frozen specs): kept.
+@lru_cache(maxsize=64)
+def _moe_layers(freq, num_layers: int) -> Tuple[bool, ...]:
+    pattern = moe_layer_pattern(list(freq) if isinstance(freq, tuple) else freq, num_layers)
+    return tuple(bool(flag) for flag in pattern)
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,7 @@ def mlp_parameters(ffn: int, hidden: int, parts: int, gated: bool, bias: bool) -
     return fc1 * hidden + hidden * local + ((fc1 + hidden) if bias else 0)
 
 
+@lru_cache(maxsize=4096)
 def layer_parameter_counts(spec: ModelSpec, moe: bool, tp: int, ep: int, etp: int
                            ) -> Tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank (module docstring)."""
@@ -308,6 +315,7 @@ def layer_parameter_counts(spec: ModelSpec, moe: bool, tp: int, ep: int, etp: in
     return dense, spec.num_experts // ep * per_expert
 
 
+@lru_cache(maxsize=4096)
 def parameter_counts(spec: ModelSpec, tp: int, ep: int, etp: int) -> ParameterCounts:
     """Parameters of one rank of a (tp, ep, etp) layout (every rank holds the same count)."""
     h, t = spec.hidden_size, tp

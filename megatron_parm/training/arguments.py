@@ -16,7 +16,7 @@ import importlib.util
 import os
 from typing import List, Optional
 
-from megatron_parm import settings, tuning
+from megatron_parm import schedules, settings, tuning
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
@@ -491,15 +491,17 @@ def _validate_parm(args, world_size: int) -> None:
     from megatron_parm.comm.accounting import ranks_per_node
 
     per_node = ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
-    if args.moe_token_dispatcher_type == "parm_hier":  # parm leaves it out instead (one line)
+    # parm_hier and its pipelined form split the EP groups by node; parm leaves them out
+    # instead (one line)
+    if schedules.get(args.moe_token_dispatcher_type).splits_ep_by_node:
         from megatron_parm.perf_model.layout import world_node_split_problem
 
         problem = world_node_split_problem(world_size, args.expert_model_parallel_size,
                                            args.expert_tensor_parallel_size,
                                            args.pipeline_model_parallel_size, per_node)
         if problem:
-            raise ValueError(f"--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
-                             f"{per_node}: {problem}")
+            raise ValueError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} "
+                             f"with --parm-ranks-per-node {per_node}: {problem}")
     if args.parm_profile is not None:
         from megatron_parm.perf_model import load_profile
 

@@ -12,16 +12,18 @@ import pytest
 from launch import REPO, torchrun
 from megatron_parm import schedules
 
-# Every schedule of the catalog that runs tp=ep=etp=2 ('all'), parm_s2 at two chunk counts
-# instead of its default, and parm's two modes beside plain parm.
-VARIANTS = ["parm_s2@2", "parm_s2@4"]
+# Every schedule of the catalog that runs tp=ep=etp=2 ('all'), the chunked ones (parm_s2,
+# parm_hier_s2) at two chunk counts instead of their default, and parm's two modes beside
+# plain parm.
+CHUNK_VARIANTS = (2, 4)
 MODES = ["parm:model", "parm:measured"]
 
 
 def expected_dispatchers(tp, ep, etp):
     names = [name for name in schedules.names()
              if schedules.get(name).unsupported(tp, ep, etp) is None]
-    return sorted(MODES + [d for name in names for d in (VARIANTS if name == "parm_s2" else [name])])
+    return sorted(MODES + [d for name in names for d in (
+        [f"{name}@{c}" for c in CHUNK_VARIANTS] if schedules.get(name).chunked else [name])])
 
 
 @pytest.fixture(scope="module")

@@ -126,9 +126,10 @@ def test_parm_hier_needs_ep_groups_that_split_evenly_by_node():
     layers leave parm_hier out with one line)."""
     flags = TINY_GPT + ["--parm-ranks-per-node", "3", "--expert-model-parallel-size", "4",
                         "--global-batch-size", "48", "--moe-token-dispatcher-type"]
-    message = error(flags + ["parm_hier"], world_size=12)
-    assert message.startswith("--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
-                              "3: the EP group [0, 1, 2, 3] does not split evenly by node"), message
+    for name in ("parm_hier", "parm_hier_s2"):  # the catalog's splits_ep_by_node
+        message = error(flags + [name], world_size=12)
+        assert message.startswith(f"--moe-token-dispatcher-type {name} with --parm-ranks-per-node "
+                                  "3: the EP group [0, 1, 2, 3] does not split evenly by node"), message
     assert parse_args(flags + ["parm"], world_size=12).moe_token_dispatcher_type == "parm"
 
 
