@@ -65,12 +65,8 @@ CUDA_GRAPHS = ("CUDA graphs need a GPU, and Parm's dispatchers keep host state a
 NEEDS_DEEPEP = "needs DeepEP, HybridEP or grouped_gemm kernels on a GPU"
 MLA = ("multi-latent attention is not built yet: Megatron-Core 0.16.1 runs it only with "
        "Transformer Engine's attention (the next issue: DeepSeek-V3-style features)")
-MTP = "multi-token prediction is not built yet (the next issue: DeepSeek-V3-style features)"
 CONTEXT_PARALLEL = ("context parallelism is not built yet (the next issue: DeepSeek-V3-style "
                     "features)")
-PIPELINE_LAYOUT = ("pipeline layouts are not built yet (the next issue: DeepSeek-V3-style "
-                   "features), --decoder-first-pipeline-num-layers and "
-                   "--decoder-last-pipeline-num-layers split the layers")
 FSDP = ("FSDP (Megatron-FSDP, torch FSDP2) is not built here, --use-distributed-optimizer shards "
         "the optimizer state")
 MAMBA = "Mamba and hybrid models are not built here"
@@ -247,9 +243,6 @@ REFUSED: Dict[str, str] = {
     "--deterministic-mode": NOT_BUILT,
     "--tp-comm-overlap": NEEDS_TE,
     "--microbatch-group-size-per-virtual-pipeline-stage": NOT_BUILT,
-    "--mtp-standalone": MTP,
-    "--mtp-num-layers": MTP,
-    "--mtp-loss-scaling-factor": MTP,
     "--softmax-type": NOT_BUILT,
     "--fp32-residual-connection": NOT_BUILT,
     "--apply-residual-connection-post-layernorm": NOT_BUILT,
@@ -418,7 +411,6 @@ REFUSED: Dict[str, str] = {
     "--grad-reduce-in-bf16": NOT_BUILT,
     "--attention-softmax-in-fp32": NOT_BUILT,
     "--fp16-lm-cross-entropy": NOT_BUILT,
-    "--pipeline-model-parallel-layout": PIPELINE_LAYOUT,
     "--model-parallel-size": RENAMED,
     "--distributed-timeout-seconds-after-init": NOT_BUILT,
     "--ddp-num-buckets": NOT_BUILT,

@@ -54,7 +54,7 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, timing
+from megatron_parm.training import ddp, mtp, timing
 from megatron_parm.training.optimizer import build_optimizer
 from megatron_parm.training.schedule import BatchSchedule, build_scheduler
 from megatron_parm.training.model import (
@@ -377,7 +377,8 @@ def initialize(args) -> None:
                               vpp=args.virtual_pipeline_model_parallel_size,
                               ranks_per_node=args.parm_ranks_per_node,
                               num_distributed_optimizer_instances=(
-                                  args.num_distributed_optimizer_instances))
+                                  args.num_distributed_optimizer_instances),
+                              get_embedding_ranks=mtp.embedding_ranks(args))
     set_seed(args.seed)
     get_moe_layer_wise_logging_tracker().clear()
 
@@ -448,7 +449,8 @@ class Run:
         self.batches = BatchSchedule(args, torch.distributed.get_rank())
         self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
-        self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
+        self.expert_load = ExpertLoad(model, mtp.model_layers(args), args.num_experts)
+        self.mtp_losses = mtp.MtpLosses(getattr(args, "mtp_num_layers", None))
         self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION)
         self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
         self.exit_signal = ExitSignal(args.exit_signal_handler)
@@ -505,8 +507,10 @@ class Run:
         """The iteration line of the interval (with the aux loss and the expert load, reduced
         over the ranks: collective), and the step-time breakdown's."""
         seconds_per_step = self.log.interval.seconds_per_step()
-        losses = router_losses(router_loss_names(self.args), self.log.interval.microbatches,
-                               self.args.num_layers)
+        microbatches = self.log.interval.microbatches
+        losses = {**router_losses(router_loss_names(self.args), microbatches,
+                                  mtp.model_layers(self.args)),
+                  **self.mtp_losses.interval(microbatches)}
         self.log.iteration(self.iteration, (self.consumed_samples, self.skipped_samples),
                            seconds_per_step, self.optimizer, grad_norm, losses,
                            self.expert_load.shares(), self.summary)
