@@ -7,7 +7,8 @@
                          entry points in one process)
     optional_packages_note()   one line naming the optional packages that are not installed
 
-A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
+A closed output (`tool | head`) ends the tool quietly with status 141, as SIGPIPE ends a Unix
+tool. A user's mistake is an argparse error, or a ValueError (CheckpointError is one) that this
 project's code raises (a `raise` statement in it, not a library's or Python's own): it is
 printed as one line `error: <message>` by the first rank that sees it (ranks claim the report
 in torchrun's store; without one, rank 0 prints), with exit status 2 and no traceback. Anything else is a bug: the first failing rank prints its traceback, exit status 1.
@@ -19,8 +20,10 @@ MEGATRON_PARM_DEBUG=1 prints every rank's traceback.
 
 Warnings: rank 0 shows each once, in one line; other ranks show none. Megatron-Core's fallback
 warnings for missing optional packages (Transformer Engine, Apex), and warnings about its own
-defaults or its use of deprecated torch calls, which a user cannot act on, are not shown; the
-trainer prints optional_packages_note() once instead.
+defaults or its use of deprecated torch calls, which a user cannot act on, are not shown, each
+filtered by its message and the module it comes from (HIDDEN_WARNINGS); the trainer prints
+optional_packages_note() once instead. hide_library_warnings() (megatron_parm's, opt-in) does
+the same for a script of one's own that uses the library.
 
 This module imports nothing heavy (torch only when an error is reported), so scripts can
 import it before Megatron-Core.
@@ -36,28 +39,49 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from megatron_parm import faults
 
 USER_ERROR = 2   # exit status of a user's mistake (argparse's own)
 BUG = 1
+BROKEN_PIPE = 128 + 13  # the reader of the output went away (SIGPIPE's status)
 DEBUG_ENV = "MEGATRON_PARM_DEBUG"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Optional packages Megatron-Core falls back from, as (import name, what users call it).
 OPTIONAL_PACKAGES = (("transformer_engine", "Transformer Engine"), ("apex", "Apex"))
 
-# Warnings nobody running this project can act on: (message pattern, why it is hidden).
+
+
+class Hidden(NamedTuple):
+    """A warning nobody using this project can act on, hidden where it arises: its message (a
+    regular expression matched at the start) from its module (matched whole)."""
+    message: str
+    module: str
+    why: str
+    library: bool  # hidden by hide_library_warnings() too (Megatron-Core's or torch's own)
+
+
+# The warnings the scripts and tools hide (setup_warnings), and why.
 HIDDEN_WARNINGS = (
-    (r"(Transformer Engine|Apex).* (is|are) not installed", "replaced by optional_packages_note()"),
-    (r"moe_ffn_hidden_size is not set", "--moe-ffn-hidden-size defaults to --ffn-hidden-size "
-                                        "(documented in --help)"),
-    (r"full scope is deprecated", "Megatron-Core's own default for cuda_graph_scope"),
-    (r"torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-     "Megatron-Core's calls, not the user's"),
-    (r"assuming the intent is to (load|save) in a single process",
-     "the tools read and write whole checkpoints in one process on purpose"),
+    Hidden(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed", r"megatron\.core\..*",
+           "Megatron-Core's fallbacks from optional packages: optional_packages_note() says "
+           "it once", library=True),
+    Hidden(r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config",
+           "Megatron-Core's own default for cuda_graph_scope", library=True),
+    Hidden(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+           r"torch\.distributed\.c10d_logger", "Megatron-Core's calls, not the user's",
+           library=True),
+    Hidden(r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+           r"megatron\.core\.optimizer\.optimizer", "Megatron-Core's zero_grad on the "
+           "distributed optimizer's shard views (--use-distributed-optimizer)", library=True),
+    Hidden(r"moe_ffn_hidden_size is not set", r"megatron\.core\.transformer\.transformer_config",
+           "--moe-ffn-hidden-size defaults to --ffn-hidden-size (documented in --help)",
+           library=False),
+    Hidden(r"torch\.distributed is .*assuming the intent is to (load|save) in a single process",
+           r"torch\.distributed\.checkpoint\.utils",
+           "the tools read and write whole checkpoints in one process on purpose", library=False),
 )
 # Shown only where they apply.
 _CUDA_ONLY_WARNING = re.compile(r"CUDA_DEVICE_MAX_CONNECTIONS")
@@ -88,10 +112,27 @@ def setup_warnings() -> None:
     if rank() != 0:
         warnings.simplefilter("ignore")
         return
-    if not sys.warnoptions:
-        for pattern, _ in HIDDEN_WARNINGS:
-            warnings.filterwarnings("ignore", message=f".*{pattern}")
+    _hide(HIDDEN_WARNINGS)
     warnings.showwarning = _show_warning
+
+
+def hide_library_warnings() -> None:
+    """For Megatron-Core with Parm's dispatchers in a script of one's own (README, "Using it in
+    Megatron-Core"): hide the warnings of HIDDEN_WARNINGS that Megatron-Core 0.16.1 and torch
+    print about their own internals, each where it arises, and say once (on rank 0) which
+    optional packages are missing. Opt in: call it before importing Megatron-Core. Nothing else
+    changes (each is an ordinary warnings filter; -W and PYTHONWARNINGS still win)."""
+    _hide([hidden for hidden in HIDDEN_WARNINGS if hidden.library])
+    note = optional_packages_note()
+    if note and rank() == 0:
+        warnings.warn(note, stacklevel=2)
+
+
+def _hide(entries) -> None:
+    if sys.warnoptions:  # filters given with -W or PYTHONWARNINGS take precedence
+        return
+    for hidden in entries:
+        warnings.filterwarnings("ignore", message=hidden.message, module=hidden.module + r"\Z")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -179,12 +220,29 @@ def call(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt as interrupt:
         return _report(interrupt, "interrupted", 130)
     except BaseException as error:  # noqa: BLE001 - this is the top of the program
+        if isinstance(error, BrokenPipeError) and _stdout_closed():
+            # The reader went away (`tool | head`): stop quietly, with the status a Unix
+            # tool that SIGPIPE ends has; whatever is still buffered goes nowhere.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return BROKEN_PIPE
         if is_user_error(error):
             return _report(error, str(error), USER_ERROR)
         if faults.is_communication_error(error) and faults.log_follow_on(error) \
                 and os.environ.get(DEBUG_ENV, "") in ("", "0"):
             return BUG  # a peer died or hung: the launcher's line says which, this is in its log
         return _report(error, None, BUG)
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe nobody reads any more (not a socket of a peer)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, no file descriptor
+        return False
 
 
 def _report(error: BaseException, message: Optional[str], status: int) -> int:

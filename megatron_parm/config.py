@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_parm import schedules, tuning
 from megatron_parm.comm.accounting import check_ranks_per_node
@@ -66,6 +66,15 @@ class ParmTransformerConfig(TransformerConfig):
             check_ranks_per_node(self.parm_ranks_per_node)
         if self.parm_bwd_num_chunks is not None:
             schedules.check_num_chunks(self.parm_bwd_num_chunks, schedules.BWD_CHUNKS_FLAG)
+
+
+@dataclass
+class ParmMLATransformerConfig(ParmTransformerConfig, MLATransformerConfig):
+    """ParmTransformerConfig with Megatron-Core's multi-latent attention fields
+    (MLATransformerConfig: q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim,
+    v_head_dim, rope_type and YaRN's), as Megatron-LM builds it for --multi-latent-attention."""
+
+    multi_latent_attention: bool = True
 
 
 _PARM_FIELDS = {field.name: field for field in dataclasses.fields(ParmTransformerConfig)

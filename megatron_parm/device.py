@@ -18,6 +18,8 @@ how to wait for it and how to time it; nothing else in the project names ``torch
     stamp(), seconds_between(start, end)    the same clocks, for stamps taken apart
     empty_cache()        the caching allocator's free blocks back (after an out-of-memory)
     memory_allocated(), max_memory_allocated(), reset_peak_memory_stats(), device_name()
+    memory_stats()       the caching allocator's statistics ({} on CPU)
+    device_memory_used() the whole GPU's memory in use, every process's (None on CPU)
     get_rng_state(), set_rng_state(state)   the device generator (None / no-op on CPU)
     sync_debug_mode(mode)                   torch.cuda.set_sync_debug_mode, restored on exit
 
@@ -125,6 +127,14 @@ def memory_allocated() -> int:
 
 def max_memory_allocated() -> int:
     return torch.cuda.max_memory_allocated() if is_cuda() else 0
+
+
+def memory_stats() -> dict:
+    return torch.cuda.memory_stats() if is_cuda() else {}
+
+
+def device_memory_used() -> Optional[int]:
+    return torch.cuda.device_memory_used() if is_cuda() else None
 
 
 def reset_peak_memory_stats() -> None:

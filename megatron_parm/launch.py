@@ -19,11 +19,13 @@ Same flags and behaviour as `torchrun` (torch.distributed.run, which this calls)
   --shutdown-timeout sets it); then every process left below the launcher (a dead rank's
   forked checkpoint writers, which it adopts as a child subreaper) is ended the same way, and
   the launcher exits. docs/faults.md gives the bound for each fault.
-* The first SIGTERM or SIGINT (Ctrl-C) is passed on to the ranks as SIGTERM and the launcher
-  keeps waiting for them: with --exit-signal-handler they finish the iteration, save and exit
-  0, and so does the launcher. torchrun itself would raise, stop the ranks, kill those still
-  saving after 30 s and exit 1. A second signal falls back to torchrun's handling. Ranks
-  that SIGTERM ends (no --exit-signal-handler) give status 128 + 15, without a traceback.
+* The first SIGTERM or SIGINT (Ctrl-C), or the training script's --exit-signal, is passed on
+  to the ranks as the signal they stop on (--exit-signal with --exit-signal-handler, else
+  SIGTERM) and the launcher keeps waiting for them: with --exit-signal-handler they finish the
+  iteration, save and exit 0, and so does the launcher. torchrun itself would raise, stop the
+  ranks, kill those still saving after 30 s and exit 1. A second signal falls back to
+  torchrun's handling. Ranks that the signal ends (no --exit-signal-handler) give status
+  128 + its number, without a traceback.
 * Without OMP_NUM_THREADS in the environment, the ranks get torchrun's default (1 with several
   ranks per node) without torchrun's banner about it.
 
@@ -38,6 +40,7 @@ with torchrun's own failure report after the rank's one line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -68,26 +71,35 @@ def child_pids() -> List[int]:
 
 
 class _GracefulStop:
-    """Replaces torchrun's termination handler: the first SIGTERM/SIGINT is forwarded to the
-    ranks as SIGTERM; any later signal gets torchrun's own handler."""
+    """Replaces torchrun's termination handler: the first SIGTERM/SIGINT (or FORWARD, the
+    ranks' --exit-signal) is forwarded to the ranks as FORWARD; any later signal gets
+    torchrun's own handler."""
 
-    def __init__(self, torchrun_handler):
+    def __init__(self, torchrun_handler, forward: signal.Signals = signal.SIGTERM):
         self.torchrun_handler = torchrun_handler
+        self.forward = forward
         self.requested: Optional[signal.Signals] = None
 
     def __call__(self, signum, frame):
-        if self.requested is not None or signum not in (signal.SIGTERM, signal.SIGINT):
+        if self.requested is not None or \
+                signum not in (signal.SIGTERM, signal.SIGINT, self.forward):
             return self.torchrun_handler(signum, frame)
         self.requested = signal.Signals(signum)
         ranks = child_pids()
         for pid in ranks:
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, self.forward)
             except ProcessLookupError:
                 pass
         print(f"launch: {self.requested.name} received: passed to {plural(len(ranks), 'rank')} as "
-              f"SIGTERM; waiting for them to stop (send it again to end them now)",
+              f"{self.forward.name}; waiting for them to stop (send it again to end them now)",
               file=sys.stderr, flush=True)
+
+    def install(self) -> None:
+        """Catch FORWARD too where torchrun does not (it catches SIGTERM, SIGINT, SIGHUP and
+        SIGQUIT, with this object once it replaces its handler)."""
+        if self.forward not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(self.forward, self)
 
 
 class _QuietFailures(logging.Filter):
@@ -301,8 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = torchrun.get_args_parser().parse_args(argv)
-    problem = script_flags_problem(parsed.training_script, parsed.training_script_args)
-    if problem:  # before any rank starts (a rank would find it after ~20 s, once per rank)
+    problem, script_args = script_flags(parsed.training_script, parsed.training_script_args,
+                                        parsed.nnodes, _nproc(torchrun, parsed.nproc_per_node))
+    if problem:  # before any rank starts (a rank would find it after ~20-60 s)
         print(f"error: {problem}", file=sys.stderr)
         return USER_ERROR
     grace_s = STOP_GRACE_S if parsed.shutdown_timeout is None else parsed.shutdown_timeout
@@ -317,9 +330,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     _become_subreaper()
     _patch_torchrun(grace_s, report)
     logging.getLogger(multiprocessing_api.__name__).addFilter(_QuietFailures())
-    stop = _GracefulStop(multiprocessing_api._terminate_process_handler)
+    stop = _GracefulStop(multiprocessing_api._terminate_process_handler,
+                         exit_signal(script_args))
     # torchrun installs this function as its signal handler when it starts the ranks.
     multiprocessing_api._terminate_process_handler = stop
+    stop.install()
     status = 0
     try:
         torchrun.main(argv)
@@ -329,12 +344,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if first.exitcode == USER_ERROR:
             status = USER_ERROR  # the rank printed the one line
         elif stop.requested is not None and all(
-                code == -signal.SIGTERM for code in exitcodes.values()):
-            print(f"launch: the ranks ended on SIGTERM (run without --exit-signal-handler)",
-                  file=sys.stderr)
-            status = 128 + signal.SIGTERM
+                code == -stop.forward for code in exitcodes.values()):
+            print(f"launch: the ranks ended on {stop.forward.name} (run without "
+                  f"--exit-signal-handler)", file=sys.stderr)
+            status = 128 + stop.forward
         else:
-            stop_signal = signal.SIGTERM if stop.requested is not None else None
+            stop_signal = stop.forward if stop.requested is not None else None
             pids = {rank: failure.pid for rank, failure in error.failures.items()}
             print(report.line(exitcodes, pids, stop_signal), file=sys.stderr, flush=True)
             rank, _, _ = report.cause(exitcodes, pids, stop_signal)
@@ -347,21 +362,79 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
-def script_flags_problem(script: str, script_args: List[str]) -> Optional[str]:
+def script_flags_problem(script: str, script_args: List[str],
+                         nnodes: str = "1", nproc_per_node: Optional[int] = None) -> Optional[str]:
     """For the pretraining scripts (megatron_parm.settings.TRAINING_SCRIPTS): one line naming
     what their argv and --config file ask for that cannot run: a flag training does not know
-    (with the closest valid ones), a bad value, or a flag refused here (settings.read); None for
-    a clean argv or another script. The rules between flags are checked by the script itself,
-    once the ranks start."""
-    if os.path.basename(script) not in settings.TRAINING_SCRIPTS or \
-            {"-h", "--help"} & set(script_args):
-        return None
+    (with the closest valid ones), a bad value, or a flag refused here (settings.read); then,
+    where the world size is known (NNODES fixed, NPROC_PER_NODE given), every rule between the
+    flags and the layout (training.arguments.validate, the same message a rank would print)
+    but Megatron-Core's own TransformerConfig checks and the data files, which the ranks check
+    (importing Megatron-Core would take longer than the check saves). None for a clean argv or
+    another script."""
+    return script_flags(script, script_args, nnodes, nproc_per_node)[0]
+
+
+def script_flags(script: str, script_args: List[str], nnodes: str = "1",
+                 nproc_per_node: Optional[int] = None):
+    """(script_flags_problem's line or None, the flags a pretraining script reads or None)."""
+    model_type = settings.TRAINING_SCRIPTS.get(os.path.basename(script))
+    if model_type is None or {"-h", "--help"} & set(script_args):
+        return None, None
     try:
         with argparse_errors_raise():
-            settings.read(settings.training_parser(), script_args)
+            args = settings.read(settings.training_parser(), script_args)
+        nodes = _fixed_nodes(nnodes)
+        if nproc_per_node is None or nodes is None:
+            return None, args  # an elastic or unknown world: the ranks check the layout
+        args.model_type = model_type
+        world_size = nodes * nproc_per_node
+        from megatron_parm.training.arguments import validate
+
+        with _local_world_size(nproc_per_node):  # the ranks' LOCAL_WORLD_SIZE (node size)
+            validate(args, world_size, reads_data=False, megatron_core=False)
+        return None, args
     except ValueError as error:  # cli.UsageError included
-        return str(error)
-    return None
+        return str(error), None
+
+
+def exit_signal(script_args) -> signal.Signals:
+    """The signal the ranks stop on: the training script's --exit-signal with
+    --exit-signal-handler, else SIGTERM (which ends them)."""
+    if script_args is not None and script_args.exit_signal_handler:
+        return signal.Signals[script_args.exit_signal]
+    return signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _local_world_size(nproc_per_node: int):
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+def _fixed_nodes(nnodes: str) -> Optional[int]:
+    """torchrun's --nnodes (N, or MIN:MAX; default 1:1) where it fixes the number of nodes."""
+    parts = str(nnodes).split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        return None
+    return low if low == high and len(parts) <= 2 else None
+
+
+def _nproc(torchrun, nproc_per_node: str) -> Optional[int]:
+    """Ranks per node as torchrun counts them (a number, or 'cpu', 'gpu', 'auto'), or None."""
+    try:
+        return torchrun.determine_local_world_size(nproc_per_node)
+    except ValueError:
+        return None  # torchrun says why when it starts
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:

@@ -70,11 +70,11 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
     """Why the architecture flags (attention, layers, shared experts, router) do not go
     together under Megatron-Core 0.16.1, or None: what its TransformerConfig, specs and
     router refuse, said with the flags."""
-    if multi_latent_attention:
-        return ("--multi-latent-attention is not supported: Megatron-Core 0.16.1 runs it only "
-                "with Transformer Engine's attention (its local DotProductAttention takes no "
-                "separate key width), and this project's models use standard attention "
-                "(DeepSeek-style configs here: grouped-query attention instead)")
+    if multi_latent_attention and model_type == "bert":
+        return "--multi-latent-attention applies to GPT models (BERT keeps Megatron-Core's BERT layer)"
+    if multi_latent_attention and group_query_attention:
+        return ("--multi-latent-attention and --group-query-attention exclude each other "
+                "(Megatron-LM refuses the two together)")
     if model_type == "bert":
         for given, flag in ((position_embedding_type != "learned_absolute",
                              "--position-embedding-type"), (moe_layer_freq != 1, "--moe-layer-freq"),
@@ -134,6 +134,20 @@ def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embe
     if recompute_method == "uniform" and recompute_num_layers != 1:
         return (f"{MTP_FLAG} with --recompute-method uniform needs --recompute-num-layers 1 "
                 f"(Megatron-Core 0.16.1 recomputes an MTP layer only so)")
+    return None
+
+
+def mla_problem(tp: int, q_lora_rank: Optional[int], kv_lora_rank: int,
+                qk_pos_emb_head_dim: int) -> Optional[str]:
+    """Why multi-latent attention's down projections do not split over tp ranks, or None:
+    Megatron-Core's local spec makes them column-parallel (each rank computes a share of the
+    latent, then gathers it)."""
+    for flags, width in (("--q-lora-rank", q_lora_rank),
+                         ("--kv-lora-rank + --qk-pos-emb-head-dim",
+                          kv_lora_rank + qk_pos_emb_head_dim)):
+        if width is not None and width % tp != 0:
+            return (f"{flags} ({width}) must be divisible by --tensor-model-parallel-size ({tp}) "
+                    f"(multi-latent attention's down projections split over it)")
     return None
 
 
@@ -267,7 +281,8 @@ def model_problem(tp: int, ep: int, etp: int, *, num_attention_heads: int, seq_l
 def recompute_problem(granularity: Optional[str], method: Optional[str],
                       num_layers: Optional[int], modules, *, layers_per_stage: int,
                       grouped_gemm: bool, shared_experts: bool = False,
-                      shared_expert_overlap: bool = False) -> Optional[str]:
+                      shared_expert_overlap: bool = False,
+                      multi_latent_attention: bool = False) -> Optional[str]:
     """Why the activation-recompute flags cannot go together (Megatron-LM's and Megatron-Core
     0.16.1's rules, and what this project's models have), or None."""
     if granularity is None:
@@ -291,9 +306,8 @@ def recompute_problem(granularity: Optional[str], method: Optional[str],
                 "full (selective recomputes the modules of --recompute-modules)")
     if "moe_act" in (modules or ()) and not grouped_gemm:
         return "--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core 0.16.1)"
-    if "mla_up_proj" in (modules or ()):
-        return ("--recompute-modules mla_up_proj needs multi-latent attention, which this "
-                "project's models do not have")
+    if "mla_up_proj" in (modules or ()) and not multi_latent_attention:
+        return "--recompute-modules mla_up_proj needs --multi-latent-attention"
     if "shared_experts" in (modules or ()) and not shared_experts:
         return ("--recompute-modules shared_experts needs shared experts "
                 "(--moe-shared-expert-intermediate-size)")
@@ -351,6 +365,32 @@ def moe_overlap_problem(overlap: bool, delay_wgrad: bool, *, dispatcher: str, ep
     return None
 
 
+def ddp_problem(*, overlap_param_gather: bool, overlap_grad_reduce: bool,
+                use_distributed_optimizer: bool, average_in_collective: bool, cuda: bool,
+                num_buckets: Optional[int] = None, bucket_size: Optional[int] = None,
+                reduce_scatter_with_fp32_accumulation: bool = False) -> Optional[str]:
+    """Why Megatron-LM's data-parallel flags cannot go together (its rules), or run on this
+    machine with Megatron-Core 0.16.1 (cuda: a GPU is usable), or None."""
+    if overlap_param_gather and not use_distributed_optimizer:
+        return ("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
+                "distributed optimizer's parameter all-gather): add it or drop "
+                "--overlap-param-gather")
+    if overlap_param_gather and not overlap_grad_reduce:
+        return ("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it "
+                "or drop --overlap-param-gather")
+    if num_buckets is not None and bucket_size is not None:
+        return ("--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets: give "
+                "one of them")
+    if reduce_scatter_with_fp32_accumulation and not use_distributed_optimizer:
+        return ("--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer "
+                "(it replaces its gradients' reduce-scatter)")
+    if average_in_collective and not cuda:
+        return ("--ddp-average-in-collective needs NCCL: gloo (this machine has no GPU) has no "
+                "ReduceOp.AVG; drop the flag (the gradients are then scaled by 1/DP before a "
+                "summing collective, the same average)")
+    return None
+
+
 def expert_split_problem(moe_ffn_hidden_size: Optional[int], etp: int) -> Optional[str]:
     """Why each expert's FFN does not split over the ETP ranks, or None."""
     if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp != 0:
@@ -387,6 +427,7 @@ def grouped_gemm_problem(dtype: str, hidden_size: int, ffn_per_rank: int) -> Opt
 
 
 PIPELINE_FLAG = "--pipeline-model-parallel-size"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 UNEVEN_FLAGS = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
 ACCOUNT_FLAGS = "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
 
@@ -504,13 +545,36 @@ def virtual_stages(num_layers: int, pp: int, vpp: Optional[int],
     return None if vpp == 1 else vpp  # one virtual stage: the plain 1F1B schedule
 
 
-def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int]) -> Optional[str]:
+def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int],
+                       group_size: Optional[int] = None) -> Optional[str]:
     """Why num_microbatches (--global-batch-size / (--micro-batch-size x data-parallel size))
     cannot fill the pipeline, or None. Every stage needs at least pp micro-batches in flight
-    (fewer leave stages idle for the whole step); interleaving runs them in groups of pp, and
-    Megatron-Core 0.16.1 refuses a last group smaller than pp."""
+    (fewer leave stages idle for the whole step); interleaving runs them in groups of
+    group_size (--microbatch-group-size-per-virtual-pipeline-stage, default pp), which
+    Megatron-Core 0.16.1 takes between pp and the micro-batches, with a last group of none or
+    at least pp."""
     if pp == 1:
         return None
+    if num_microbatches < pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}, fewer than {PIPELINE_FLAG} ({pp}): "
+                f"raise --global-batch-size to at least {pp} micro-batches")
+    if vpp is None:
+        return None
+    group = pp if group_size is None else group_size
+    if not pp <= group <= num_microbatches:
+        return (f"{GROUP_FLAG} ({group}) must be between {PIPELINE_FLAG} ({pp}) and the "
+                f"micro-batches per step ({num_microbatches})")
+    if group_size is None and num_microbatches % pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}; interleaving (virtual pipeline "
+                f"stages) needs a multiple of {PIPELINE_FLAG} ({pp})")
+    if 0 < num_microbatches % group < pp:
+        return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
+                f"{plural(num_microbatches, 'micro-batch')}: in groups of {GROUP_FLAG} "
+                f"({group}) the last holds {num_microbatches % group}, fewer than "
+                f"{PIPELINE_FLAG} ({pp})")
+    return None
     if num_microbatches < pp:
         return (f"--global-batch-size / (--micro-batch-size x data-parallel size) gives "
                 f"{plural(num_microbatches, 'micro-batch')}, fewer than {PIPELINE_FLAG} ({pp}): "

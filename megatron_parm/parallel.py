@@ -40,6 +40,20 @@ def set_group_timeout(minutes: float) -> timedelta:
     return _timeout
 
 
+def update_group_timeout(seconds: float) -> timedelta:
+    """Every process group this rank is in, and those made from now on, time out after SECONDS
+    (--distributed-timeout-seconds-after-init, as Megatron-LM's update_pg_timeout: after a
+    barrier, so that no collective is in flight). Collective over every rank."""
+    from torch.distributed import distributed_c10d
+
+    global _timeout
+    torch.distributed.barrier()
+    _timeout = timedelta(seconds=seconds)
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(_timeout, group)
+    return _timeout
+
+
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
                     dispatcher: Optional[str] = None, sequence_parallel: bool = True,
                     pp: int = 1) -> None:

@@ -38,7 +38,8 @@ MODEL_FLAGS = (
     "--swiglu", "--group-query-attention", "--num-query-groups", "--kv-channels",
     "--qk-layernorm", "--normalization", "--position-embedding-type", "--no-position-embedding",
     "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate",
-    "--moe-shared-expert-overlap", "--moe-router-pre-softmax",
+    "--moe-shared-expert-overlap", "--moe-router-pre-softmax", "--multi-latent-attention",
+    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
     # activation recomputation: plan with this choice (default: none, or what fits)
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
     "--recompute-modules")
@@ -170,6 +171,10 @@ def build_spec(settings, model_type):
         shared_expert_overlap=settings["moe_shared_expert_overlap"],
         router_pre_softmax=pre_softmax_routing(settings["moe_router_pre_softmax"],
                                                settings["moe_router_topk"]),
+        multi_latent_attention=settings["multi_latent_attention"],
+        q_lora_rank=settings["q_lora_rank"], kv_lora_rank=settings["kv_lora_rank"],
+        qk_head_dim=settings["qk_head_dim"], qk_pos_emb_head_dim=settings["qk_pos_emb_head_dim"],
+        v_head_dim=settings["v_head_dim"],
     )
 
 

@@ -88,6 +88,12 @@ class Schedule:
     chunk_candidates: Tuple[int, ...] = ()  # forward chunk counts the automatic choice tries
     # backward chunk counts it tries with each forward count (empty: the forward count only)
     bwd_chunk_candidates: Tuple[int, ...] = ()
+    # Its backward pipeline takes a chunk count of its own (--parm-bwd-num-chunks); False: it
+    # runs the forward's (every pair (F, B) becomes (F, F)).
+    separate_backward_chunks: bool = True
+    # Its dispatcher splits every EP group by node (parm_hier's "ep_inter" / "ep_intra"):
+    # each node an EP group spans must hold as many of its ranks (layout.node_split_problem).
+    splits_ep_by_node: bool = False
     candidate: bool = False  # the automatic choice considers it
     # Megatron's MoELayer takes the layer input sharded over TP, i.e. sequence parallelism,
     # when the flag names one of its dispatchers. Not a rule for parm's candidates:
@@ -110,6 +116,9 @@ class Schedule:
         if self.chunked and not self.pipelined:
             raise ValueError(f"schedule {self.name!r}: chunks run inside the pipelined call; "
                              f"a chunked schedule must be pipelined")
+        if self.bwd_chunk_candidates and not self.separate_backward_chunks:
+            raise ValueError(f"schedule {self.name!r}: bwd_chunk_candidates need "
+                             f"separate_backward_chunks")
         if self.chunked and not (self.default_chunks >= 1 and all(
                 c >= 2 for c in self.chunk_candidates + self.bwd_chunk_candidates)):
             raise ValueError(f"schedule {self.name!r}: default_chunks must be >= 1 and "
@@ -143,17 +152,25 @@ class Schedule:
     def chunk_counts(self, requested: Optional[int] = None,
                      requested_bwd: Optional[int] = None) -> Tuple[int, int]:
         """(forward, backward) chunk counts to run: --parm-num-chunks and --parm-bwd-num-chunks
-        where given; the backward defaults to the forward count."""
+        where given; the backward defaults to the forward count (and is the forward count for
+        a schedule without ``separate_backward_chunks``)."""
         forward = self.num_chunks(requested)
         if requested_bwd is None:
             return forward, forward
         check_num_chunks(requested_bwd, BWD_CHUNKS_FLAG)
-        return forward, int(requested_bwd) if self.chunked else 1
+        if not self.chunked:
+            return forward, 1
+        return forward, int(requested_bwd) if self.separate_backward_chunks else forward
+
+    def pair(self, forward: int, backward: int) -> Tuple[int, int]:
+        """The (forward, backward) chunk counts this schedule runs for a requested pair."""
+        return (forward, backward) if self.separate_backward_chunks else (forward, forward)
 
     def chunk_pairs(self, extra: Tuple[Tuple[int, int], ...] = ()) -> Tuple[Tuple[int, int], ...]:
-        """(forward, backward) chunk counts the automatic choice tries, plus ``extra``."""
+        """(forward, backward) chunk counts the automatic choice tries, plus ``extra`` (each
+        as this schedule runs it: ``pair``)."""
         pairs = [(c, b) for c in self.chunk_candidates for b in (self.bwd_chunk_candidates or (c,))]
-        return tuple(sorted(set(pairs) | set(extra)))
+        return tuple(sorted({self.pair(*p) for p in pairs} | {self.pair(*p) for p in extra}))
 
 
 def check_num_chunks(value, flag: str = CHUNKS_FLAG) -> None:
@@ -362,15 +379,21 @@ _BUILTIN = (
              default_chunks=4, chunk_candidates=(2, 4, 8), bwd_chunk_candidates=(2, 4, 8),
              candidate=True,
              cost_plan=pipelined_cost),
-    # Not chunked: its relay expands the rows of every source node at once (a secondary
-    # pair's row index points into the whole message), so chunks would need plans of their
-    # own for the primary / secondary split; not built. Where the inter-node link dominates,
-    # S2's overlap gains more than parm_hier's deduplication (docs/benchmark.md): composing
-    # them is the next step there; until then `parm` weighs one against the other.
     Schedule("parm_hier", PARM, "deduplicated per node: one row per (token, node) over the "
              "inter-node A2A [ep_inter], fan-out to the experts inside the node A2A [ep_intra] "
              "-> AG [ESP] -> experts -> RS [ESP] -> node-local sum -> back the same way",
              dispatcher=f"{_DISPATCHERS}.parm_hier:ParmHierTokenDispatcher", candidate=True,
+             splits_ep_by_node=True, cost_plan=hierarchical_cost),
+    # parm_hier's dataflow on chunks of the tokens (each chunk deduplicated by itself, so its
+    # bytes are parm_hier's); one chunk count for both passes: a backward cut of its own would
+    # need each forward chunk's relay plan split again.
+    Schedule("parm_hier_s2", PARM, "parm_hier pipelined: the tokens in --parm-num-chunks "
+             "chunks; the inter-node A2A [ep_inter] of chunk i+1 and the return of chunk i-1 "
+             "run while chunk i fans out A2A [ep_intra], AG [ESP], is computed, RS [ESP] and "
+             "summed per node",
+             dispatcher=f"{_DISPATCHERS}.parm_hier_s2:ParmHierS2TokenDispatcher",
+             pipelined=True, chunked=True, default_chunks=4, chunk_candidates=(2, 4, 8),
+             separate_backward_chunks=False, candidate=True, splits_ep_by_node=True,
              cost_plan=hierarchical_cost),
     Schedule("parm", AUTO, "per layer, the performance model (--parm-profile) predicts every "
              "candidate schedule and runs the fastest",

@@ -76,13 +76,32 @@ def with_parm_moe(spec: ModuleSpec, expert_impl: Optional[str] = None) -> Module
     return dataclasses.replace(spec, submodules=submodules)
 
 
+def with_mla_core_attention(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a transformer-layer spec whose multi-latent attention has
+    megatron_parm.attention.MLADotProductAttention in place of the local DotProductAttention
+    (which cannot take MLA's key and value widths); any other spec unchanged."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_parm.attention import MLADotProductAttention
+
+    attention = spec.submodules.self_attention
+    if not isinstance(attention, ModuleSpec) or attention.module is not MLASelfAttention \
+            or attention.submodules.core_attention is not DotProductAttention:
+        return spec
+    submodules = dataclasses.replace(attention.submodules, core_attention=MLADotProductAttention)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(attention, submodules=submodules)))
+
+
 def get_gpt_layer_parm_spec(*args, expert_impl: Optional[str] = None, **kwargs) -> ModuleSpec:
     """get_gpt_layer_local_spec (same arguments) with ParmMoELayer as the MoE MLP (and
     expert_impl's experts: see with_parm_moe)."""
     if expert_impl == "TorchGroupedMLP":
         # Its experts replace the spec's: skip the legacy GroupedMLP spec and its warning.
         kwargs["moe_grouped_gemm"] = False
-    return with_parm_moe(get_gpt_layer_local_spec(*args, **kwargs), expert_impl)
+    return with_parm_moe(with_mla_core_attention(get_gpt_layer_local_spec(*args, **kwargs)),
+                         expert_impl)
 
 
 def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
@@ -102,7 +121,8 @@ def get_gpt_layer_parm_te_spec(*args, **kwargs) -> ModuleSpec:
 
 def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional[int] = None):
     """Megatron-Core's GPT decoder-block spec for this config and pipeline stage (dense and MoE
-    layers as config.moe_layer_freq says; its normalization, q/k norms), with ParmMoELayer in
+    layers as config.moe_layer_freq says; its normalization, q/k norms: L2 with
+    config.qk_l2_norm, as Megatron-LM's GPT builder asks), with ParmMoELayer in
     every MoE layer (and expert_impl's experts: see with_parm_moe)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -112,8 +132,10 @@ def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional
         config = copy.copy(config)
         config.moe_grouped_gemm = False
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                       normalization=config.normalization, vp_stage=vp_stage)
-    block.layer_specs = [with_parm_moe(spec, expert_impl) for spec in block.layer_specs]
+                                       normalization=config.normalization,
+                                       qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    block.layer_specs = [with_parm_moe(with_mla_core_attention(spec), expert_impl)
+                         for spec in block.layer_specs]
     return block
 
 

@@ -6,12 +6,13 @@ Without a calibrated profile the performance model can rank a slower schedule fi
 the model ranks best on the real layer, with the run's own tokens, and keeps the fastest:
 
     shortlist(choice, margin, max_candidates, always)
-        the model's first, then the others predicted within (1 + margin) x its time, in
-        predicted order but with another schedule's time divided by 1 + SCHEDULE_DOUBT (the
-        model errs more between two schedules than between two chunk counts of one), at most
-        max_candidates in all; then ``always`` (the unchunked schedule, S1: alltoall's bytes
-        in one pass) if they left it out, so that a model that misjudges every chunked
-        variant cannot make parm run slower than S1
+        of the candidates predicted within (1 + margin) x the model's first: each distinct
+        schedule's fastest predicted variant, in predicted order (the model's first first),
+        then the other chunk variants in predicted order (the model errs more between two
+        schedules than between two chunk counts of one), at most max_candidates in all; then
+        ``always`` (the unchunked schedule, S1: alltoall's bytes in one pass) if they left it
+        out, so that a model that misjudges every chunked variant cannot make parm run slower
+        than S1
     most_calls(max_candidates, steps)
         the most training calls tuning one layer takes
     CallPlan(candidates, steps)
@@ -46,11 +47,9 @@ from megatron_parm.perf_model.predict import ScheduleFields
 
 DEFAULT_STEPS = 5  # timed calls per candidate (after one warm-up call)
 DEFAULT_MARGIN = 0.5  # candidates predicted within (1 + margin) x the model's first
-DEFAULT_MAX_CANDIDATES = 4
-# How far the model may misjudge two distinct schedules against each other (the calibrated
-# layer fits err by up to 22%): another schedule predicted within this of the first is timed
-# before the first's own chunk variants, one predicted further off only after its near ties.
-SCHEDULE_DOUBT = 0.25
+# The catalog's five distinct candidates (S1, S2, parm_hier, parm_hier_s2, allgather) each get
+# a slot where the model puts them within the margin.
+DEFAULT_MAX_CANDIDATES = 5
 CACHE_NAME = "parm_tuning.json"  # the default cache file, inside --save
 CACHE_FORMAT = "megatron-parm tuning cache"
 CACHE_VERSION = 1
@@ -99,26 +98,25 @@ def shortlist(times: Dict, margin: float, max_candidates: int, always=None) -> L
     """The candidates to time, the model's first first (see the module docstring).
 
     times: {schedule: predicted seconds} (perf_model.Choice.times); always: a schedule timed
-    whatever its prediction (None: none). Without a calibrated profile the shipped estimate
-    can rank every S2 variant far ahead of S1 where S2's chunks cost more than they hide:
-    end to end at (2,2,1), S1 was never timed and parm's MoE layers took up to 1.5x as long
-    as S1's (docs/benchmark.md, End to end)."""
+    whatever its prediction (None: none). Distinct schedules come before chunk variants of
+    one of them: without a calibrated profile the shipped estimate misjudged schedules
+    against each other by up to 1.4x (parm_hier predicted 1.3-1.4x slower than S2 measured
+    1.6-1.8x faster, and S2's chunk variants took every slot: docs/benchmark.md,
+    Fine-grained layers), where the chunk variants of one schedule that it ranks close
+    measured at most 14% apart. S1 is timed whatever the model says: end to end at (2,2,1)
+    the estimate put S1 outside the margin and parm's MoE layers took up to 1.5x as long as
+    S1's (docs/benchmark.md, End to end)."""
     order = list(times)
     ranked = sorted(times, key=lambda key: (times[key], order.index(key)))
-    first, limit = ranked[0], times[ranked[0]] * (1.0 + margin)
-
-    def priority(key):
-        # Another schedule is given the benefit of the model's doubt between schedules; a
-        # chunk variant of the first's schedule competes by its predicted time alone (on the
-        # grid, S2's variants predicted within 1% of each other measured up to 14% apart,
-        # while S1 predicted 31% slower measured 37% slower: docs/benchmark.md, How well parm chooses).
-        doubt = 1.0 if _name(key) == _name(first) else 1.0 + SCHEDULE_DOUBT
-        return times[key] / doubt
-
-    others = sorted((key for key in ranked[1:] if times[key] <= limit), key=priority)
-    picked = [first, *others][:max_candidates]
-    # Besides the others, not instead of the last: S1 in the last place dropped S2 at 4
-    # chunks, which had measured fastest there.
+    limit = times[ranked[0]] * (1.0 + margin)
+    within = [key for key in ranked if times[key] <= limit]
+    leaders, seen = [], set()  # each schedule's fastest predicted variant
+    for key in within:
+        if _name(key) not in seen:
+            seen.add(_name(key))
+            leaders.append(key)
+    picked = (leaders + [key for key in within if key not in leaders])[:max_candidates]
+    # Besides the others, not instead of the last.
     return picked + [always] if always in times and always not in picked else picked
 
 

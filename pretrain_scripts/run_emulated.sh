@@ -43,11 +43,11 @@ done
 
 # tokens/s: mean over the logged intervals after the first (which includes warm-up).
 echo
-printf "%-14s %14s %14s\n" dispatcher "tokens/s" "final lm loss"
+printf "%-14s %14s %22s\n" dispatcher "tokens/s" "lm loss (last log line)"
 for DISPATCHER in $DISPATCHERS; do
     awk -v name="$DISPATCHER" '
         /^ iteration/ { n++; match($0, /tokens per second: [0-9.]+/);
                         t = substr($0, RSTART + 19, RLENGTH - 19); if (n > 1) { sum += t; m++ }
                         match($0, /lm loss: [0-9.E+-]+/); loss = substr($0, RSTART + 9, RLENGTH - 9) }
-        END { printf "%-14s %14.1f %14s\n", name, (m ? sum / m : t), loss }' "$RUN_DIR/$DISPATCHER.log"
+        END { printf "%-14s %14.1f %22s\n", name, (m ? sum / m : t), loss }' "$RUN_DIR/$DISPATCHER.log"
 done | tee "$RUN_DIR/summary.txt"

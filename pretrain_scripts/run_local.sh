@@ -10,7 +10,7 @@
 #
 # Environment: MODEL (gpt|bert), CONFIG, NPROC (ranks, default 4), TP, EP, PP (default 2, 2, 1),
 # VPP (virtual pipeline stages per rank; default none), DISPATCHER (default parm), RUN_DIR
-# (default runs/<name>-<time>).
+# (default runs/<name>-<time>), MASTER_PORT (default: a free port).
 # Extra arguments are passed to the training script and override everything else.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
@@ -32,8 +32,14 @@ OUTPUT_ARGS=(--save "$RUN_DIR/checkpoints" --tensorboard-dir "$RUN_DIR/tensorboa
 
 mkdir -p "$RUN_DIR"
 echo "run folder: $RUN_DIR (log: $RUN_DIR/train.log)"
+# MASTER_PORT given: torchrun's static rendezvous on it; else --standalone (a free port), so that
+# a second job on the machine does not collide with the first.
+RENDEZVOUS=(--standalone)
+if [ -n "${MASTER_PORT:-}" ]; then
+    RENDEZVOUS=(--master-addr 127.0.0.1 --master-port "$MASTER_PORT")
+fi
 # tee ignores Ctrl-C so that the ranks can still log while they save and stop.
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m megatron_parm.launch \
-    --nproc-per-node "$NPROC" --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
+    --nproc-per-node "$NPROC" "${RENDEZVOUS[@]}" \
     "$SCRIPT" "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${OUTPUT_ARGS[@]}" --exit-signal-handler "$@" 2>&1 | (trap '' INT; tee "$RUN_DIR/train.log")

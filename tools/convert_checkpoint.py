@@ -320,15 +320,10 @@ def upcycle(args) -> int:
 def relayout(source, args) -> int:
     import math
 
-    import torch.multiprocessing as mp
-
     from megatron_parm.checkpointing import read_checkpoint_info
     from megatron_parm.checkpointing.full import verify_against
     from megatron_parm.checkpointing.paths import checkpoint_dir
-    from megatron_parm.layout_rules import pipeline_stage_layers
-    from megatron_parm.parallel import validate_layout
     from megatron_parm.training.log import stage
-    from megatron_parm.training.model import build_config
 
     info = read_checkpoint_info(source[0])
     saved = info.get("args")
@@ -341,38 +336,90 @@ def relayout(source, args) -> int:
     etp = args.target_expert_tensor_parallel_size or tp
     pp = args.target_pipeline_parallel_size or layout.get("pipeline_model_parallel_size") or 1
     world = args.target_world_size or math.lcm(tp, ep * etp) * pp
-    try:
-        validate_layout(world, tp, ep, etp, saved.get("num_experts"), pp=pp)
-        split = pipeline_stage_layers(saved["num_layers"], pp)
-        if isinstance(split, str):
-            raise ValueError(split)
-    except ValueError as err:
-        message = str(err)
-        for flag, target_flag in TARGET_FLAGS.items():
-            message = message.replace(flag, target_flag)
-        raise ValueError(f"target layout ({plural(world, 'rank')}, --target-world-size): {message}") from err
-    try:  # Megatron-Core's own checks of the model against the layout, before any rank starts
-        build_config(target_args(saved, (tp, ep, etp, pp), world))
-    except (ValueError, AssertionError) as err:
-        raise ValueError(f"target layout tp={tp} ep={ep} etp={etp} pp={pp} does not fit the model in "
-                         f"{source[0]}: {err}") from err
+    problem = relayout_problem(source[0], info, (tp, ep, etp, pp), world)
+    if problem:  # every refusal before a process starts (the ranks would take a minute)
+        raise ValueError(problem)
     expected = checksums(read_checkpoint(source[0]).tensors, "the source")
-    port = _free_port()
-    errors = mp.get_context("spawn").SimpleQueue()  # a rank's CheckpointError, as text
-    with stage(f"resharding for tp={tp} ep={ep} etp={etp} pp={pp} on {world} local processes"):
-        try:
-            mp.spawn(_relayout_worker, nprocs=world, join=True,
-                     args=(world, port, source[0], args.save, (tp, ep, etp, pp), saved, errors))
-        except mp.ProcessExitedException as err:
-            if err.exit_code != cli.USER_ERROR or errors.empty():
-                raise
-            raise CheckpointError(errors.get()) from None
+    with stage(f"resharding for tp={tp} ep={ep} etp={etp} pp={pp} on "
+               f"{plural(world, 'local process', 'local processes')}"):
+        run_ranks(world, source[0], args.save, (tp, ep, etp, pp), saved)
     path = checkpoint_dir(args.save, source[1])
     with stage(f"reading {path} back and comparing every checksum"):
         verify_against(path, expected, "conversion to the target layout")
     print(f"wrote {path} for tp={tp} ep={ep} etp={etp} pp={pp} ({plural(world, 'rank')}) from {source[0]}: "
           f"{_summary(expected)}")
     return 0
+
+
+def relayout_problem(path: str, info: dict, layout, world: int):
+    """Why the checkpoint at PATH (its common part INFO) cannot be rewritten in LAYOUT (tp, ep,
+    etp, pp) on WORLD ranks, naming this tool's flags; None when it can. Everything the target
+    layout's ranks would refuse, found without starting them."""
+    from megatron_parm.checkpointing.optimizer_state import DP_RESHARDABLE, saved_sharding
+    from megatron_parm.checkpointing.state import RESHARDABLE_FLAG, describe_layout
+    from megatron_parm.layout_rules import model_problem, pipeline_stage_layers
+    from megatron_parm.parallel import validate_layout
+
+    tp, ep, etp, pp = layout
+    saved = saved_flags(info["args"])
+    if saved_sharding(info) == DP_RESHARDABLE and info.get("optimizer_step") is not None:
+        return (f"--load {path}: its distributed-optimizer state was saved in the dp-reshardable "
+                f"format ({describe_layout(info.get('layout'))}), which loads only at the tp, "
+                f"pp, ep and etp it was saved at, with --use-distributed-optimizer (at any "
+                f"data-parallel size: no conversion needed for that); to convert, resume it "
+                f"once in its layout with --use-distributed-optimizer {RESHARDABLE_FLAG} "
+                f"--save, and convert that checkpoint")
+    problem = None
+    try:
+        validate_layout(world, tp, ep, etp, saved.get("num_experts"), pp=pp)
+        problem = pipeline_stage_layers(saved["num_layers"], pp)
+        problem = problem if isinstance(problem, str) else model_problem(
+            tp, ep, etp, num_attention_heads=saved["num_attention_heads"],
+            seq_length=saved["seq_length"], sequence_parallel=tp > 1,
+            num_experts=saved.get("num_experts"),
+            moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") or saved.get("ffn_hidden_size"),
+            add_bias_linear=not saved.get("disable_bias_linear"))
+    except ValueError as err:
+        problem = str(err)
+    padded_vocab = (info.get("model_info") or {}).get("padded_vocab_size")
+    if problem is None and padded_vocab and padded_vocab % tp:
+        problem = (f"the checkpoint's padded vocabulary ({padded_vocab} rows, fixed when it "
+                   f"was saved) is not divisible by --tensor-model-parallel-size {tp}")
+    if problem:
+        for flag, target_flag in TARGET_FLAGS.items():
+            problem = problem.replace(flag, target_flag)
+        return f"target layout ({plural(world, 'rank')}, --target-world-size): {problem}"
+    from megatron_parm.training.model import build_config  # Megatron-Core: seconds to import
+
+    try:  # Megatron-Core's own checks of the model against the layout
+        build_config(target_args(saved, layout, world))
+    except (ValueError, AssertionError) as err:
+        return (f"target layout tp={tp} ep={ep} etp={etp} pp={pp} does not fit the model in "
+                f"{path}: {err}")
+    return None
+
+
+def run_ranks(world: int, source: str, target_root: str, layout, saved) -> None:
+    """The target layout's WORLD ranks as processes forked from this one: they inherit its
+    imported torch and Megatron-Core (importing them is most of a small conversion's time:
+    docs/checkpoints.md); a rank's CheckpointError is raised here."""
+    import torch.multiprocessing as mp
+
+    import megatron_parm.training.trainer  # noqa: F401 (what the ranks import, imported once)
+
+    # A fork copies what is buffered: write it once, here.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    context = mp.get_context("fork")
+    errors = context.SimpleQueue()  # a rank's CheckpointError, as text
+    try:
+        mp.start_processes(_relayout_worker, nprocs=world, join=True, start_method="fork",
+                           args=(world, _free_port(), source, target_root, layout, saved,
+                                 errors))
+    except mp.ProcessExitedException as err:
+        if err.exit_code != cli.USER_ERROR or errors.empty():
+            raise
+        raise CheckpointError(errors.get()) from None
 
 
 def _free_port() -> int:
@@ -386,8 +433,14 @@ def _free_port() -> int:
 def target_args(saved: dict, layout, world: int) -> Namespace:
     """The training flags of the target layout's ranks: the saved ones, in LAYOUT (tp, ep,
     etp, pp; the layers split evenly over the stages, not interleaved)."""
+    from megatron_parm import settings
+
     tp, ep, etp, pp = layout
     args = Namespace(**saved_flags(saved))
+    # what the saving run's checkpoint flags asked of its saves and loads (--ckpt-format torch,
+    # --finetune, --no-save-optim, ...) is not the conversion's: a whole torch_dist copy
+    for name in settings.group("checkpoints"):
+        setattr(args, settings.FLAGS[name].key, settings.FLAGS[name].default)
     args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
     args.expert_tensor_parallel_size = etp
     args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, None
@@ -418,9 +471,8 @@ def saved_flags(saved: dict) -> dict:
 def _relayout_worker(rank, world, port, source, target_root, layout, saved, errors):
     """One rank of the target layout: load SOURCE, save it under TARGET_ROOT. A CheckpointError
     goes to ERRORS and the rank exits with cli.USER_ERROR; the parent raises it."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    os.environ["RANK"] = str(rank)
+    cli.setup_warnings()  # rank 0 shows each warning once, the others none
     try:
         _relayout_rank(rank, world, port, source, target_root, layout, saved)
     except ValueError as err:
@@ -431,6 +483,10 @@ def _relayout_worker(rank, world, port, source, target_root, layout, saved, erro
 
 
 def _relayout_rank(rank, world, port, source, target_root, layout, saved):
+    import torch
+
+    torch.set_num_threads(1)  # one thread per rank (torchrun's default), and no OpenMP pool
+    # of the parent's to inherit in a forked process
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron_parm.checkpointing import load_checkpoint, read_checkpoint_info, save_checkpoint
@@ -460,8 +516,6 @@ def _relayout_rank(rank, world, port, source, target_root, layout, saved):
     save_checkpoint(target_root, loaded["iteration"], model, optimizer if has_optimizer else None,
                     scheduler if has_optimizer else None, loaded["consumed_samples"], args,
                     save_rng=False)
-    import torch
-
     torch.distributed.destroy_process_group()
 
 

@@ -173,6 +173,9 @@ def parse_variant(entry: str) -> Tuple[str, Optional[int], Optional[int]]:
         raise ValueError(f"{entry}: expected {name}@C or {name}@C/B with integer chunk counts") from None
     for count, flag in zip(counts, (schedules.CHUNKS_FLAG, schedules.BWD_CHUNKS_FLAG)):
         schedules.check_num_chunks(count, flag)
+    if schedules.get(name).pair(*counts) != counts:
+        raise ValueError(f"{entry}: {name} runs its backward in its forward's chunks "
+                         f"({name}@{counts[0]})")
     return name, counts[0], counts[1]
 
 
@@ -324,11 +327,15 @@ def time_layers(layers: Dict, spec: MoELayerSpec, warmup: int, iters: int, seed:
     x, grad = _inputs(spec, seed, 2)
 
     results = {key: Timing(str(key), [], {}) for key in keys}
-    for key in keys:  # parm's measured choice (--parm-tune): its tuning calls come first, so
-        # that its bytes, memory and times are its choice's
-        while getattr(layers[key].token_dispatcher, "tuning", False):
+    for key in keys:  # parm's measured choice (--parm-tune): its first call starts the tuning
+        # (or decides), and its tuning calls come before the others, so that its bytes, memory
+        # and times are its choice's
+        dispatcher = layers[key].token_dispatcher
+        first = hasattr(dispatcher, "tuning") and dispatcher.choice is None
+        while first or getattr(dispatcher, "tuning", False):
             step(layers[key], x, grad)
             layers[key].zero_grad(set_to_none=True)
+            first = False
     for key in keys:  # one accounted step each (also a warm-up)
         with track_comm() as stats, account_native_dispatchers():
             step(layers[key], x, grad)

@@ -125,7 +125,7 @@ def match_main_params(request: dict, metadata) -> bool:
     return left
 
 
-def _optimizer_step(optimizer):
+def optimizer_step(optimizer):
     for part in optimizer_parts(optimizer):
         for param_state in part.optimizer.state.values():
             if "step" in param_state:
@@ -145,7 +145,7 @@ def distributed_state(optimizer, model_state, is_loading: bool, metadata: dict):
                     param_state.setdefault("step", torch.tensor(0.0))
         step = None
     else:
-        step = _optimizer_step(optimizer)
+        step = optimizer_step(optimizer)
         if step is None:
             return None, None
     return optimizer.sharded_state_dict(model_state, is_loading, metadata=metadata), step
@@ -266,7 +266,8 @@ def loss_scaler_state(optimizer):
 def load_optimizer_state(optimizer, loaded: dict, targets: dict, step, scaler_state=None) -> None:
     with torch.no_grad():
         for key, target in targets.items():
-            target.copy_(loaded[key])
+            if key in loaded:  # else not in the checkpoint (--dist-ckpt-strictness): as made
+                target.copy_(loaded[key])
         for part in optimizer_parts(optimizer):
             # Mixed precision: the model's bf16/fp16 parameters follow the loaded main params.
             if hasattr(part, "float16_groups"):

@@ -7,6 +7,13 @@
       iter_0000030.partial/               a save in progress, or one killed mid-way: ignored
 
 Pure file-system logic, no process groups; the collective save/load is in save_load.py.
+An iteration's folder holds either format (formats.py).
+
+    resolve_load(load, save, step)      which checkpoint --load (and --ckpt-step) means
+    publish(root, iteration)            a staged save made the tracked one
+    retention_victim(previous, saved, retain_interval)
+                                        the save --save-retain-interval deletes (Megatron-LM's rule)
+    remove_checkpoint(root, iteration)  delete one published save (never through a link)
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import shutil
 from typing import List, Optional, Tuple
 
 from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.checkpointing.formats import TORCH, detect_format, rank_zero_file
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PARTIAL_SUFFIX = ".partial"
@@ -36,7 +44,7 @@ def partial_dir(root: str, iteration: int) -> str:
 
 def is_checkpoint_dir(path: str) -> bool:
     """A folder that looks like one published checkpoint (not a root of several)."""
-    return os.path.isfile(os.path.join(path, "metadata.json"))
+    return detect_format(path) is not None
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -70,24 +78,32 @@ def list_partial(root: str) -> List[str]:
 
 
 def missing_files(path: str) -> List[str]:
+    """The files a published checkpoint folder of its format must hold and PATH lacks."""
+    if detect_format(path) == TORCH:
+        return [] if rank_zero_file(path) else ["mp_rank_00*/model_optim_rng.pt"]
     return [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
 
 
-def resolve_load(load: str, save: Optional[str] = None) -> Optional[Tuple[str, int]]:
+def resolve_load(load: str, save: Optional[str] = None, step: Optional[int] = None,
+                 flag: str = "--load") -> Optional[Tuple[str, int]]:
     """Which checkpoint `--load LOAD` means: (folder, iteration), or None for a fresh start.
 
     A fresh start is only allowed in the documented auto-resume case: LOAD is also the --save
     folder and holds no published checkpoint yet (the first run of a job that resumes itself).
     Everything else that finds no usable checkpoint raises CheckpointError.
-    LOAD may also name one checkpoint folder (iter_NNNNNNN) directly.
+    LOAD may also name one checkpoint folder (iter_NNNNNNN) directly. STEP (--ckpt-step): that
+    iteration's folder of LOAD, whatever the tracker names. FLAG: the flag that named LOAD, for
+    the messages.
     """
     auto_resume = save is not None and os.path.abspath(load) == os.path.abspath(save)
     if not os.path.exists(load):
-        if auto_resume:
+        if auto_resume and step is None:
             return None
-        raise CheckpointError(f"--load {load}: no such directory")
+        raise CheckpointError(f"{flag} {load}: no such directory")
     if not os.path.isdir(load):
-        raise CheckpointError(f"--load {load}: not a directory")
+        raise CheckpointError(f"{flag} {load}: not a directory")
+    if step is not None:
+        return _step_folder(load, step, flag)
     if is_checkpoint_dir(load):
         match = _ITER_DIR.match(os.path.basename(os.path.normpath(load)))
         return load, int(match.group(1)) if match else _iteration_from_common(load)
@@ -96,7 +112,7 @@ def resolve_load(load: str, save: Optional[str] = None) -> Optional[Tuple[str, i
         path = checkpoint_dir(load, tracked)
         if not os.path.isdir(path):
             raise CheckpointError(
-                f"--load {load}: {TRACKER_FILE} names iteration {tracked}, but {path} does not "
+                f"{flag} {load}: {TRACKER_FILE} names iteration {tracked}, but {path} does not "
                 f"exist (deleted, or moved without the tracker file)")
         return path, tracked
     published = [(it, path) for it, path in list_checkpoints(load) if not missing_files(path)]
@@ -112,14 +128,31 @@ def resolve_load(load: str, save: Optional[str] = None) -> Optional[Tuple[str, i
         detail = f"; incomplete checkpoint folders: {', '.join(unfinished)}"
     if partial:
         detail += f"; unfinished saves: {', '.join(partial)}"
-    raise CheckpointError(f"--load {load}: no checkpoint found (no {TRACKER_FILE} and no "
+    raise CheckpointError(f"{flag} {load}: no checkpoint found (no {TRACKER_FILE} and no "
                           f"complete iter_NNNNNNN folder){detail}")
+
+
+def _step_folder(load: str, step: int, flag: str) -> Tuple[str, int]:
+    """--ckpt-step STEP of LOAD: (its iter_ folder, STEP), or CheckpointError naming both."""
+    if is_checkpoint_dir(load):
+        raise CheckpointError(f"--ckpt-step {step}: {flag} {load} names one checkpoint folder; "
+                              f"give the folder that holds its iter_NNNNNNN folders")
+    path = checkpoint_dir(load, step)
+    if not os.path.isdir(path) or missing_files(path):
+        held = ", ".join(str(it) for it, found in list_checkpoints(load)
+                         if not missing_files(found)) or "none"
+        problem = "is incomplete" if os.path.isdir(path) else "does not exist"
+        raise CheckpointError(f"--ckpt-step {step}: {path} {problem} (complete iterations in "
+                              f"{load}: {held})")
+    return path, step
 
 
 def _iteration_from_common(path: str) -> int:
     from megatron_parm.checkpointing.safe_load import load_torch_file
 
-    common = load_torch_file(os.path.join(path, "common.pt"), "--load")
+    common_file = rank_zero_file(path) if detect_format(path) == TORCH else \
+        os.path.join(path, "common.pt")
+    common = load_torch_file(common_file, "--load")
     return int(common.get("iteration", 0))
 
 
@@ -169,3 +202,23 @@ def publish(root: str, iteration: int) -> str:
     for name in list_partial(root):
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return final
+
+
+def retention_victim(previous: Optional[int], saved: int,
+                     retain_interval: Optional[int]) -> Optional[int]:
+    """The iteration --save-retain-interval deletes once SAVED is published and tracked:
+    Megatron-LM's rule, the save the tracker named before (PREVIOUS) when its iteration is not
+    a multiple of the interval. Only an older one: the latest complete save is never deleted."""
+    if retain_interval is None or previous is None or not 0 < previous < saved:
+        return None
+    return previous if previous % retain_interval else None
+
+
+def remove_checkpoint(root: str, iteration: int) -> bool:
+    """Delete ROOT's published save of ITERATION (not through a symbolic link, as Megatron-LM);
+    whether it was deleted."""
+    path = checkpoint_dir(root, iteration)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True

@@ -51,6 +51,9 @@ _DCP_METADATA_CLASSES = {
         "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem",
         "LoadItemType")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # the saving ranks' plans, which Megatron-Core keeps in .metadata once a save reuses the
+    # cached structure (--ckpt-assume-constant-structure): each names its files' prefix
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),

@@ -35,7 +35,10 @@ SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "normalization", "position_embedding_type", "group_query_attention",
                "num_query_groups", "kv_channels", "qk_layernorm", "moe_layer_freq",
                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias",
-               "mtp_num_layers")
+               "squared_relu", "quick_geglu", "attention_output_gate", "softmax_type",
+               "layernorm_zero_centered_gamma", "mtp_num_layers")
+# The flags of SHAPE_FLAGS whose name is not their key's (settings is a layer above).
+FLAG_NAMES = {"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,17 +158,18 @@ def check_optimizer_format(path: str, common: dict, optimizer, layout: dict) -> 
     if not is_distributed(optimizer):
         why = "this run has no --use-distributed-optimizer"
     elif any(saved.get(key) != current.get(key) for key in BUCKET_LAYOUT):
-        why = f"this run has {_model_parallel(current)}"
+        why = f"this run has {describe_model_parallel(current)}"
     if why:
         raise CheckpointError(
             f"{path}: the distributed optimizer's state was saved in its dp-reshardable format "
-            f"at {_model_parallel(saved)}, which loads only with --use-distributed-optimizer "
+            f"at {describe_model_parallel(saved)}, which loads only with --use-distributed-optimizer "
             f"at the same tp, pp, ep and etp (any data-parallel size); {why}. Save with "
             f"{RESHARDABLE_FLAG} for a checkpoint that loads in any layout")
 
 
-def _model_parallel(layout: dict) -> str:
-    return describe_layout(layout).split(", ", 1)[1]  # without the number of ranks
+def describe_model_parallel(layout: dict) -> str:
+    """describe_layout without the number of ranks: 'tp=2 ep=2 etp=2'."""
+    return describe_layout(layout).split(", ", 1)[1]
 
 
 def plain_args(args) -> dict:
@@ -182,7 +186,8 @@ def check_model_flags(saved_args: Optional[dict], args, path: str) -> None:
         if flag in saved_args and flag in current and \
                 _effective(saved_args, flag) != _effective(current, flag):
             raise CheckpointError(
-                f"{path} holds a different model: it was saved with --{flag.replace('_', '-')} "
+                f"{path} holds a different model: it was saved with "
+                f"{FLAG_NAMES.get(flag, '--' + flag.replace('_', '-'))} "
                 f"{saved_args[flag]!r}, this run has {getattr(args, flag)!r}")
 
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron_parm import __version__
 from megatron_parm.checkpointing.errors import CheckpointError
+from megatron_parm.checkpointing.formats import TORCH, detect_format
 from megatron_parm.checkpointing.paths import missing_files
 
 MANIFEST_FILE = "parm_manifest.json"
@@ -73,6 +74,10 @@ def _raise(path: str, what: str, problems: List[str]) -> None:
 
 def check_complete(path: str) -> None:
     """Raise CheckpointError naming the tensor if PATH is not a whole checkpoint."""
+    if detect_format(path) == TORCH:
+        raise CheckpointError(f"{path} is a --ckpt-format torch checkpoint (per-rank files): "
+                              f"this reads torch_dist ones; a run loads it with the layout it "
+                              f"was saved at, and saves torch_dist with --ckpt-format torch_dist")
     missing = missing_files(path)
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing {', '.join(missing)}")
@@ -177,15 +182,17 @@ def read_manifest(path: str) -> Optional[dict]:
         raise CheckpointError(f"{file_path} is corrupted: {err}") from err
 
 
-def check_request(sharded_tensors: Iterable, metadata) -> List[str]:
+def check_request(sharded_tensors: Iterable, metadata, lacking: bool = True) -> List[str]:
     """Problems loading these ShardedTensors (this rank's) from a checkpoint with METADATA:
-    a key the checkpoint lacks, or one whose global shape differs (another model shape)."""
+    a key the checkpoint lacks (unless LACKING is False: --dist-ckpt-strictness says what
+    happens then), or one whose global shape differs (another model shape)."""
     tensors = tensor_entries(metadata)
     problems = []
     for sharded in sharded_tensors:
         entry = tensors.get(sharded.key)
         if entry is None:
-            problems.append(f"{sharded.key}: not in the checkpoint")
+            if lacking:
+                problems.append(f"{sharded.key}: not in the checkpoint")
         elif tuple(entry.size) != tuple(sharded.global_shape):
             problems.append(f"{sharded.key}: shape {tuple(entry.size)} in the checkpoint, "
                             f"{tuple(sharded.global_shape)} in this model")

@@ -11,12 +11,15 @@ iterators over them, and its training phases (--phase-transition-iterations).
                               data-parallel rank
     build_iterators(args, tokenizer, num_chunks, consumed_samples, iteration)
                               the trainer's (train, validation) iterators, one per model chunk
+    shut_down(iterator)       end an iterator's worker processes now
     phase_start, phase_transition_at, check_phase_resume
                               where the current training phase starts; whether one ends
 
 Notation: b micro batch size, s sequence length, d data-parallel size.
 """
 
+import signal
+from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -124,12 +127,27 @@ def collate_batch(samples: List[Dict]) -> Dict[str, torch.Tensor]:
 LOADER_SEED = 0
 
 
+def _worker_catches(signal_name: str, worker_id: int) -> None:
+    """A data-loader worker's start: the first --exit-signal (signal_name) it receives is
+    ignored, so that a job-wide signal (Slurm's) leaves the stop to its rank, which saves and
+    stops (a worker that died of it would fail the rank, through DataLoader's SIGCHLD
+    handler); a second one ends it as before."""
+    signal.signal(signal.Signals[signal_name], _ignore_once)
+
+
+def _ignore_once(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+
+
 def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                      num_workers: int = 0, shuffle: bool = False
+                      num_workers: int = 0, shuffle: bool = False,
+                      exit_signal: Optional[str] = None
                       ) -> Optional[torch.utils.data.DataLoader]:
     """DataLoader over one split for one data-parallel rank; None when dataset is None.
     shuffle: RandomBatchSampler's order (--dataloader-type cyclic), else the dataset's.
+    exit_signal (--exit-signal-handler's signal, e.g. 'SIGTERM'): its workers ignore the first
+    one, as Megatron-LM's ignore it.
 
     It has a generator of its own: each iterator of a DataLoader draws its workers' base seed
     from its generator, by default torch's global one, which on CPU is also dropout's (outside
@@ -147,26 +165,45 @@ def build_data_loader(dataset, micro_batch_size: int, consumed_samples: int = 0,
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_batch,
         persistent_workers=num_workers > 0, generator=generator,
+        worker_init_fn=partial(_worker_catches, exit_signal) if exit_signal and num_workers
+        else None,
     )
 
 
 def build_data_iterator(dataset, micro_batch_size: int, consumed_samples: int = 0,
                         data_parallel_rank: int = 0, data_parallel_size: int = 1,
                         num_workers: int = 0, cyclic: bool = False,
-                        shuffle: bool = False) -> Optional[Iterator]:
+                        shuffle: bool = False, exit_signal: Optional[str] = None
+                        ) -> Optional[Iterator]:
     """Iterator of batch dicts (see collate_batch); cyclic restarts at the end of the split
-    (Megatron-LM's cyclic_iter; with shuffle, the next epoch's order)."""
+    (Megatron-LM's cyclic_iter; with shuffle, the next epoch's order); exit_signal:
+    build_data_loader's."""
     loader = build_data_loader(dataset, micro_batch_size, consumed_samples,
-                               data_parallel_rank, data_parallel_size, num_workers, shuffle)
+                               data_parallel_rank, data_parallel_size, num_workers, shuffle,
+                               exit_signal)
     if loader is None:
         return None
     if not cyclic:
         return iter(loader)
 
     def _cycle():
-        while True:
-            yield from loader
+        try:
+            while True:
+                yield from loader
+        finally:  # persistent workers: ended with the iterator
+            shut_down(getattr(loader, "_iterator", None))
+            loader._iterator = None
     return _cycle()
+
+
+def shut_down(iterator) -> None:
+    """End the worker processes behind a build_data_iterator iterator (None: nothing) now,
+    rather than when the rank exits: a single pass's DataLoader iterator, or a cyclic
+    iterator's generator (closed)."""
+    if hasattr(iterator, "_shutdown_workers"):  # torch's multi-process DataLoader iterator
+        iterator._shutdown_workers()
+    elif hasattr(iterator, "close"):
+        iterator.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,10 +284,14 @@ def build_iterators(args, tokenizer, num_chunks: int, consumed_samples: int, ite
         _check_enough(train_ds, train_samples, "train")
         _check_enough(valid_ds if args.eval_iters else None, num_samples[1], "validation")
 
+    # --exit-signal-handler: the workers ignore the signal (a job-wide one reaches them too)
+    caught = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
+
     def iterators(dataset, consumed: int):
         return [build_data_iterator(dataset, args.micro_batch_size, consumed, data_parallel_rank,
                                     args.data_parallel_size, args.num_workers, cyclic=cyclic,
-                                    shuffle=cyclic) for _ in range(num_chunks)]
+                                    shuffle=cyclic, exit_signal=caught)
+                for _ in range(num_chunks)]
 
     train_iter = iterators(train_ds, train_consumed)
     valid_iter = iterators(valid_ds, valid_consumed) if valid_ds is not None \

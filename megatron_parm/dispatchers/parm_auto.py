@@ -96,7 +96,8 @@ class _Tuning:
 
 class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     """parm: per layer, the performance model predicts every candidate schedule of the
-    catalog (parm_s1, parm_s2 at several chunk counts, parm_hier, Megatron's allgather); the
+    catalog (parm_s1, parm_s2 and parm_hier_s2 at several chunk counts, parm_hier, Megatron's
+    allgather); the
     fastest predicted one runs, or, with tuning (--parm-tune; the default without
     --parm-profile), the fastest measured of the model's best few.
 
@@ -109,10 +110,10 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
     dispatcher's docstring) from then on. With tuning:
       1. a result of an earlier run in --parm-tune-cache for the same shape, layout, cluster
          and profile, read by every rank and agreed by one MIN/MAX all-reduce, is run as it is;
-      2. else the shortlist (tuning.shortlist: the model's first and the best of the others
-         within --parm-tune-margin, other schedules favoured over the first's chunk variants
-         by tuning.SCHEDULE_DOUBT, at most --parm-tune-candidates, the first unchunked
-         schedule, S1, always among them) takes turns on the layer's training calls
+      2. else the shortlist (tuning.shortlist: of those within --parm-tune-margin of the
+         model's first, each distinct schedule's best variant, then other chunk variants, at
+         most --parm-tune-candidates, the first unchunked schedule, S1, always among them)
+         takes turns on the layer's training calls
          (round-robin): one warm-up round, then --parm-tune-steps timed rounds.
          A call's time is its forward from dispatch_preprocess to combine_postprocess and its
          backward from the gradient's arrival at the output to its arrival at the inputs
@@ -176,12 +177,9 @@ class ParmAutoTokenDispatcher(ParmTokenDispatcher):
             # naming the path and what is wrong
             return load_profile(path, require_terms=True)
         default = default_profile_path()
-        if tune:
-            warnings.warn(f"--parm-profile not given: parm ranks the schedules with the shipped "
-                          f"estimate {default} and measures the best few in the run's first "
-                          f"steps (--no-parm-tune: the estimate alone; tools/calibrate.py "
-                          f"measures a profile)")
-        else:
+        # Without a profile parm ranks the schedules with the shipped estimate and measures the
+        # best few (--parm-tune, the default then): its choice line says so; nothing to warn of.
+        if not tune:
             warnings.warn(f"--parm-profile not given and --no-parm-tune: parm runs what the "
                           f"shipped estimate {default} predicts fastest, untested on this "
                           f"machine (it can be 1.3x slower than the best schedule: "

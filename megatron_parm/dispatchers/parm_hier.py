@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import utils
 
 from megatron_parm.comm.collectives import all_to_all, start_all_gather
+from megatron_parm.dispatchers import row_order
 from megatron_parm.dispatchers.base import RoutingPlan
 from megatron_parm.dispatchers.parm_s1 import ParmS1TokenDispatcher, Route
 from megatron_parm.config import parm_setting
@@ -47,6 +48,7 @@ class NodePlan:
     def __init__(self, counts: torch.Tensor, groups: NodeGroups, me_ep: int, me_etp: int,
                  num_local_experts: int):
         self.groups, self.me_etp, self.L = groups, me_etp, num_local_experts
+        self.counts = counts
         K, g, b, a = groups.nodes, groups.per_node, groups.node, groups.position
         cells = self.cells(counts)
         rows = cells[:, :, 1].sum(dim=(-1, -2))  # [b', a', b]
@@ -70,33 +72,60 @@ class NodePlan:
         g, K = self.groups.per_node, self.groups.nodes
         return counts[:, self.me_etp].reshape(K, g, 2, K, g, self.L)
 
-    def relay_counts(self, counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """[K, G] primary rows and secondary pairs each node sends this relay, per node expert."""
-        cells = self.cells(counts)[:, self.groups.position, :, self.groups.node]
+    def relay_counts(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """[K, G] primary rows and secondary pairs each node sends this relay, per node expert
+        (host)."""
+        cells = self.cells(self.counts)[:, self.groups.position, :, self.groups.node]
         K = self.groups.nodes
         rows = cells[:, 1].reshape(K, -1)
         return rows, cells[:, 0].reshape(K, -1) - rows
 
 
+class Messages:
+    """Several [rows, width] tensors as one flat message per dtype for an A2A: peer p gets rows
+    sent[i][p] of tensor i, the tensors of one dtype back to back (so the rows, their
+    probabilities and the secondary pairs cross the link in one collective). ``pack`` gives
+    each dtype's message with its send and receive sizes (elements per peer); ``unpack``
+    cuts the received messages back into the tensors, received[i][p] rows from peer p."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], sent: Sequence[Sequence[int]],
+                 received: Sequence[Sequence[int]]):
+        self.sent, self.received = sent, received
+        self.widths = [t.shape[1] for t in tensors]
+        self.groups = [[i for i, t in enumerate(tensors) if t.dtype == dtype]
+                       for dtype in dict.fromkeys(t.dtype for t in tensors)]
+        self.peers = len(sent[0])
+
+    def pack(self, tensors: Sequence[torch.Tensor]):
+        """[(flat message, elements to each peer, elements from each peer)] per dtype."""
+        out = []
+        for mine in self.groups:
+            pieces = [tensors[i].split(list(self.sent[i])) for i in mine]
+            flat = torch.cat([piece[p].reshape(-1) for p in range(self.peers) for piece in pieces])
+            out.append((flat, [sum(self.sent[i][p] * self.widths[i] for i in mine)
+                               for p in range(self.peers)],
+                        [sum(self.received[i][p] * self.widths[i] for i in mine)
+                         for p in range(self.peers)]))
+        return out
+
+    def unpack(self, flats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = [None] * len(self.widths)
+        for mine, flat in zip(self.groups, flats):
+            parts = flat.split([self.received[i][p] * self.widths[i]
+                                for p in range(self.peers) for i in mine])
+            for k, i in enumerate(mine):
+                out[i] = torch.cat([parts[p * len(mine) + k].view(-1, self.widths[i])
+                                    for p in range(self.peers)])
+        return out
+
+
 def exchange(tensors: Sequence[torch.Tensor], sent: Sequence[Sequence[int]],
              received: Sequence[Sequence[int]], group, name: str) -> List[torch.Tensor]:
-    """A2A of several [rows, width] tensors, one message per dtype: peer p gets rows sent[i][p]
-    of tensor i, and tensors of one dtype travel back to back in one flat message (so the
-    rows, their probabilities and the secondary pairs cross the link in one collective)."""
-    out: List[torch.Tensor] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        widths = [tensors[i].shape[1] for i in mine]
-        peers = len(sent[mine[0]])
-        pieces = [tensors[i].split(list(sent[i])) for i in mine]
-        flat = torch.cat([piece[p].reshape(-1) for p in range(peers) for piece in pieces])
-        send = [sum(sent[i][p] * w for i, w in zip(mine, widths)) for p in range(peers)]
-        recv = [sum(received[i][p] * w for i, w in zip(mine, widths)) for p in range(peers)]
-        flat = all_to_all(flat, group, name, recv, send)
-        parts = flat.split([received[i][p] * w for p in range(peers) for i, w in zip(mine, widths)])
-        for k, (i, w) in enumerate(zip(mine, widths)):
-            out[i] = torch.cat([parts[p * len(mine) + k].view(-1, w) for p in range(peers)])
-    return out
+    """A2A of several [rows, width] tensors, one message per dtype (``Messages``), with
+    autograd through it."""
+    messages = Messages(tensors, sent, received)
+    return messages.unpack([all_to_all(flat, group, name, recv, send)
+                            for flat, send, recv in messages.pack(tensors)])
 
 
 def _packed(collective, rows: torch.Tensor, probs: torch.Tensor, *args):
@@ -111,6 +140,40 @@ def _packed(collective, rows: torch.Tensor, probs: torch.Tensor, *args):
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Ascending positions of the True entries of a flat mask holding ``count`` of them."""
     return torch.nonzero_static(mask, size=count).view(-1)
+
+
+def relay_order(primaries: torch.Tensor, seconds: torch.Tensor, secondary_rows: torch.Tensor,
+                num_local_experts: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """How a relay expands what it received into one row per pair: (pair_row, order).
+
+    primaries, seconds: [K, G] rows and secondary pairs each source node sent it per node
+    expert (NodePlan.relay_counts); secondary_rows: each received secondary pair's row index
+    within its source node's block. The pairs, primaries first then secondaries, sorted
+    [node member][source node][local expert][row] by ``order``; ``pair_row[i]`` is the
+    received row of sorted pair i (so the pair rows are rows[pair_row], their probabilities
+    cat(row probs, secondary probs)[order])."""
+    K, G = primaries.shape
+    L = num_local_experts
+    num_rows, num_secondaries = int(primaries.sum()), int(seconds.sum())
+    expert = torch.arange(G, device=device).repeat(K)
+    source = torch.arange(K, device=device).repeat_interleave(G)
+    # the host counts on the rows' device in one transfer that does not wait
+    primaries, seconds, rows_per_source = row_order.to_device(
+        [primaries.reshape(-1), seconds.reshape(-1), primaries.sum(dim=1)], device)
+
+    def spread(values, counts, total):
+        return torch.repeat_interleave(values, counts, output_size=total)
+
+    first_row = rows_per_source.cumsum(0) - rows_per_source
+    sec_source = spread(source, seconds, num_secondaries)
+    pair_row = torch.cat([torch.arange(num_rows, device=device),
+                          first_row[sec_source] + secondary_rows.long()])
+    pair_expert = torch.cat([spread(expert, primaries, num_rows),
+                             spread(expert, seconds, num_secondaries)])
+    pair_source = torch.cat([spread(source, primaries, num_rows), sec_source])
+    key = ((pair_expert // L * K + pair_source) * L + pair_expert % L) * max(num_rows, 1) + pair_row
+    order = torch.argsort(key)
+    return pair_row[order], order
 
 
 class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
@@ -154,11 +217,20 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
 
     # -- (1) -------------------------------------------------------------------------------
 
+    def _routing_counts(self, routing_map: torch.Tensor, primary: torch.Tensor) -> torch.Tensor:
+        """[parts, 2, E]: pairs and primary rows per expert (one part: the whole call; the
+        pipelined form counts each of its chunks)."""
+        return torch.stack([routing_map.sum(dim=0), primary.sum(dim=0)]).long().unsqueeze(0)
+
     def _exchange(self, counts: torch.Tensor) -> NodePlan:
-        """All-gather [2, E] counts over ESP x EP; one host copy for every split size."""
+        """All-gather the [parts, 2, E] counts over ESP x EP; one host copy for every split
+        size. ``counts_by_part`` [e, s, parts, 2, E] and ``counts`` (their sum) stay on the
+        host."""
         gathered = start_all_gather(counts.reshape(1, -1), self.tp_ep_group, "tp_ep_counts").wait()
-        self.counts = gathered.view(self.ep_size, self.etp_size, 2, self.num_experts)
-        return NodePlan(devices.to_host(self.counts), self.groups, self.ep_rank, self.etp_rank,
+        self.counts_by_part = devices.to_host(gathered).view(
+            self.ep_size, self.etp_size, -1, 2, self.num_experts)
+        self.counts = self.counts_by_part.sum(dim=2)
+        return NodePlan(self.counts, self.groups, self.ep_rank, self.etp_rank,
                         self.num_local_experts)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
@@ -171,14 +243,14 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         primary = torch.zeros_like(by_node).scatter_(2, first, by_node.any(dim=-1, keepdim=True))
         primary = primary.view(n, -1)
         secondary = routing_map.bool() & ~primary
-        self.route = self._exchange(torch.stack([routing_map.sum(dim=0), primary.sum(dim=0)]).long())
+        self.route = self._exchange(self._routing_counts(routing_map, primary))
         self.plan = self.route.member
 
         # Primary pairs in (expert, token) order: node-major, so each node's rows are a block.
         row_pos = _true_positions(primary.t().reshape(-1), self.route.sent_rows)
         row_token, row_node = row_pos % n, row_pos // n // by_node.shape[-1]
         flat_probs = probs.t().reshape(-1)
-        self._row_token = row_token
+        self._row_token, self._row_node = row_token, row_node
         # Each secondary pair names its token's row by its index within the node's block.
         per_node = primary.view(n, K, -1).sum(dim=(0, 2))
         index = torch.arange(row_pos.numel(), device=row_pos.device) - (per_node.cumsum(0) - per_node)[row_node]
@@ -187,6 +259,7 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
         sec_pos = _true_positions(secondary.t().reshape(-1), self.route.sent_secondaries)
         sec_token, sec_node = sec_pos % n, sec_pos // n // by_node.shape[-1]
         self._secondary_rows = row_of[sec_token * K + sec_node]
+        self._secondary_token, self._secondary_node = sec_token, sec_node
         # The secondary pairs' probabilities follow the rows' (token_dispatch splits them off):
         # everything with a gradient reaches token_dispatch through its arguments.
         return tokens.index_select(0, row_token), flat_probs.index_select(
@@ -223,30 +296,11 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
                          secondaries: torch.Tensor):
         """The relay's rows (one per token and node) -> one row per pair, ordered
         [node member][source node][local expert] as the intra-node A2A sends them."""
-        route, device = self.route, rows.device
-        K, L = self.groups.nodes, self.num_local_experts
-        primaries, seconds = route.relay_counts(self.counts)  # [K, G] each
-        G = primaries.shape[1]
-        expert = torch.arange(G, device=device).repeat(K)
-        source = torch.arange(K, device=device).repeat_interleave(G)
-
-        def spread(values, counts, total):
-            return torch.repeat_interleave(values, counts.reshape(-1).to(device), output_size=total)
-
-        num_rows, num_secondaries = route.relay_rows, route.relay_secondaries
-        rows_per_source = primaries.sum(dim=1).to(device)
-        first_row = rows_per_source.cumsum(0) - rows_per_source
-        sec_source = spread(source, seconds, num_secondaries)
-        pair_row = torch.cat([torch.arange(num_rows, device=device),
-                              first_row[sec_source] + secondaries[:, 1].long()])
-        pair_expert = torch.cat([spread(expert, primaries, num_rows),
-                                 spread(expert, seconds, num_secondaries)])
-        pair_source = torch.cat([spread(source, primaries, num_rows), sec_source])
+        route = self.route
+        self._pair_row, order = relay_order(*route.relay_counts(), secondaries[:, 1],
+                                            self.num_local_experts, rows.device)
+        self._relay_rows = route.relay_rows
         pair_probs = torch.cat([row_probs, secondaries[:, 0].to(row_probs.dtype)])
-        key = ((pair_expert // L * K + pair_source) * L + pair_expert % L) * max(num_rows, 1) + pair_row
-        order = torch.argsort(key)
-        self._pair_row = pair_row[order]
-        self._relay_rows = num_rows
         return rows.index_select(0, self._pair_row), pair_probs[order]
 
     # -- (6), (7) --------------------------------------------------------------------------
@@ -263,6 +317,7 @@ class ParmHierTokenDispatcher(ParmS1TokenDispatcher):
     def combine_postprocess(self, hidden_states: torch.Tensor):
         n = self.hidden_shape[:-1].numel()
         out = hidden_states.new_zeros((n, hidden_states.shape[1])).index_add(0, self._row_token, hidden_states)
-        self.plan = self.route = self.counts = self.chunk_sizes = None
-        self._row_token = self._pair_row = None
+        self.plan = self.route = self.counts = self.counts_by_part = self.chunk_sizes = None
+        self._row_token = self._pair_row = self._row_node = None
+        self._secondary_token = self._secondary_node = None
         return out.view(self.hidden_shape)

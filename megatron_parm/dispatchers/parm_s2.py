@@ -70,7 +70,8 @@ class PendingTuple:
 
 def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: Stage,
                  compute: Callable[[int, Tensors], Tensors], third: Stage, fourth: Stage,
-                 prefetch: int = 1, drain: Optional[Callable[[], None]] = None) -> List[Tensors]:
+                 prefetch: int = 1, drain: Optional[Callable[[], None]] = None,
+                 early_prefetch: bool = False) -> List[Tensors]:
     """Run num_chunks chunks through first -> second -> compute -> third -> fourth.
 
     first/fourth run on one group, second/third on another. ``prefetch`` first-stage
@@ -80,14 +81,20 @@ def run_pipeline(num_chunks: int, first: Callable[[int], PendingTuple], second: 
     depends only on num_chunks and prefetch, so every rank issues them identically.
     ``drain``, if given, runs after the last chunk's compute, while its third and fourth
     stages are in flight (work that needs every chunk's compute and no collective).
+    ``early_prefetch``: the next first-stage collective starts as soon as chunk i's first
+    stage has landed, before chunk i's second stage (for second and fourth stages that wait
+    on collectives of their own: parm_hier_s2's fan-out inside the node).
     """
     ahead = max(1, prefetch)
     in_first: Dict[int, PendingTuple] = {i: first(i) for i in range(min(ahead, num_chunks))}
     in_third: Dict[int, PendingTuple] = {}
     in_fourth: Dict[int, PendingTuple] = {}
     for i in range(num_chunks):
-        in_second = second(i, in_first.pop(i).wait())
-        if i + ahead < num_chunks:
+        arrived = in_first.pop(i).wait()
+        if early_prefetch and i + ahead < num_chunks:
+            in_first[i + ahead] = first(i + ahead)  # overlaps second(i) too
+        in_second = second(i, arrived)
+        if not early_prefetch and i + ahead < num_chunks:
             in_first[i + ahead] = first(i + ahead)  # overlaps second(i) and compute(i)
         if i >= 1:
             in_fourth[i - 1] = fourth(i - 1, in_third.pop(i - 1).wait())

@@ -146,8 +146,9 @@ class Message:
         return like.new_empty((num_rows, self.hidden + self.prob_cols))
 
     def pack(self, rows: torch.Tensor, probs: torch.Tensor, order: Optional[torch.Tensor] = None,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One pass: out[i] = (rows[order[i]], probs[order[i]]) (order None: as they are)."""
+             out: Optional[torch.Tensor] = None, probs_in_order: bool = False) -> torch.Tensor:
+        """One pass: out[i] = (rows[order[i]], probs[order[i]]) (order None: as they are;
+        probs_in_order: the probs are already in the output's order, only the rows move)."""
         num_rows = rows.shape[0] if order is None else order.numel()
         out = self.empty(rows, num_rows) if out is None else out
         body, tail = out[:, : self.hidden], out[:, self.hidden:]
@@ -160,7 +161,10 @@ class Message:
             tail.copy_(probs)
         else:
             torch.index_select(rows, 0, order, out=body)
-            torch.index_select(probs, 0, order, out=tail)
+            if probs_in_order:
+                tail.copy_(probs)
+            else:
+                torch.index_select(probs, 0, order, out=tail)
         return out
 
     def unpack(self, packed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -217,6 +217,9 @@ def _patch_rng_tracker() -> None:
     # Checkpoints save "cuda" RNG states next to the CPU one; on CPU they are the CPU state.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
+    # The rerun engine (megatron.core.rerun_state_machine) restores the "cuda" state after
+    # the CPU one before it reruns an iteration: the same CPU state.
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.manual_seed_all = lambda seed: None
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
@@ -281,6 +284,56 @@ def _patch_sp_layernorm() -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# zero-centered LayerNorm / RMSNorm gamma (--apply-layernorm-1p) without apex or TE
+# ----------------------------------------------------------------------------------------
+
+
+class _ZeroCenteredGamma:
+    """A torch norm whose gamma is stored as gamma - 1: the weight starts at zero and the input
+    is scaled by 1 + weight, as Megatron-Core's FusedLayerNorm and Transformer Engine's norms do
+    with layernorm_zero_centered_gamma."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+
+class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight + 1,
+                                            self.eps)
+
+
+def _patch_zero_centered_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    wrapped_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if not config.layernorm_zero_centered_gamma or config.normalization not in (
+                "LayerNorm", "RMSNorm"):
+            return wrapped_new(cls, config, hidden_size, eps, persist_layer_norm,
+                               zero_centered_gamma, normalization)
+        norm_cls = ZeroCenteredLayerNorm if config.normalization == "LayerNorm" \
+            else ZeroCenteredRMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                setattr(param, "sequence_parallel", True)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+# ----------------------------------------------------------------------------------------
 # split sizes that already live on the host
 # ----------------------------------------------------------------------------------------
 
@@ -331,6 +384,13 @@ def _patch_missing_te() -> None:
         mrandom.FP8GlobalStateManager = _NoFP8
         mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
         mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+    from megatron.core.transformer import multi_latent_attention
+
+    # Without TE, Megatron-Core's TE extension binds TELinear to a placeholder that is no
+    # class, yet multi_latent_attention's HAVE_TE is True (its import succeeded): the
+    # isinstance(linear_proj, TELinear) of MultiLatentAttention.__init__ raises TypeError.
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -349,9 +409,12 @@ def _host_device(device):
 class _HostDeviceTorch:
     """torch as seen by one Megatron module: factories map device='cuda' to the CPU."""
 
+    def __init__(self, factories=_FACTORIES):
+        self._factories = factories
+
     def __getattr__(self, name):
         attr = getattr(torch, name)
-        if name not in _FACTORIES:
+        if name not in self._factories:
             return attr
 
         def factory(*args, **kwargs):
@@ -363,12 +426,14 @@ class _HostDeviceTorch:
 
 
 def _patch_cuda_device_literals() -> None:
+    from megatron.core import rerun_state_machine
     from megatron.core.optimizer import clip_grads, grad_scaler
     from megatron.core.optimizer import optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
-    for module in (optimizer, clip_grads, grad_scaler, schedules, transformer_utils):
+    for module in (optimizer, clip_grads, grad_scaler, schedules, transformer_utils,
+                   rerun_state_machine):
         module.torch = _HostDeviceTorch()
 
 
@@ -455,19 +520,55 @@ def _patch_pipeline_embedding_sync() -> None:
     setup_weights = LanguageModule.setup_embeddings_and_output_layer
     to_cuda = torch.Tensor.cuda
 
-    def stay_on_host(tensor, *args, **kwargs):
-        if not args and not kwargs and not tensor.is_cuda:
-            return tensor
-        return to_cuda(tensor, *args, **kwargs)
-
     def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        torch.Tensor.cuda = stay_on_host
+        torch.Tensor.cuda = _stay_on_host(to_cuda)
         try:
             return setup_weights(self, *args, **kwargs)
         finally:
             torch.Tensor.cuda = to_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# ----------------------------------------------------------------------------------------
+# the fully parallel checkpoint load's exchange (--ckpt-fully-parallel-load)
+# ----------------------------------------------------------------------------------------
+
+
+def _stay_on_host(to_cuda):
+    """Tensor.cuda() without arguments that leaves a CPU tensor where it is."""
+    def cuda(tensor, *args, **kwargs):
+        if not args and not kwargs and not tensor.is_cuda:
+            return tensor
+        return to_cuda(tensor, *args, **kwargs)
+    return cuda
+
+
+def _patch_fully_parallel_load() -> None:
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    load, init_data, to_cuda = (FullyParallelLoadStrategyWrapper.load, ShardedTensor.init_data,
+                                torch.Tensor.cuda)
+    host_torch = _HostDeviceTorch(_FACTORIES + ("empty_like",))
+
+    def init_on_host(self, device, init_fn=torch.empty):
+        return init_data(self, _host_device(device), init_fn)
+
+    def load_on_host(self, *args, **kwargs):
+        exchange_torch = exchange_utils.torch
+        torch.Tensor.cuda, ShardedTensor.init_data = _stay_on_host(to_cuda), init_on_host
+        exchange_utils.torch = host_torch
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda, ShardedTensor.init_data = to_cuda, init_data
+            exchange_utils.torch = exchange_torch
+
+    FullyParallelLoadStrategyWrapper.load = load_on_host
 
 
 # ----------------------------------------------------------------------------------------
@@ -571,7 +672,8 @@ REDIRECTS: Dict[str, Redirect] = {
         why=(
             'tensor_parallel.random keeps per-parallel-group CUDA generator states; on CPU the '
             'same tracker keeps CPU generator states instead, so model-parallel init and dropout '
-            "forks stay reproducible; activation recompute's saved 'cuda' state is the CPU one."
+            "forks stay reproducible; activation recompute's saved 'cuda' state, and the one the "
+            "rerun engine saves and restores around a rerun, is the CPU one."
         )),
     "uneven_collectives": Redirect(
         _patch_uneven_collectives, with_cuda=True,
@@ -589,6 +691,15 @@ REDIRECTS: Dict[str, Redirect] = {
             "apex/TE; on CPU torch.nn.LayerNorm is exactly right, and the weights get Megatron's "
             'sequence_parallel attribute so their grads are reduced over TP.'
         )),
+    "zero_centered_norm": Redirect(
+        _patch_zero_centered_norm, with_cuda=True,
+        why=(
+            "Megatron's local LayerNorm (WrappedTorchNorm, without apex or TE) refuses "
+            'layernorm_zero_centered_gamma (--apply-layernorm-1p), which its fused and TE norms '
+            'take; torch.nn.LayerNorm / RMSNorm with the gamma stored as gamma - 1 (zero at '
+            'initialization, the input scaled by 1 + weight) computes what they compute. Not '
+            'about CUDA: applied wherever the local norm is built.'
+        )),
     "host_split_sizes": Redirect(
         _patch_host_split_sizes, with_cuda=False,
         why=(
@@ -604,7 +715,10 @@ REDIRECTS: Dict[str, Redirect] = {
             "tensor_parallel.random's CheckpointWithoutOutput (selective recompute of layernorm "
             "and moe_act) takes any fp8 argument as on and calls TE's FP8GlobalStateManager, "
             'activation_recompute_forward and fp8_autocast: without TE, fp8 is off and the '
-            'contexts do nothing. This one is about TE, not CUDA, so '
+            'contexts do nothing. multi_latent_attention takes TE for present when its import '
+            'of the TE extension succeeds, whose TELinear is then a placeholder no isinstance '
+            'accepts (MultiLatentAttention.__init__ raises TypeError): its HAVE_TE is set '
+            'False. This one is about TE, not CUDA, so '
             'setup() applies it wherever TE is missing.'
         )),
     "cuda_device_literals": Redirect(
@@ -613,8 +727,9 @@ REDIRECTS: Dict[str, Redirect] = {
             "The optimizer (FP32Optimizer's loss scale, MixedPrecisionOptimizer's found-inf "
             'buffers), the loss scalers (grad_scaler), clip_grads, the pipeline schedules and '
             "transformer.utils (get_default_causal_mask: a causal attention called with "
-            "attention_mask=None, as a GPTModel user may call it) create small tensors with a "
-            "literal device='cuda'. Those five modules see a `torch` whose tensor factories "
+            "attention_mask=None, as a GPTModel user may call it) and the rerun engine "
+            "(rerun_state_machine: its all-reduced flags) create small tensors with a "
+            "literal device='cuda'. Those six modules see a `torch` whose tensor factories "
             "read 'cuda' as the CPU; every other name is torch's own."
         )),
     "float16_param_types": Redirect(
@@ -651,6 +766,15 @@ REDIRECTS: Dict[str, Redirect] = {
             "and last stage (the last stage's copy starts at zero). While it runs, Tensor.cuda() "
             'without arguments leaves a CPU tensor where it is.'
         )),
+    "fully_parallel_load": Redirect(
+        _patch_fully_parallel_load, with_cuda=False,
+        why=(
+            "--ckpt-fully-parallel-load: Megatron-Core's FullyParallelLoadStrategyWrapper has "
+            "each data-parallel rank read a share of the replicated tensors and broadcast them, "
+            "through CUDA buffers (Tensor.cuda(), ShardedTensor.init_data('cuda'), "
+            "empty_like(device='cuda') in exchange_utils). While its load runs, those buffers "
+            "are CPU tensors, which gloo broadcasts."
+        )),
     # Changes made elsewhere, next to the code they serve.
     "writer_results_queue": Redirect(
         keep_writer_results_in_process, applied_by="megatron_parm.checkpointing.save_load",
@@ -660,6 +784,16 @@ REDIRECTS: Dict[str, Redirect] = {
             "it creates in a multiprocessing Manager: a spawned helper process that outlives a "
             "rank killed mid-save and dies with a job-wide SIGTERM. Synchronous saves need no "
             "Manager: a plain queue of this process is installed before every save."
+        )),
+    "reduce_scatter_reset": Redirect(
+        None, applied_by="megatron_parm.training.ddp",
+        target="megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func",
+        why=(
+            "Megatron-Core's DistributedDataParallel swaps its buffers' reduce-scatter for the "
+            "fp32-accumulating one (a module global) when a DDP config asks for "
+            "reduce_scatter_with_fp32_accumulation, and never back: a later run of the same "
+            "process without --ddp-reduce-scatter-with-fp32-accumulation puts Megatron-Core's "
+            "own function back before its DDP is built."
         )),
     "grouped_gemm_check": Redirect(
         None, applied_by="megatron_parm.experts",

@@ -114,18 +114,25 @@ class WorkerStream:
 
     def _serve(self) -> None:
         while True:
-            task = self._queue.get()
-            _WORKER.task = task
-            start = time.perf_counter()
-            try:
-                result = task.run()
-            except BaseException as error:  # raised again where the Promise is resolved
-                task.future.set_exception(error)
-            else:
-                self.busy[task.name] = self.busy.get(task.name, 0.0) + time.perf_counter() - start
-                task.future.set_result(result)
-            finally:
-                _WORKER.task = None
+            # The task runs in a call of its own: nothing of it (its node, its result) stays
+            # referenced by this loop while the worker waits for the next one. A loop variable
+            # kept the last task of a run alive into the next run, and with it the collectives'
+            # work and the destroyed process groups of the previous run: their gloo threads (48
+            # on 4 ranks) ran on beside the next run's work.
+            self._run(self._queue.get())
+
+    def _run(self, task: _Task) -> None:
+        _WORKER.task = task
+        start = time.perf_counter()
+        try:
+            result = task.run()
+        except BaseException as error:  # raised again where the Promise is resolved
+            task.future.set_exception(error)
+        else:
+            self.busy[task.name] = self.busy.get(task.name, 0.0) + time.perf_counter() - start
+            task.future.set_result(result)
+        finally:
+            _WORKER.task = None
 
     def settle(self, task: _Task) -> None:
         """Wait for TASK and every task submitted before it; run their queued compute-thread

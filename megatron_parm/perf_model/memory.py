@@ -40,7 +40,15 @@ u: transformer.py; w = a c, the attention's width):
                             projection input n w p
                             (q = 4 in fp32; 6 in bf16/fp16: the softmax runs in fp32 and its
                             fp32 output and the 2-byte copy for the next matmul are both kept)
-                rope:       the cos and sin of Q and of K, 4 s c p
+                MLA:        (--multi-latent-attention, w = a dv) the input n h p, Q and K n a
+                            (dk + dr) p each, V (a copy out of the key/value up projection's
+                            output) and the projection input n w p each; the key/value latent
+                            the up projection takes: a view of the down projection's output,
+                            n (kl + dr) p, at t = 1, a sequence-parallel shard of its own,
+                            n kl p, at t > 1; the query latent n ql p; with --qk-layernorm each
+                            latent's norm keeps its output too, n kl p (n ql p), and its fp32
+                            statistics n y
+                rope:       the cos and sin of Q and of K, 4 s c p (MLA: 4 s dr p, its own)
                 q/k norms:  (--qk-layernorm) their fp32 statistics t n (a/t + g_t) y
                 dropout (when > 0): attention mask and output b (a/t) s^2 (m + p), two
                             residual masks 2 n h m (m: bytes of a dropout mask, 1 on GPUs,
@@ -110,6 +118,7 @@ tiny configs and several layouts and dispatchers, and at pp = 2 and 4 the peak o
 stage holds in one training step of Megatron-Core's 1F1B schedule.
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -265,10 +274,13 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
 
     unfused_rms = spec.normalization == "RMSNorm" and not fused_norms
     layernorms = 2 * n * h * p * (2 if unfused_rms else 1) + 2 * n * statistics
-    attention = n * h * p + _qkv_bytes(spec, t, n, p) + n * width * p
-    if spec.position_embedding_type == "rope":
-        attention += 4 * s * spec.head_channels * p
-    if spec.qk_layernorm:
+    if spec.multi_latent_attention:
+        attention = n * h * p + _mla_bytes(spec, t, n, p, statistics, unfused_rms) + n * width * p
+    else:
+        attention = n * h * p + _qkv_bytes(spec, t, n, p) + n * width * p
+    if spec.has_rotary:
+        attention += 4 * s * spec.rotary_channels * p
+    if spec.qk_layernorm and not spec.multi_latent_attention:
         rows = t * n * (heads // t + max(spec.query_groups // t, 1))  # (token, head) pairs
         attention += rows * statistics
         attention += rows * spec.head_channels * p if unfused_rms else 0
@@ -359,6 +371,23 @@ def _qkv_bytes(spec: ModelSpec, t: int, n: int, p: int) -> float:
             + (n * qkv * p if keeps_qkv else 0))
 
 
+def _mla_bytes(spec: ModelSpec, t: int, n: int, p: int, statistics: int,
+               unfused_rms: bool) -> float:
+    """What multi-latent attention keeps of its queries, keys, values and latents (module
+    docstring)."""
+    def latent(width: int, kept: float) -> float:  # kept by the up projection, and its norm
+        if not spec.qk_layernorm:
+            return kept
+        return kept + n * statistics + n * width * p * (2 if unfused_rms else 1)
+
+    kv_kept = n * (spec.kv_lora_rank + (spec.qk_pos_emb_head_dim if t == 1 else 0)) * p
+    total = 2 * n * spec.key_width * p + n * spec.attention_width * p  # Q, K, V
+    total += latent(spec.kv_lora_rank, kv_kept)
+    if spec.q_lora_rank:
+        total += latent(spec.q_lora_rank, n * spec.q_lora_rank * p)
+    return total
+
+
 def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int],
                   recompute: Recompute = NONE) -> Tuple[float, float]:
     """(bytes these transformer layers (a model chunk's, indices) keep for backward, the most
@@ -368,10 +397,12 @@ def _layers_bytes(spec: ModelSpec, layer: LayerActivations, layers: Sequence[int
     moe_layers, layers = spec.moe_layers, list(layers)
     kept = [layer.kept(moe_layers[index], recompute) for index in layers]
     recomputing = 0.0
+    # sums of kept[:i + 1], added in the same order as sum() would (so the same floats)
+    through = list(itertools.accumulate(kept))
     for local, index in enumerate(layers):  # selective: a layer's MLP side, recomputed
         dropped = layer.mlp_dropped(moe_layers[index], recompute)
         if dropped:
-            recomputing = max(recomputing, sum(kept[:local + 1]) + dropped)
+            recomputing = max(recomputing, through[local] + dropped)
     for unit in recompute.units(len(layers)):
         for local in unit:
             kept[local] = layer.layer_input

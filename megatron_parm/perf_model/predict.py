@@ -186,6 +186,10 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
         schedules.check_num_chunks(num_chunks, "num_chunks")
         if bwd_num_chunks is not None:
             schedules.check_num_chunks(bwd_num_chunks, "bwd_num_chunks")
+            if schedules.get(dispatcher).pair(num_chunks, bwd_num_chunks) != (num_chunks,
+                                                                              bwd_num_chunks):
+                raise ValueError(f"predict: {dispatcher} runs its backward in its forward "
+                                 f"chunk count; got {num_chunks} / {bwd_num_chunks}")
     elif num_chunks not in (None, 1) or bwd_num_chunks not in (None, 1):
         raise ValueError(f"num_chunks applies to chunked schedules only; {dispatcher} got "
                          f"{num_chunks!r} / {bwd_num_chunks!r}")
@@ -221,12 +225,13 @@ def predict(dispatcher: str, shape: LayerShape, layout: Layout, profile: Profile
 
 def _chunk_pairs(schedule, chunk_candidates, extra_chunks) -> Tuple[Tuple[int, int], ...]:
     """(forward, backward) chunk counts to try: the catalog's pairs (or every pair of
-    chunk_candidates), plus the extra ones (an int c is (c, c))."""
+    chunk_candidates), plus the extra ones (an int c is (c, c)), each as the schedule runs
+    it (a schedule without a backward count of its own: (F, F))."""
     extra = tuple((c, c) if isinstance(c, int) else tuple(c) for c in extra_chunks)
     if chunk_candidates is None:
         return schedule.chunk_pairs(extra)
     pairs = {(c, b) for c in chunk_candidates for b in chunk_candidates} | set(extra)
-    return tuple(sorted(pairs))
+    return tuple(sorted({schedule.pair(*pair) for pair in pairs}))
 
 
 def choose_schedule(shape: LayerShape, layout: Layout, profile: Profile,

@@ -29,6 +29,8 @@ File format (YAML, or JSON with the same structure):
     chunk_expert_overhead: 0.002  # seconds per extra chunk and local expert (SequentialMLP)
     microbatch_overhead: 0.003    # framework seconds per micro-batch, fwd + bwd
     layer_overhead: 0.001         # framework seconds per transformer layer and micro-batch
+    sources:                      # optional: where each number comes from, by its path
+      beta.all_to_all.inter: "2 x 200 Gbit/s per node (the cluster's NICs) ..."
 
 The stage terms are measured one collective at a time; inside the layer the same work runs
 slower (routing, permutation and autograd between the collectives, links that do not idle
@@ -73,7 +75,8 @@ TERMS = {
 ISSUE17_TERMS = ("chunk_expert_overhead", "microbatch_overhead", "layer_overhead")
 RECALIBRATE_HINT = ("recalibrate with tools/calibrate.py (docs/design.md, 'The cost model'; "
                     "on one GPU: tools/gpu_check.sh stage g)")
-_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units") + tuple(TERMS)
+_TOP_FIELDS = ("name", "provenance", "note", "alpha", "beta", "compute", "units",
+               "sources") + tuple(TERMS)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class Profile:
     microbatch_overhead: float = TERMS["microbatch_overhead"][0]
     layer_overhead: float = TERMS["layer_overhead"][0]
     source: str = field(default="<in memory>", compare=False)
+    # where each number of an estimate comes from: {"beta.all_to_all.inter": "a datasheet, a
+    # published measurement", "compute.beta": ..., "chunk_overhead": ...} (``numbers``' paths)
+    sources: Dict[str, str] = field(default_factory=dict, compare=False)
     # TERMS the file did not have (their defaults stand in); require_terms refuses them
     missing_terms: Tuple[str, ...] = field(default=(), compare=False)
 
@@ -120,7 +126,17 @@ class Profile:
             "compute": {"alpha": self.compute_alpha, "beta": self.compute_beta},
             # a term the profile lacks stays out of the file (load_profile notes it missing)
             **{term: getattr(self, term) for term in TERMS if term not in self.missing_terms},
+            **({"sources": dict(self.sources)} if self.sources else {}),
         }
+
+    def numbers(self) -> Dict[str, float]:
+        """Every number of the profile by its path ("alpha.all_to_all.intra", "compute.beta",
+        "layer_scale", ...): what ``sources`` names a source for."""
+        out = {f"{table}.{kind}.{link}": getattr(self, table)[kind][link]
+               for table in ("alpha", "beta") for kind in COLLECTIVE_KINDS for link in LINKS}
+        out.update({"compute.alpha": self.compute_alpha, "compute.beta": self.compute_beta})
+        out.update({term: getattr(self, term) for term in TERMS if term not in self.missing_terms})
+        return out
 
     @classmethod
     def from_dict(cls, data, source: str = "<in memory>") -> "Profile":
@@ -138,6 +154,7 @@ class Profile:
             **{term: float(data.get(term, default)) for term, (default, _) in TERMS.items()},
             source=source,
             missing_terms=tuple(term for term in TERMS if term not in data),
+            sources=dict(data.get("sources") or {}),
         )
 
     def require_terms(self, terms: Iterable[str] = ISSUE17_TERMS) -> "Profile":
@@ -203,6 +220,18 @@ def _check_profile_dict(data, source: str):
     for term in TERMS:
         if term in data:
             _check_number(source, term, data[term])
+    if "sources" in data:
+        sources = data["sources"]
+        if not isinstance(sources, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in sources.items()):
+            _fail(source, "field sources must map a number's path (e.g. beta.all_to_all.inter) "
+                          "to a non-empty text")
+        paths = {f"{table}.{kind}.{link}" for table in ("alpha", "beta")
+                 for kind in COLLECTIVE_KINDS for link in LINKS}
+        paths |= {"compute.alpha", "compute.beta", *TERMS}
+        unknown = sorted(set(sources) - paths)
+        if unknown:
+            _fail(source, f"field sources names no number of a profile: {', '.join(unknown)}")
     if "layer_scale" in data:
         if data["layer_scale"] <= 0:
             _fail(source, f"field layer_scale must be positive, got {data['layer_scale']!r}")

@@ -15,7 +15,10 @@ t > 1); without pipelining the stage is the whole model:
                   MLP fc1 2 s b h u D / t and fc2 2 s b D h / t; an MoE layer's router
                   2 n h E and shared experts fc1 2 s b h u S / t, fc2 2 s b S h / t (their gate
                   2 n h); head: output layer 2 s b h V / t (BERT also its lm_head dense
-                  2 n h h); backward twice the forward flops. Each GEMM costs the profile's
+                  2 n h h); multi-latent attention: one GEMM per projection of
+                  transformer.ModelSpec.attention_gemms (2 s b in out / t each) in place of the
+                  QKV, scores 2 b s^2 a (dk + dr) / t, context 2 b s^2 a dv / t, projection
+                  2 s b a dv h / t; backward twice the forward flops. Each GEMM costs the profile's
                   compute alpha once forward and twice backward (input and weight gradients),
                   plus compute beta per flop
     TP collectives (t > 1) per layer, bytes n h p per peer: forward AG before QKV and RS after
@@ -24,7 +27,11 @@ t > 1); without pipelining the stage is the whole model:
                   dense layer's MLP and for the shared experts (overlapped or not: what the
                   overlap saves is its own term below); with fewer
                   key/value heads than t (g < t) an AG of the QKV output forward, its RS
-                  backward. Embedding: RS forward, AG backward; output layer: AG forward, AG +
+                  backward. Multi-latent attention: each of its column-parallel projections
+                  gathers its input (AG forward, AG + RS backward), the down projections'
+                  outputs are gathered across their column shards forward and the latents'
+                  sequence shards backward, the projection RS forward, AG backward
+                  (_mla_tp_collectives). Embedding: RS forward, AG backward; output layer: AG forward, AG +
                   RS backward; the vocab-parallel cross entropy: three AR of s b fp32 values
     shared-expert overlap (--moe-shared-expert-overlap): the shared experts' GEMMs run on a
                   stream of their own while the dispatcher's collectives are in flight
@@ -194,8 +201,10 @@ def layer_gemm_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int
     width, u = spec.attention_width, spec.fc1_factor
     ffn, shared = spec.dense_ffn_hidden_size, spec.shared_expert_size or 0
     return {
-        "qkv": (2 * tokens * h * spec.qkv_width / t,),
-        "core_attn": (2 * micro_batch_size * s * s * width / t,) * 2,
+        "qkv": tuple(2 * tokens * width_in * width_out / t
+                     for width_in, width_out in spec.attention_gemms()),
+        "core_attn": (2 * micro_batch_size * s * s * spec.key_width / t,
+                      2 * micro_batch_size * s * s * width / t),
         "projection": (2 * tokens * width * h / t,),
         "mlp": (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t),
         "router": (2 * local * h * spec.num_experts,),
@@ -251,13 +260,49 @@ def layer_tp_collectives(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     # their duals and the AG that re-gathers the input for the weight gradient
     forward, block = all_gather + reduce_scatter, 3 * all_gather + 2 * reduce_scatter
     attention_forward, attention = forward, block
-    if spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
+    if spec.multi_latent_attention:
+        attention_forward, attention = _mla_tp_collectives(spec, layout, tokens, profile,
+                                                           precision)
+    elif spec.query_groups < t:  # Megatron gathers the QKV output (attention.py), RS backward
         qkv_shard = tokens * spec.qkv_width // t * precision.activation_bytes
         gathered = collective_seconds(profile, layout, "all_gather", "tp", qkv_shard)
         attention_forward += gathered
         attention += gathered + collective_seconds(profile, layout, "reduce_scatter", "tp",
                                                    qkv_shard)
     return {"attention": (attention_forward, attention), "mlp": (forward, block)}
+
+
+def _mla_tp_collectives(spec: ModelSpec, layout: Layout, tokens: int, profile: Profile,
+                        precision: Precision) -> Tuple[float, float]:
+    """(forward, forward + backward) seconds of multi-latent attention's TP collectives under
+    sequence parallelism (Megatron-Core's MLASelfAttention on the local spec): each
+    column-parallel projection gathers its input's shards (its backward gathers them again and
+    reduce-scatters their gradient), the down projections' outputs are gathered across their
+    column shards and the latents cut back to the sequence shards (their backward gathers
+    those), and the output projection reduce-scatters (its backward gathers)."""
+    t, p = layout.tp, precision.activation_bytes
+
+    def gather(width):  # every rank's tokens / t x width
+        return collective_seconds(profile, layout, "all_gather", "tp", tokens // t * width * p)
+
+    def scatter(width):
+        return collective_seconds(profile, layout, "reduce_scatter", "tp",
+                                  tokens // t * width * p)
+
+    forward = backward = 0.0
+    for width_in, _ in spec.attention_gemms():  # column-parallel, sequence-parallel input
+        forward += gather(width_in)
+        backward += gather(width_in) + scatter(width_in)
+    latents = [(spec.kv_lora_rank + spec.qk_pos_emb_head_dim, spec.kv_lora_rank)]
+    if spec.q_lora_rank:
+        latents.append((spec.q_lora_rank, spec.q_lora_rank))
+    for output, latent in latents:
+        forward += gather(output)  # the down projection's column shards
+        backward += gather(latent)  # the latent's sequence shards
+    h = spec.hidden_size
+    forward += scatter(h)
+    backward += gather(h)
+    return forward, forward + backward
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,

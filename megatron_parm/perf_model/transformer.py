@@ -5,6 +5,9 @@ Notation (as in shape.py and layout.py, plus):
        layer an MoE layer by default, as GPT-2-MoE)
     h  hidden size            a  attention heads        g  key/value heads (GQA; g = a without)
     c  channels per head (--kv-channels, default h / a): Q a c, K and V g c, projection a c -> h
+    MLA (--multi-latent-attention): ql, kl the query and key/value latents (--q-lora-rank,
+       --kv-lora-rank), dk, dr, dv a head's channels without and with rotary positions and
+       its value channels (--qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim)
     F  expert FFN hidden size (--moe-ffn-hidden-size)   D  dense layers' FFN (--ffn-hidden-size)
     S  shared experts' FFN (--moe-shared-expert-intermediate-size, all of them together)
     u  fc1 outputs per FFN channel: 2 with --swiglu (SiLU-gated), else 1
@@ -20,7 +23,12 @@ GPT through get_gpt_decoder_block_spec, BERT through its layer spec):
                                               table; replicated over TP)
     token types      2 * h                    (BERT with its binary head)
     every layer      two norms z(h), QKV h (a + 2g) c / t (+ (a + 2g) c / t bias), projection
-                     a c / t * h (+ h bias), with --qk-layernorm one norm z(c) each for Q and K
+                     a c / t * h (+ h bias), with --qk-layernorm one norm z(c) each for Q and K;
+                     with --multi-latent-attention (no biases but the projection's): the query
+                     projection h a (dk + dr) / t, or its down h ql / t and up ql a (dk + dr) / t
+                     projections, the key/value down projection h (kl + dr) / t and up
+                     projection kl a (dk + dv) / t, projection a dv / t * h (+ h bias), with
+                     --qk-layernorm the latents' norms z(kl) (and z(ql))
     a dense layer    MLP fc1 u D / t * h (+ u D / t), fc2 h * D / t (+ h)
     an MoE layer     router E*h (+ E bias; replicated), experts E/e * [fc1 u F/x * h (+ u F/x),
                      fc2 h * F/x (+ h)], shared experts fc1 u S / t * h, fc2 h * S / t (split
@@ -40,11 +48,13 @@ at TP 1.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, Iterable, Optional, Tuple, Union
 
 from megatron_parm.data.vocab import padded_vocab_size
 from megatron_parm.layout_rules import (architecture_problem, capacity_problem, layout_problem,
-                                        model_problem, moe_layer_pattern, shape_problem)
+                                        mla_problem, model_problem, moe_layer_pattern,
+                                        shape_problem)
 from megatron_parm.perf_model.layout import Layout
 
 MODEL_TYPES = ("gpt", "bert")
@@ -89,6 +99,13 @@ class ModelSpec:
     # are in flight (their memory: memory.py; the time they hide: step_time.py)
     shared_expert_overlap: bool = False
     router_pre_softmax: bool = False  # the softmax over all experts before the top-k
+    # multi-latent attention (--multi-latent-attention and its widths, Megatron-LM's defaults)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # ql (None: one query projection)
+    kv_lora_rank: int = 32  # kl
+    qk_head_dim: int = 128  # dk
+    qk_pos_emb_head_dim: int = 64  # dr
+    v_head_dim: int = 128  # dv
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -140,7 +157,10 @@ class ModelSpec:
             qk_layernorm=self.qk_layernorm, shared_expert_size=self.shared_expert_size,
             shared_expert_gate=self.shared_expert_gate,
             shared_expert_overlap=self.shared_expert_overlap,
-            add_bias_linear=self.add_bias_linear, sequence_parallel=tp > 1)
+            multi_latent_attention=self.multi_latent_attention,
+            add_bias_linear=self.add_bias_linear, sequence_parallel=tp > 1) or (
+                mla_problem(tp, self.q_lora_rank, self.kv_lora_rank, self.qk_pos_emb_head_dim)
+                if self.multi_latent_attention else None)
 
     @property
     def positions(self) -> int:
@@ -163,8 +183,49 @@ class ModelSpec:
 
     @property
     def attention_width(self) -> int:
-        """a c: the attention's output, the projection's input (all ranks)."""
+        """a c (MLA: a dv): the attention's output, the projection's input (all ranks)."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * self.v_head_dim
         return self.num_attention_heads * self.head_channels
+
+    @property
+    def key_width(self) -> int:
+        """a c (MLA: a (dk + dr)): the queries' and the keys' channels (all ranks)."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+        return self.num_attention_heads * self.head_channels
+
+    @property
+    def rotary_channels(self) -> int:
+        """The channels of a head that rotate (c with rope; MLA: dr, its own rotary)."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_channels
+
+    @property
+    def has_rotary(self) -> bool:
+        return self.multi_latent_attention or self.position_embedding_type == "rope"
+
+    def attention_gemms(self) -> Tuple[Tuple[int, int], ...]:
+        """(input, output) widths (all ranks) of the column-parallel GEMMs that make the
+        queries, keys and values: the fused QKV, or MLA's query projection (or its down and up
+        projections), its key/value down projection and their up projection."""
+        h = self.hidden_size
+        if not self.multi_latent_attention:
+            return ((h, self.qkv_width),)
+        latent = self.kv_lora_rank
+        query = (((h, self.key_width),) if self.q_lora_rank is None else
+                 ((h, self.q_lora_rank), (self.q_lora_rank, self.key_width)))
+        return query + ((h, latent + self.qk_pos_emb_head_dim),
+                        (latent, self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)))
+
+    def attention_norm_parameters(self) -> int:
+        """The norms inside the attention (replicated over TP): with --qk-layernorm the q and
+        k norms z(c) each, or MLA's latent norms z(kl) and z(ql)."""
+        if not self.qk_layernorm:
+            return 0
+        if not self.multi_latent_attention:
+            return 2 * self.norm_parameters(self.head_channels)
+        return self.norm_parameters(self.kv_lora_rank) + (
+            self.norm_parameters(self.q_lora_rank) if self.q_lora_rank else 0)
 
     @property
     def dense_ffn_hidden_size(self) -> int:
@@ -183,10 +244,7 @@ class ModelSpec:
     @property
     def moe_layers(self) -> Tuple[bool, ...]:
         """Per layer, True for an MoE layer (Megatron-Core's reading of --moe-layer-freq)."""
-        freq = self.moe_layer_freq
-        pattern = moe_layer_pattern(list(freq) if isinstance(freq, tuple) else freq,
-                                    self.num_layers)
-        return tuple(bool(flag) for flag in pattern)
+        return _moe_layers(self.moe_layer_freq, self.num_layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -201,6 +259,14 @@ class ModelSpec:
     def tied_output(self) -> bool:
         """True when the output layer reuses the word embeddings (BERT always does)."""
         return self.model_type == "bert" or not self.untie_embeddings_and_output_weights
+
+
+# The planner asks these hundreds of thousands of times per plan with a few distinct inputs
+# (pure functions of frozen specs): kept.
+@lru_cache(maxsize=64)
+def _moe_layers(freq, num_layers: int) -> Tuple[bool, ...]:
+    pattern = moe_layer_pattern(list(freq) if isinstance(freq, tuple) else freq, num_layers)
+    return tuple(bool(flag) for flag in pattern)
 
 
 @dataclass(frozen=True)
@@ -228,16 +294,17 @@ def mlp_parameters(ffn: int, hidden: int, parts: int, gated: bool, bias: bool) -
     return fc1 * hidden + hidden * local + ((fc1 + hidden) if bias else 0)
 
 
+@lru_cache(maxsize=4096)
 def layer_parameter_counts(spec: ModelSpec, moe: bool, tp: int, ep: int, etp: int
                            ) -> Tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank (module docstring)."""
     h, t, bias = spec.hidden_size, tp, spec.add_bias_linear
-    qkv_local, attention_local = spec.qkv_width // t, spec.attention_width // t
     dense = 2 * spec.norm_parameters(h)
-    dense += qkv_local * h + (qkv_local if bias else 0)  # QKV
-    dense += attention_local * h + (h if bias else 0)  # projection
-    if spec.qk_layernorm:
-        dense += 2 * spec.norm_parameters(spec.head_channels)
+    for width_in, width_out in spec.attention_gemms():  # QKV (MLA's have no biases)
+        dense += width_out // t * width_in + (width_out // t if bias and not
+                                              spec.multi_latent_attention else 0)
+    dense += spec.attention_width // t * h + (h if bias else 0)  # projection
+    dense += spec.attention_norm_parameters()
     if not moe:
         return dense + mlp_parameters(spec.dense_ffn_hidden_size, h, t, spec.swiglu, bias), 0
     dense += spec.num_experts * h + (spec.num_experts if bias else 0)  # router
@@ -248,6 +315,7 @@ def layer_parameter_counts(spec: ModelSpec, moe: bool, tp: int, ep: int, etp: in
     return dense, spec.num_experts // ep * per_expert
 
 
+@lru_cache(maxsize=4096)
 def parameter_counts(spec: ModelSpec, tp: int, ep: int, etp: int) -> ParameterCounts:
     """Parameters of one rank of a (tp, ep, etp) layout (every rank holds the same count)."""
     h, t = spec.hidden_size, tp
@@ -284,8 +352,7 @@ def replicated_over_tp(spec: ModelSpec, layers: Optional[Iterable[int]] = None) 
     count = 0
     for index in indices:
         count += 2 * spec.norm_parameters(h) + (h if bias else 0)
-        if spec.qk_layernorm:
-            count += 2 * spec.norm_parameters(spec.head_channels)
+        count += spec.attention_norm_parameters()
         if not spec.moe_layers[index]:
             count += h if bias else 0  # the dense MLP's fc2 bias
             continue

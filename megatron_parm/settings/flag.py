@@ -3,7 +3,8 @@
     Flag            a declaration: name, group, help, check; type, default, kind, nargs and
                     choices where Megatron-LM does not already say them (megatron_lm.py fills
                     them in for its flags)
-    positive_int, non_negative_int, positive_number, fraction, layer_pattern, int_tuple
+    positive_int, non_negative_int, positive_number, fraction, layer_pattern,
+    layer_pattern_check, int_tuple
                     checks and value types shared by the concern modules
 
 Cross-flag rules (divisibility, layouts, chunk counts) are not here: they live in
@@ -89,6 +90,18 @@ def layer_pattern(text):
     if not isinstance(result, list):
         raise ValueError(f"not a list expression of integers: {text!r}")
     return result
+
+
+def layer_pattern_check(meaning: str) -> Check:
+    """The check of a per-layer pattern flag's value: a positive integer (every N-th layer), or
+    a list of 0 and 1 per layer, ``meaning`` saying what a 1 and a 0 are."""
+    def check(flag: str, value) -> None:
+        if isinstance(value, list):
+            if not value or any(type(item) is not int or item not in (0, 1) for item in value):
+                raise ValueError(f"{flag}: a list holds {meaning} per layer, got {value!r}")
+        else:
+            positive_int(flag, value)
+    return check
 
 
 def int_tuple(text):

@@ -67,6 +67,9 @@ def _read(path: str) -> Dict[str, Option]:
         if nargs is not None and nargs.isdigit():
             nargs = int(nargs)
         choices = None if cells["choices"] == "-" else tuple(json.loads(cells["choices"]))
+        if choices is not None and cells["type"] in ("int", "float"):
+            # stored as strings; argparse compares them with the converted value (range(0, 3))
+            choices = tuple(TYPES[cells["type"]](choice) for choice in choices)
         names = tuple(cells["names"].split())
         options[names[0]] = Option(names, cells["dest"], kind, inverted, cells["type"],
                                    json.loads(cells["default"]), nargs, choices, cells["group"])

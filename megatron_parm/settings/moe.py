@@ -6,7 +6,7 @@ from typing import List
 
 from megatron_parm import schedules
 from megatron_parm.settings.flag import (
-    Flag, non_negative_number, positive_int, positive_number)
+    Flag, layer_pattern_check, non_negative_number, positive_int, positive_number)
 
 GROUP = "mixture of experts"
 # Megatron-Core's dispatcher that needs DeepEP or HybridEP (GPU kernels); alltoall is what it
@@ -23,15 +23,6 @@ def _dispatcher_help() -> str:
             + f"; {FLEX}: Megatron-Core's DeepEP / HybridEP dispatcher (refused here)")
 
 
-def _moe_layer_freq(flag: str, value) -> None:
-    if isinstance(value, list):
-        if not value or any(type(item) is not int or item not in (0, 1) for item in value):
-            raise ValueError(f"{flag}: a list holds 1 (MoE layer) or 0 (dense layer) per "
-                             f"layer, got {value!r}")
-    else:
-        positive_int(flag, value)
-
-
 def _each(check):
     """A check of every item of a list value (nargs='+')."""
     def check_each(flag: str, value) -> None:
@@ -46,7 +37,8 @@ def flags() -> List[Flag]:
         Flag("--moe-ffn-hidden-size", GROUP, help="Default: --ffn-hidden-size.",
              check=positive_int),
         Flag("--moe-router-topk", GROUP, check=positive_int),
-        Flag("--moe-layer-freq", GROUP, check=_moe_layer_freq,
+        Flag("--moe-layer-freq", GROUP,
+             check=layer_pattern_check("1 (MoE layer) or 0 (dense layer)"),
              help="Which layers are MoE layers: every N-th (an integer), or Megatron-LM's list "
                   "expression of 1 (MoE) and 0 (dense) per layer, e.g. '[0]*1+[1]*3' for a "
                   "dense first layer."),
@@ -68,7 +60,9 @@ def flags() -> List[Flag]:
         *_router_flags(),
         Flag("--moe-aux-loss-coeff", GROUP, check=_each(non_negative_number),
              help="Weight of the load-balancing loss (one per --moe-router-load-balancing-type)."),
-        Flag("--moe-router-load-balancing-type", GROUP),
+        Flag("--moe-router-load-balancing-type", GROUP,
+             help="The load-balancing loss, or several at once (one --moe-aux-loss-coeff "
+                  "each)."),
         Flag("--moe-expert-capacity-factor", GROUP, help="Default: no capacity limit "
              "(dropless).", check=positive_number),
         Flag("--moe-pad-expert-input-to-capacity", GROUP),
@@ -82,6 +76,21 @@ def flags() -> List[Flag]:
                   "--transformer-impl transformer_engine, GroupedMLP with the grouped_gemm "
                   "package on a GPU in --bf16 (Megatron-LM's meaning), else TorchGroupedMLP "
                   "(PyTorch's grouped_mm, no extra package; the start-up line names it)."),
+        *_upcycling_flags(),
+    ]
+
+
+def _upcycling_flags() -> List[Flag]:
+    """Megatron-LM's upcycling at the start of a run (tools/convert_checkpoint.py --upcycle
+    does it offline)."""
+    return [
+        Flag("--moe-use-upcycling", GROUP,
+             help="Start from the dense checkpoint in --load: its MLPs become the experts "
+                  "(Megatron-Core's upcycling), saved to --save as iteration 1, then train on. "
+                  "For the first run only."),
+        Flag("--moe-upcycling-granularity", GROUP, check=positive_int,
+             help="With --moe-use-upcycling: each dense MLP splits into this many experts of "
+                  "--ffn-hidden-size (the dense one is this many times wider)."),
     ]
 
 
@@ -110,4 +119,20 @@ def _router_flags() -> List[Flag]:
              help="The router's logits and scores in this precision (default: the model's)."),
         Flag("--moe-z-loss-coeff", GROUP, check=positive_number,
              help="Weight of the router z-loss (off without it)."),
+        Flag("--moe-input-jitter-eps", GROUP, check=_jitter,
+             help="Multiply the router's input by uniform noise in [1 - eps, 1 + eps] in "
+                  "training."),
+        Flag("--moe-router-force-load-balancing", GROUP,
+             help="Route by random logits instead of the router's (benchmarks: balanced load)."),
+        Flag("--moe-token-drop-policy", GROUP,
+             help="With --moe-expert-capacity-factor: an expert over capacity keeps its tokens "
+                  "of highest probability (probs) or its first ones (position)."),
+        Flag("--moe-apply-probs-on-input", GROUP,
+             help="With --moe-router-topk 1: scale each token by its routing probability before "
+                  "the expert instead of after."),
     ]
+
+
+def _jitter(flag: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{flag} must be a number in (0, 1), got {value!r}")

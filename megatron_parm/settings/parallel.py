@@ -47,11 +47,25 @@ def flags() -> List[Flag]:
              help="Count the embedding as a layer of the first stage when splitting."),
         Flag("--account-for-loss-in-pipeline-split", GROUP,
              help="Count the output layer and loss as a layer of the last stage."),
+        Flag("--microbatch-group-size-per-virtual-pipeline-stage", GROUP, check=positive_int,
+             help="Interleaved schedule: micro-batches a virtual stage runs in a row (default "
+                  "--pipeline-model-parallel-size: depth first)."),
+        Flag("--use-tp-pp-dp-mapping", GROUP,
+             help="Megatron-Core's other rank order (tensor, pipeline, then data parallel); "
+                  "without pipelining it is the default order."),
         Flag("--distributed-timeout-minutes", GROUP, float, check=positive_number,
              differs="a fraction of a minute is taken too",
              help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "
                   "waits longer on a hung or vanished peer fails and the job ends (default: "
                   "%(default)s)."),
+        Flag("--distributed-timeout-seconds-after-init", GROUP, check=positive_int,
+             help="After the first iteration (which builds and warms up everything), every "
+                  "process group's timeout becomes this many seconds (Megatron-LM's "
+                  "update_pg_timeout)."),
+        Flag("--distributed-backend", GROUP,
+             help="The collectives' backend on a GPU: nccl, or gloo (several ranks may then "
+                  "share one GPU, which NCCL refuses). Without a GPU it is gloo whatever this "
+                  "says (NCCL needs GPUs)."),
     ]
 
 

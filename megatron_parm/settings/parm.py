@@ -58,8 +58,9 @@ def flags() -> List[Flag]:
                   f"(default {tuning.DEFAULT_MARGIN})."),
         Flag("--parm-tune-candidates", GROUP, int, tuning.DEFAULT_MAX_CANDIDATES,
              check=positive_int, help=f"At most this many candidates are timed (default "
-                                      f"{tuning.DEFAULT_MAX_CANDIDATES}), and S1 besides "
-                                      f"them where they leave it out."),
+                                      f"{tuning.DEFAULT_MAX_CANDIDATES}): each distinct "
+                                      f"schedule's best variant first, then other chunk "
+                                      f"counts; and S1 besides them where they leave it out."),
         Flag("--parm-tune-cache", GROUP, str,
              help=f"JSON file of measured choices, read before tuning and written after "
                   f"(default: {tuning.CACHE_NAME} in --save; none without --save)."),

@@ -31,6 +31,11 @@ def flags() -> List[Flag]:
              help="Dynamic loss scaling: clean iterations before the scale doubles."),
         Flag("--hysteresis", GROUP,
              help="Dynamic loss scaling: overflows tolerated before the scale halves."),
+        Flag("--grad-reduce-in-bf16", GROUP,
+             help="With --bf16: accumulate and all-reduce gradients in bf16 (default fp32)."),
+        Flag("--fp32-residual-connection", GROUP,
+             help="With --bf16 / --fp16: keep the residual stream in fp32 (needs --transformer-impl "
+                  "transformer_engine: torch's LayerNorm takes no fp32 input with bf16 weights)."),
         Flag("--accumulate-allreduce-grads-in-fp32", GROUP,
              help="Accumulate and all-reduce gradients in fp32 (always so with --bf16 and in "
                   "fp32 runs; with --fp16 they are fp16 without it)."),

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from megatron_parm.settings import (
     checkpoints, data, logging, megatron_lm, model, moe, mtp, optimizer, parallel, parm,
-    precision, surface, training)
+    precision, run_control, surface, training)
 from megatron_parm.settings.flag import DECLARED, Flag
 
 IMPLEMENTED, NO_EFFECT, REFUSED = "implemented", "no effect", "refused"
@@ -31,8 +31,8 @@ def _declare() -> List[Flag]:
     """This project's declarations, by concern (the order of --help)."""
     return [CONFIG, *model.flags(), *mtp.flags(), *moe.flags(), *parm.flags(), *parallel.flags(),
             *parallel.cluster_flags(), *training.flags(), *optimizer.flags(),
-            *checkpoints.flags(), *logging.flags(), *precision.flags(), *data.flags(),
-            *data.tokenizer_flags()]
+            *checkpoints.flags(), *run_control.flags(), *logging.flags(), *precision.flags(),
+            *data.flags(), *data.tokenizer_flags()]
 
 
 DECLARATIONS: List[Flag] = _declare()
@@ -68,13 +68,13 @@ FLAGS: Dict[str, Flag] = _all_flags()
 SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_lm.OPTIONS.items()
                             if status(name) != IMPLEMENTED}
 
-# The pretraining entry points (pretrain_scripts/): the launcher checks their flags against
-# training_parser() before it starts any rank.
-TRAINING_SCRIPTS = ("pretrain_gpt2_moe.py", "pretrain_bert_moe.py")
+# The pretraining entry points (pretrain_scripts/) and the model each trains: the launcher
+# checks their flags against training_parser() before it starts any rank.
+TRAINING_SCRIPTS = {"pretrain_gpt2_moe.py": "gpt", "pretrain_bert_moe.py": "bert"}
 # The groups of training's parser, in --help order.
 TRAINING_GROUPS = (model.GROUP, mtp.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
-                   optimizer.GROUP, checkpoints.GROUP, logging.GROUP, precision.GROUP, data.GROUP,
-                   data.TOKENIZER)
+                   optimizer.GROUP, checkpoints.GROUP, run_control.GROUP, logging.GROUP,
+                   precision.GROUP, data.GROUP, data.TOKENIZER)
 # Dests that say one setting in different units: given on the command line, one replaces the
 # others' config-file values (training.ALTERNATIVES).
 ALTERNATIVES = training.ALTERNATIVES

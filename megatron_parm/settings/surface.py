@@ -23,7 +23,6 @@ GPU_MATH = "sets a cuBLAS math mode of the GPU"
 GPU_OVERLAP = "overlaps or orders GPU work differently, with the same results"
 TP_OVERLAP_OFF = "a setting of --tp-comm-overlap, which is off here (it needs Transformer Engine)"
 NCCL = "tunes NCCL or its buffers (NCCL's defaults run on a GPU here, gloo on CPU)"
-BACKEND = "the backend follows the device here: NCCL on a GPU, gloo on CPU"
 GPU_MEMORY = ("changes where or how long GPU memory is held (offloading, pinning, freeing), with "
               "the same results")
 CUDA_GRAPHS_OFF = "a setting of CUDA graphs, which are off here"
@@ -43,9 +42,20 @@ LOCAL_RANK = "torchrun's LOCAL_RANK is read instead"
 STORAGE_CLIENT = "the multi-storage client is not used here: checkpoints and data are local files"
 EXPERIMENTAL = "lets Megatron-Core's experimental features run, and none of them is built here"
 INDEX_SPEED = "speeds up building or loading dataset indexes, which are built the same way here"
-ASYNC_SAVE = "writes checkpoints in the background: here the save waits, and writes the same files"
+ASYNC_SAVE = ("writes checkpoints in the background, which is not built here: every save waits for "
+              "its files, the same files (Megatron-LM 0.16.1 also saves in the foreground unless "
+              "--use-persistent-ckpt-worker is given)")
+DEPRECATED_FORMAT = ("deprecated in Megatron-LM 0.16.1, which ignores it too (--ckpt-format "
+                     "chooses the format)")
+PARALLEL_SAVE_DEFAULT = ("deprecated in Megatron-LM 0.16.1, which ignores it too: the parallel "
+                         "save is the default (--no-ckpt-fully-parallel-save turns it off)")
+READ_NOWHERE = "Megatron-LM 0.16.1 declares it and reads it nowhere"
+LOCAL_CKPT_OFF = "a setting of local non-persistent checkpoints, which are refused here"
+REPLICATION_OFF = "a setting of --replication, which is refused here"
 EXPORT = "a setting of ONNX export, which is not built here"
 GLOO = "the CPU runs here need their gloo groups (on a GPU they are made only where used)"
+UNREAD = ("Megatron-LM core_v0.16.1 reads it nowhere: with --exit-signal-handler the data "
+          "loader's workers catch --exit-signal anyway, there as here")
 SAMPLE_RATE = ("Megatron-LM reads it only in its legacy ORQA (biencoder) datasets, not when it "
                "pretrains GPT or BERT")
 DECODER_ONLY = ("the decoder's sequence length of encoder-decoder models (T5), which are not built "
@@ -56,6 +66,12 @@ HF_FAST = ("HuggingFaceTokenizer here always reads tokenizer.json with the token
            "fast tokenizer)")
 HF_REMOTE_CODE = ("HuggingFaceTokenizer here reads tokenizer.json and never runs code of the "
                   "tokenizer's repository")
+UNREAD_BY_CORE = ("Megatron-LM 0.16.1 hands it to no Megatron-Core code that reads it (only its "
+                  "legacy models did), so it changes nothing there either")
+ROPE_FACTOR = ("Megatron-LM 0.16.1's GPT builder does not pass it on: --use-rope-scaling scales by "
+               "Megatron-Core's factor 8 there too")
+T5_DECODER = "sets the decoder of T5 models, not built here: GPT and BERT take --num-layers"
+QK_CLIP_OFF = "a setting of --qk-clip, which is refused here"
 
 # Why a flag is refused.
 NEEDS_TE = "needs Transformer Engine"
@@ -63,8 +79,6 @@ NEEDS_GPU_FP8 = "FP8 / FP4 training needs Transformer Engine on a Hopper or newe
 CUDA_GRAPHS = ("CUDA graphs need a GPU, and Parm's dispatchers keep host state a graph cannot "
                "replay (docs/design.md)")
 NEEDS_DEEPEP = "needs DeepEP, HybridEP or grouped_gemm kernels on a GPU"
-MLA = ("multi-latent attention is not built yet: Megatron-Core 0.16.1 runs it only with "
-       "Transformer Engine's attention (the next issue: DeepSeek-V3-style features)")
 CONTEXT_PARALLEL = ("context parallelism is not built yet (the next issue: DeepSeek-V3-style "
                     "features)")
 FSDP = ("FSDP (Megatron-FSDP, torch FSDP2) is not built here, --use-distributed-optimizer shards "
@@ -81,16 +95,33 @@ FT_PACKAGE = ("NVIDIA's fault-tolerance package is not built here (docs/faults.m
 NOT_PRETRAINING = ("RL, vision, biencoder and SFT training are not this project's, which "
                    "pretrains GPT and BERT MoE models")
 INFERENCE = "inference is not this project's, which pretrains GPT and BERT MoE models"
+FULL_VALIDATION = ("an evaluation runs --eval-iters batches here, a pass over the whole "
+                   "validation split is not built")
+VALIDATION_SETS = ("an evaluation here takes the validation datasets as one blend, a loss for "
+                   "each one is not built")
 NOT_BUILT = "not built here yet"
+REPLICATION = ("replicates local non-persistent checkpoints, which need NVIDIA's resiliency "
+               "package (nvidia-resiliency-ext), not used here")
+GRAD_FILES = ("writing gradients to files is not built here yet (checkpoints hold weights, "
+              "optimizer state and RNG states)")
+MAIN_PARAMS_FROM_CKPT = ("not built here yet: without the optimizer's state, a --bf16 / --fp16 "
+                         "run's fp32 main parameters start from the loaded weights")
 FIM = ("Megatron-LM's fill-in-the-middle dataset is in its training package, not in Megatron-Core "
        "0.16.1, and is not built here")
 LEGACY_TOKENIZER = ("Megatron-LM's legacy tokenizer classes (megatron/training/tokenizer) are not "
                     "built here: the datasets use the tokenizer --tokenizer-type names")
 TOKENIZER_METADATA = ("picks Megatron-Core's tokenizer library and class from a file, and the "
                       "tokenizers here are chosen by --tokenizer-type")
+MAX_ATTENTION_LOGIT = ("Megatron-Core 0.16.1 measures the attention logits only in Transformer "
+                       "Engine's attention (2.9 or newer), as Megatron-LM requires too")
+QK_CLIP = ("needs Transformer Engine's attention (2.9 or newer), which records the largest "
+           "attention logits that the clip scales the query and key weights by")
+MOE_LATENT = ("needs Transformer Engine: Megatron-Core 0.16.1 builds the latent projections "
+              "with its TELinear")
 
 NO_EFFECT: Dict[str, str] = {
     "--pipeline-model-parallel-comm-backend": NCCL,
+    "--moe-extended-tp": UNREAD_BY_CORE,
     "--no-async-tensor-model-parallel-allreduce": GPU_OVERLAP,
     "--no-tp-comm-bulk-wgrad": TP_OVERLAP_OFF,
     "--no-tp-comm-bulk-dgrad": TP_OVERLAP_OFF,
@@ -108,7 +139,9 @@ NO_EFFECT: Dict[str, str] = {
     "--wgrad-deferral-limit": GPU_OVERLAP,
     "--overlap-p2p-communication-warmup-flush": GPU_OVERLAP,
     "--cpu-offloading-num-layers": GPU_MEMORY,
-    "--attention-backend": FUSED_KERNEL,
+    "--apply-residual-connection-post-layernorm": UNREAD_BY_CORE,
+    "--qk-clip-alpha": QK_CLIP_OFF,
+    "--qk-clip-threshold": QK_CLIP_OFF,
     "--disable-bf16-reduced-precision-matmul": GPU_MATH,
     "--use-fused-weighted-squared-relu": FUSED_KERNEL,
     "--distribute-saved-activations": GPU_MEMORY,
@@ -137,8 +170,11 @@ NO_EFFECT: Dict[str, str] = {
     "--fine-grained-activation-offloading": GPU_MEMORY,
     "--offload-modules": GPU_MEMORY,
     "--min-offloaded-tensor-size": GPU_MEMORY,
+    "--decoder-num-layers": T5_DECODER,
     "--relative-attention-num-buckets": RELATIVE_OFF,
     "--relative-attention-max-distance": RELATIVE_OFF,
+    "--rotary-seq-len-interpolation-factor": UNREAD_BY_CORE,
+    "--rope-scaling-factor": ROPE_FACTOR,
     "--onnx-safe": EXPORT,
     "--muon-momentum": MUON_OFF,
     "--muon-no-split-qkv": MUON_OFF,
@@ -157,6 +193,7 @@ NO_EFFECT: Dict[str, str] = {
     "--memory-snapshot-path": PROFILING,
     "--empty-unused-memory-level": GPU_MEMORY,
     "--train-sync-interval": GPU_OVERLAP,
+    "--exit-signal-handler-for-dataloader": UNREAD,
     "--disable-gloo-process-groups": GLOO,
     "--tp-comm-overlap-cfg": TP_OVERLAP_OFF,
     "--no-masked-softmax-fusion": FUSED_KERNEL,
@@ -178,11 +215,18 @@ NO_EFFECT: Dict[str, str] = {
     "--disable-jit-fuser": FUSED_KERNEL,
     "--async-save": ASYNC_SAVE,
     "--use-persistent-ckpt-worker": ASYNC_SAVE,
+    "--non-persistent-local-ckpt-dir": LOCAL_CKPT_OFF,
+    "--non-persistent-local-ckpt-algo": LOCAL_CKPT_OFF,
+    "--dist-ckpt-save-pre-mcore-014": READ_NOWHERE,
+    "--replication-jump": REPLICATION_OFF,
+    "--replication-factor": REPLICATION_OFF,
+    "--dist-ckpt-format": DEPRECATED_FORMAT,
+    "--ckpt-fully-parallel-save": PARALLEL_SAVE_DEFAULT,
     "--no-strict-fsdp-dtensor-load": FSDP_OFF,
     "--use-dist-ckpt": ALWAYS_MCORE,
+    "--fp16-lm-cross-entropy": UNREAD_BY_CORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
     "--no-overlap-p2p-communication": GPU_OVERLAP,
-    "--distributed-backend": BACKEND,
     "--no-align-grad-reduce": GPU_OVERLAP,
     "--ddp-pad-buckets-for-high-nccl-busbw": NCCL,
     "--overlap-param-gather-with-optimizer-step": GPU_OVERLAP,
@@ -237,26 +281,8 @@ REFUSED: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": CONTEXT_PARALLEL,
     "--max-seqlen-per-dp-cp-rank": CONTEXT_PARALLEL,
     "--hybrid-context-parallel": CONTEXT_PARALLEL,
-    "--moe-extended-tp": NOT_BUILT,
-    "--no-initialization": NOT_BUILT,
-    "--use-cpu-initialization": NOT_BUILT,
-    "--deterministic-mode": NOT_BUILT,
     "--tp-comm-overlap": NEEDS_TE,
-    "--microbatch-group-size-per-virtual-pipeline-stage": NOT_BUILT,
-    "--softmax-type": NOT_BUILT,
-    "--fp32-residual-connection": NOT_BUILT,
-    "--apply-residual-connection-post-layernorm": NOT_BUILT,
-    "--apply-layernorm-1p": NOT_BUILT,
-    "--glu-linear-offset": NOT_BUILT,
-    "--activation-func-clamp-value": NOT_BUILT,
-    "--rotary-interleaved": NOT_BUILT,
-    "--qk-l2-norm": NOT_BUILT,
-    "--qk-clip": NOT_BUILT,
-    "--qk-clip-alpha": NOT_BUILT,
-    "--qk-clip-threshold": NOT_BUILT,
-    "--attention-output-gate": NOT_BUILT,
-    "--calculate-per-token-loss": NOT_BUILT,
-    "--multi-latent-attention": MLA,
+    "--qk-clip": QK_CLIP,
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
     "--dsa-indexer-head-dim": NOT_BUILT,
@@ -268,24 +294,16 @@ REFUSED: Dict[str, str] = {
     "--linear-value-head-dim": NOT_BUILT,
     "--linear-num-key-heads": NOT_BUILT,
     "--linear-num-value-heads": NOT_BUILT,
-    "--embedding-init-method-std": NOT_BUILT,
     "--init-model-with-meta-device": FSDP,
-    "--apply-query-key-layer-scaling": NOT_BUILT,
     "--fp8-format": NEEDS_GPU_FP8,
     "--use-kitchen-attention": NOT_BUILT,
     "--kitchen-attention-backend": NOT_BUILT,
     "--fp4-format": NEEDS_GPU_FP8,
     "--fp4-param-gather": NEEDS_GPU_FP8,
     "--moe-enable-routing-replay": NOT_BUILT,
-    "--moe-router-force-load-balancing": NOT_BUILT,
     "--moe-use-legacy-grouped-gemm": NEEDS_DEEPEP,
-    "--moe-input-jitter-eps": NOT_BUILT,
     "--moe-enable-deepep": NEEDS_DEEPEP,
-    "--moe-per-layer-logging": NOT_BUILT,
-    "--moe-token-drop-policy": NOT_BUILT,
-    "--moe-layer-recompute": NOT_BUILT,
-    "--moe-apply-probs-on-input": NOT_BUILT,
-    "--moe-latent-size": NOT_BUILT,
+    "--moe-latent-size": MOE_LATENT,
     "--enable-cuda-graph": CUDA_GRAPHS,
     "--external-cuda-graph": CUDA_GRAPHS,
     "--cuda-graph-impl": CUDA_GRAPHS,
@@ -302,32 +320,8 @@ REFUSED: Dict[str, str] = {
     "--mamba-num-heads": MAMBA,
     "--disable-mamba-mem-eff-path": MAMBA,
     "--mlp-chunks-for-prefill": INFERENCE,
-    "--encoder-num-layers": NOT_BUILT,
-    "--decoder-num-layers": NOT_BUILT,
-    "--window-size": NOT_BUILT,
-    "--window-attn-skip-freq": NOT_BUILT,
-    "--use-rotary-position-embeddings": NOT_BUILT,
-    "--rotary-seq-len-interpolation-factor": NOT_BUILT,
-    "--use-rope-scaling": NOT_BUILT,
-    "--rope-scaling-factor": NOT_BUILT,
-    "--no-rope-freq": NOT_BUILT,
-    "--squared-relu": NOT_BUILT,
-    "--quick-geglu": NOT_BUILT,
-    "--check-weight-hash-across-dp-replicas-interval": NOT_BUILT,
-    "--exit-duration-in-mins": NOT_BUILT,
-    "--exit-signal": NOT_BUILT,
-    "--exit-signal-handler-for-dataloader": NOT_BUILT,
-    "--manual-gc": NOT_BUILT,
-    "--manual-gc-interval": NOT_BUILT,
-    "--no-manual-gc-eval": NOT_BUILT,
-    "--iterations-to-skip": NOT_BUILT,
     "--batch-size": RENAMED,
-    "--recompute-activations": NOT_BUILT,
-    "--no-check-for-nan-in-loss-and-grad": NOT_BUILT,
-    "--check-for-large-grads": NOT_BUILT,
-    "--result-rejected-tracker-filename": NOT_BUILT,
     "--checkpoint-activations": RENAMED,
-    "--rope-type": NOT_BUILT,
     "--dump-param-to-param-group-map": NOT_BUILT,
     "--use-legacy-models": LEGACY_MODELS,
     "--perform-rl-step": NOT_PRETRAINING,
@@ -370,61 +364,23 @@ REFUSED: Dict[str, str] = {
     "--rl-skip-bos-token": NOT_PRETRAINING,
     "--te-rng-tracker": NEEDS_TE,
     "--inference-rng-tracker": INFERENCE,
-    "--data-parallel-random-init": NOT_BUILT,
-    "--init-method-xavier-uniform": NOT_BUILT,
     "--warmup": RENAMED,
-    "--save-wgrads-interval": NOT_BUILT,
-    "--save-dgrads-interval": NOT_BUILT,
-    "--save-retain-interval": NOT_BUILT,
-    "--load-main-params-from-ckpt": NOT_BUILT,
-    "--non-persistent-save-interval": NOT_BUILT,
-    "--non-persistent-ckpt-type": NOT_BUILT,
-    "--non-persistent-global-ckpt-dir": NOT_BUILT,
-    "--non-persistent-local-ckpt-dir": NOT_BUILT,
-    "--non-persistent-local-ckpt-algo": NOT_BUILT,
-    "--finetune": NOT_BUILT,
-    "--pretrained-checkpoint": NOT_BUILT,
-    "--ckpt-step": NOT_BUILT,
-    "--use-checkpoint-args": NOT_BUILT,
-    "--use-mp-args-from-checkpoint-args": NOT_BUILT,
-    "--no-use-tokenizer-model-from-checkpoint-args": NOT_BUILT,
-    "--exit-on-missing-checkpoint": NOT_BUILT,
-    "--ckpt-format": NOT_BUILT,
-    "--auto-detect-ckpt-format": NOT_BUILT,
+    "--save-wgrads-interval": GRAD_FILES,
+    "--save-dgrads-interval": GRAD_FILES,
+    "--load-main-params-from-ckpt": MAIN_PARAMS_FROM_CKPT,
+    "--replication": REPLICATION,
     "--ckpt-convert-format": NOT_BUILT,
     "--ckpt-convert-save": NOT_BUILT,
     "--ckpt-convert-update-legacy-dist-opt-format": NOT_BUILT,
-    "--no-ckpt-fully-parallel-save": NOT_BUILT,
-    "--ckpt-fully-parallel-load": NOT_BUILT,
-    "--ckpt-assume-constant-structure": NOT_BUILT,
-    "--dist-ckpt-strictness": NOT_BUILT,
-    "--dist-ckpt-save-pre-mcore-014": NOT_BUILT,
-    "--replication": NOT_BUILT,
-    "--replication-jump": NOT_BUILT,
-    "--replication-factor": NOT_BUILT,
-    "--no-save-optim": NOT_BUILT,
-    "--no-save-rng": NOT_BUILT,
-    "--no-load-optim": NOT_BUILT,
-    "--no-load-rng": NOT_BUILT,
-    "--dist-ckpt-format": NOT_BUILT,
-    "--ckpt-fully-parallel-save": NOT_BUILT,
-    "--grad-reduce-in-bf16": NOT_BUILT,
-    "--attention-softmax-in-fp32": NOT_BUILT,
-    "--fp16-lm-cross-entropy": NOT_BUILT,
     "--model-parallel-size": RENAMED,
-    "--distributed-timeout-seconds-after-init": NOT_BUILT,
-    "--ddp-num-buckets": NOT_BUILT,
-    "--ddp-reduce-scatter-with-fp32-accumulation": NOT_BUILT,
     "--lazy-mpu-init": NOT_BUILT,
     "--use-megatron-fsdp": FSDP,
     "--data-parallel-sharding-strategy": FSDP,
     "--use-torch-fsdp2": FSDP,
     "--cp-comm-type": CONTEXT_PARALLEL,
-    "--use-tp-pp-dp-mapping": NOT_BUILT,
     "--fake-process-group": NOT_BUILT,
-    "--test-mode": NOT_BUILT,
-    "--full-validation": NOT_BUILT,
-    "--multiple-validation-sets": NOT_BUILT,
+    "--full-validation": FULL_VALIDATION,
+    "--multiple-validation-sets": VALIDATION_SETS,
     "--fim-data": FIM,
     "--fim-rate": FIM,
     "--fim-spm-rate": FIM,
@@ -480,43 +436,12 @@ REFUSED: Dict[str, str] = {
     "--dino-warmup-teacher-temp": NOT_PRETRAINING,
     "--dino-teacher-temp": NOT_PRETRAINING,
     "--dino-warmup-teacher-temp-epochs": NOT_PRETRAINING,
-    "--moe-use-upcycling": NOT_BUILT,
-    "--moe-upcycling-granularity": NOT_BUILT,
     "--moe-pad-experts-for-cuda-graph-inference": INFERENCE,
-    "--q-lora-rank": MLA,
-    "--kv-lora-rank": MLA,
-    "--qk-head-dim": MLA,
-    "--qk-pos-emb-head-dim": MLA,
-    "--v-head-dim": MLA,
-    "--rotary-scaling-factor": MLA,
-    "--mscale": MLA,
-    "--mscale-all-dim": MLA,
     "--cache-mla-latents": INFERENCE,
     "--linear-attention-freq": NOT_BUILT,
     "--heterogeneous-layers-config-path": NOT_BUILT,
     "--heterogeneous-layers-config-encoded-json": NOT_BUILT,
-    "--log-params-norm": NOT_BUILT,
-    "--log-throughput": NOT_BUILT,
-    "--log-progress": NOT_BUILT,
-    "--timing-log-level": NOT_BUILT,
-    "--timing-log-option": NOT_BUILT,
-    "--tensorboard-log-interval": NOT_BUILT,
-    "--tensorboard-queue-size": NOT_BUILT,
-    "--log-timers-to-tensorboard": NOT_BUILT,
-    "--no-log-loss-scale-to-tensorboard": NOT_BUILT,
-    "--log-validation-ppl-to-tensorboard": NOT_BUILT,
-    "--log-memory-to-tensorboard": NOT_BUILT,
-    "--log-memory-interval": NOT_BUILT,
-    "--log-device-memory-used": NOT_BUILT,
-    "--log-num-zeros-in-grad": NOT_BUILT,
-    "--log-max-attention-logit": NOT_BUILT,
-    "--no-barrier-with-level-1-timing": NOT_BUILT,
-    "--log-world-size-to-tensorboard": NOT_BUILT,
-    "--wandb-project": NOT_BUILT,
-    "--wandb-exp-name": NOT_BUILT,
-    "--wandb-save-dir": NOT_BUILT,
-    "--wandb-entity": NOT_BUILT,
-    "--logging-level": NOT_BUILT,
+    "--log-max-attention-logit": MAX_ATTENTION_LOGIT,
     "--inference-batch-times-seqlen-threshold": INFERENCE,
     "--max-tokens-to-oom": INFERENCE,
     "--output-bert-embeddings": INFERENCE,
@@ -570,10 +495,6 @@ REFUSED: Dict[str, str] = {
     "--enable-ft-package": FT_PACKAGE,
     "--calc-ft-timeouts": FT_PACKAGE,
     "--ft-num-warmup-iters": FT_PACKAGE,
-    "--error-injection-rate": NOT_BUILT,
-    "--error-injection-type": NOT_BUILT,
-    "--rerun-mode": NOT_BUILT,
-    "--check-for-spiky-loss": NOT_BUILT,
     "--sft": NOT_PRETRAINING,
     "--sft-tokenizer-prompt-format": NOT_PRETRAINING,
 }

@@ -77,10 +77,23 @@ def flags() -> List[Flag]:
         Flag("--ddp-bucket-size", GROUP, check=positive_int,
              help="Parameters per gradient bucket with --overlap-grad-reduce (default: "
                   "Megatron-Core's, max(40M, 1M x data-parallel size))."),
+        Flag("--ddp-num-buckets", GROUP, check=positive_int,
+             help="With --overlap-grad-reduce: this many gradient buckets (the rank's "
+                  "parameters divided evenly; instead of --ddp-bucket-size)."),
+        Flag("--ddp-reduce-scatter-with-fp32-accumulation", GROUP,
+             help="With --use-distributed-optimizer: reduce-scatter the gradients as an "
+                  "all-to-all and a sum in fp32 (for bf16 gradients)."),
         Flag("--ddp-average-in-collective", GROUP,
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),
         Flag("--seed", GROUP),
+        Flag("--calculate-per-token-loss", GROUP,
+             help="Average the loss over every token of the global batch (Megatron-Core's "
+                  "schedules with calculate_per_token_loss: each micro-batch's summed loss, "
+                  "the gradients divided by the global batch's token count) instead of over "
+                  "each micro-batch's tokens, then over the micro-batches. BERT's "
+                  "sentence-order loss enters weighted by its micro-batch's tokens, as "
+                  "Megatron-Core weights the router's losses."),
         *_recompute_flags(),
     ]
 
@@ -125,6 +138,8 @@ def _schedule_flags() -> List[Flag]:
 def _recompute_flags() -> List[Flag]:
     """Activation recompute, as Megatron-LM spells it (its rules: training.arguments)."""
     return [
+        Flag("--recompute-activations", GROUP,
+             help="Megatron-LM's older spelling of --recompute-granularity selective."),
         Flag("--recompute-granularity", GROUP,
              help="Recompute activations in the backward pass instead of keeping them: 'full' "
                   "the whole transformer layer (with --recompute-method and "
@@ -141,4 +156,7 @@ def _recompute_flags() -> List[Flag]:
              help="With --recompute-granularity selective: the submodules to recompute "
                   "(default: core_attn). moe: the whole MoE layer, its dispatcher's "
                   "collectives included; moe_act needs --moe-grouped-gemm."),
+        Flag("--moe-layer-recompute", GROUP,
+             help="Megatron-LM's older spelling of --recompute-granularity selective with "
+                  "moe added to --recompute-modules."),
     ]

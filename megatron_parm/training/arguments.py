@@ -16,17 +16,16 @@ import importlib.util
 import os
 from typing import List, Optional
 
-from megatron_parm import settings, tuning
-from megatron_parm.data.datasets import check_data_flags
-from megatron_parm.data.tokenizers import check_tokenizer_flags
+from megatron_parm import schedules, settings, tuning
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, default_ffn_hidden_size, microbatch_problem,
-    LAYOUT_FLAG, layout_virtual_stages, model_problem, moe_overlap_problem, mtp_problem,
-    pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
+    architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
+    LAYOUT_FLAG, layout_virtual_stages, mla_problem, model_problem, moe_overlap_problem,
+    mtp_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
-from megatron_parm.training import ddp, mixed_precision, schedule
-from megatron_parm.training.implementation import check_implementation
+from megatron_parm.training import mixed_precision, schedule, upcycling, writers
+from megatron_parm.training.implementation import check_implementation, expert_implementation
+from megatron_parm.wording import plural
 
 MODEL_TYPES = ("gpt", "bert")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -50,16 +49,38 @@ def parse_args(argv: Optional[List[str]] = None, model_type: str = "gpt",
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     args = settings.read(build_parser(model_type), argv)
     args.model_type = model_type
+    if args.use_checkpoint_args:  # Megatron-LM takes them before validating the flags
+        args.checkpoint_args_note = _checkpoint_args(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size, reads_data)
     return args
 
 
-def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True) -> None:
+def _checkpoint_args(args) -> Optional[str]:
+    """--use-checkpoint-args: the model's flags from --load's checkpoint; the line that says
+    which (the trainer prints it)."""
+    from megatron_parm.checkpointing.checkpoint_args import apply_checkpoint_args
+
+    applied = apply_checkpoint_args(args)
+    if applied is None:
+        return None
+    path, taken = applied
+    if path is None:
+        return f"--use-checkpoint-args: no checkpoint in {args.load} yet: the command line's flags"
+    shown = ", ".join(f"{settings.flag_of(key)} {value}" for key, value in taken.items())
+    return f"--use-checkpoint-args: from {path}: {shown or 'the same flags'}"
+
+
+def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True,
+             megatron_core: bool = True) -> None:
     """Fill defaults that depend on other flags, and refuse anything inconsistent (each flag's
-    own check ran in settings.read)."""
+    own check ran in settings.read). megatron_core=False leaves out the one check that imports
+    Megatron-Core (its TransformerConfig's refusals: seconds of import), as the launcher does
+    (megatron_parm.launch checks the rest before any rank starts; keep the others free of
+    Megatron-Core: tests/unit/test_training_args.py checks it)."""
     _validate_seq_length(args)
+    _encoder_num_layers(args)
     settings.require(args, REQUIRED)
     if reads_data:
         _validate_inputs(args)
@@ -67,10 +88,14 @@ def validate(args: argparse.Namespace, world_size: int, reads_data: bool = True)
     _validate_layout(args, world_size)
     _validate_batch(args, world_size)
     _validate_schedule(args)
+    _validate_checkpoints(args)
     _validate_optimizer(args, world_size)
     _validate_parm(args, world_size)
+    _validate_run_control(args)
     _validate_implementation(args)
-    _validate_config(args)
+    writers.check_args(args)  # --wandb-*
+    if megatron_core:
+        _validate_config(args)
 
 
 def _validate_config(args) -> None:
@@ -102,6 +127,9 @@ def _validate_seq_length(args) -> None:
 
 def _validate_inputs(args) -> None:
     """The data and tokenizer flags that go together, and the files they name."""
+    from megatron_parm.data.datasets import check_data_flags  # Megatron-Core's datasets
+    from megatron_parm.data.tokenizers import check_tokenizer_flags
+
     check_data_flags(args, getattr(args, "model_type", "gpt"))  # every prefix names a whole indexed dataset
     check_tokenizer_flags(args)
     if getattr(args, "phase_transition_iterations", None):
@@ -119,16 +147,34 @@ def _validate_inputs(args) -> None:
             raise ValueError(f"{flag}: file not found: {path}")
 
 
+def _encoder_num_layers(args) -> None:
+    """--encoder-num-layers: Megatron-LM's other name of --num-layers (one of the two)."""
+    if args.encoder_num_layers is None:
+        return
+    if args.num_layers is not None and args.num_layers != args.encoder_num_layers:
+        raise ValueError(f"--num-layers ({args.num_layers}) and --encoder-num-layers "
+                         f"({args.encoder_num_layers}) name the same depth: give one of them")
+    args.num_layers = args.encoder_num_layers
+
+
 def _one_per_layer_type(args) -> None:
     """--moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient
-    per balancing type), which Megatron-LM reads as the one value when it holds one."""
+    per balancing type), which Megatron-LM reads as the one value when it holds one; several
+    types need as many coefficients (sinkhorn runs alone in Megatron-Core 0.16.1)."""
     for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = getattr(args, key)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, key, value[0])
-        elif isinstance(value, list):
-            raise ValueError(f"{settings.flag_of(key)} {' '.join(map(str, value))}: several "
-                             f"load-balancing losses at once are not built here (give one)")
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    num_types = len(types) if isinstance(types, list) else 1
+    num_coeffs = len(coeffs) if isinstance(coeffs, list) else 1
+    if num_types != num_coeffs:
+        raise ValueError(f"--moe-aux-loss-coeff needs one coefficient per "
+                         f"--moe-router-load-balancing-type ({plural(num_types, 'type')}, "
+                         f"{plural(num_coeffs, 'coefficient')})")
+    if isinstance(types, list) and "sinkhorn" in types:
+        raise ValueError("--moe-router-load-balancing-type sinkhorn runs alone (Megatron-Core "
+                         "0.16.1 ignores it among several types)")
 
 
 def _validate_model(args) -> None:
@@ -143,6 +189,7 @@ def _validate_model(args) -> None:
         args.max_position_embeddings = args.seq_length
     if not args.add_position_embedding:
         args.position_embedding_type = "none"
+    _model_flags(args)
     _refuse(shape_problem(args.hidden_size, args.num_attention_heads, args.seq_length,
                           args.max_position_embeddings, args.num_experts, args.moe_router_topk))
     if args.model_type == "bert" and args.untie_embeddings_and_output_weights:
@@ -166,6 +213,76 @@ def _validate_model(args) -> None:
                         position_embedding_type=args.position_embedding_type,
                         recompute_method=args.recompute_method,
                         recompute_num_layers=args.recompute_num_layers))
+    _validate_rope_type(args)
+
+
+def _validate_rope_type(args) -> None:
+    """--rope-type: yarn is multi-latent attention's (its default there); standard attention
+    takes rope only (Megatron-LM's rule), and only with --position-embedding-type rope."""
+    if args.rope_type is None or args.multi_latent_attention:
+        return
+    if args.rope_type != "rope":
+        raise ValueError(f"--rope-type {args.rope_type} needs --multi-latent-attention "
+                         f"(standard attention takes rope only, as in Megatron-LM)")
+
+
+# Flags of GPT's layers alone (Megatron-LM's BERT builder does not take them, or, the window,
+# would make BERT's attention causal), and those of them that need rotary positions.
+GPT_ONLY = ("--use-rotary-position-embeddings", "--rotary-interleaved", "--use-rope-scaling",
+            "--rope-type", "--no-rope-freq", "--qk-l2-norm", "--window-size",
+            "--window-attn-skip-freq")
+ROPE_ONLY = ("--rotary-interleaved", "--use-rope-scaling", "--rope-type", "--no-rope-freq")
+GATED_ONLY = ("--glu-linear-offset", "--activation-func-clamp-value")
+ACTIVATIONS = ("--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu")
+# MoE flags with an effect only where there are experts.
+MOE_ONLY = ("--moe-input-jitter-eps", "--moe-router-force-load-balancing",
+            "--moe-apply-probs-on-input", "--moe-token-drop-policy", "--moe-use-upcycling")
+
+
+def _set(args, names) -> list:
+    """The flags among NAMES (declared ones) that args sets to other than their default."""
+    return [name for name in names
+            if getattr(args, settings.FLAGS[name].key) != settings.FLAGS[name].default]
+
+
+def _model_flags(args) -> None:
+    """The attention, position, activation and MoE flags beyond the architecture's rules:
+    Megatron-LM's implications, and what goes together."""
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True  # Megatron-LM's: the scaled softmax is in fp32
+    gpt_only = _set(args, GPT_ONLY)
+    if args.model_type == "bert" and gpt_only:
+        raise ValueError(f"{gpt_only[0]} applies to GPT models (Megatron-LM's BERT builder does "
+                         f"not take it: BERT has learned positions, its own layer spec and "
+                         f"attends both ways)")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.model_type == "bert" and args.transformer_impl == "local" and \
+            args.attention_backend not in ("local", "auto"):
+        raise ValueError(f"--attention-backend {args.attention_backend}: BERT's local attention "
+                         f"(Megatron-Core's DotProductAttention) takes local or auto, as "
+                         f"Megatron-Core's BertModel")
+    rope_only = _set(args, ROPE_ONLY)
+    if rope_only and args.position_embedding_type != "rope":
+        raise ValueError(f"{rope_only[0]} needs --position-embedding-type rope")
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        raise ValueError("--window-attn-skip-freq needs --window-size (the window)")
+    activations = _set(args, ACTIVATIONS)
+    if len(activations) > 1:
+        raise ValueError(f"{activations[0]} and {activations[1]} both pick the MLPs' "
+                         f"activation: give one")
+    gated_only = _set(args, GATED_ONLY)
+    if gated_only and not (args.swiglu or args.quick_geglu):
+        raise ValueError(f"{gated_only[0]} applies to gated MLPs (--swiglu or --quick-geglu)")
+    moe_only = _set(args, MOE_ONLY)
+    if moe_only and not args.num_experts:
+        raise ValueError(f"{moe_only[0]} needs --num-experts (the model is dense)")
+    if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
+        raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (Megatron-Core "
+                         f"0.16.1), got {args.moe_router_topk}")
+    if args.moe_token_drop_policy != "probs" and args.moe_expert_capacity_factor is None:
+        raise ValueError("--moe-token-drop-policy applies with --moe-expert-capacity-factor "
+                         "(dropless routing drops nothing)")
 
 
 def _validate_layout(args, world_size: int) -> None:
@@ -182,8 +299,15 @@ def _validate_layout(args, world_size: int) -> None:
         num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
         add_bias_linear=not args.disable_bias_linear))
+    if args.multi_latent_attention:
+        _refuse(mla_problem(tp, args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim))
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
+    if args.use_tp_pp_dp_mapping and args.pipeline_model_parallel_size > 1:
+        raise ValueError("--use-tp-pp-dp-mapping with --pipeline-model-parallel-size > 1 is not "
+                         "built here: parm_hier's node groups and the planners' node accounting "
+                         "take each pipeline stage as consecutive ranks (Megatron-Core's default "
+                         "order); without pipelining both orders are the same")
 
 
 def _validate_batch(args, world_size: int) -> None:
@@ -196,6 +320,10 @@ def _validate_batch(args, world_size: int) -> None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
     args.data_parallel_size = data_parallel_size
     _validate_rampup(args)
+    group_size = args.microbatch_group_size_per_vp_stage
+    if group_size is not None and args.virtual_pipeline_model_parallel_size is None:
+        raise ValueError("--microbatch-group-size-per-virtual-pipeline-stage orders the "
+                         "interleaved schedule: it needs --num-virtual-stages-per-pipeline-rank")
     per_step = args.micro_batch_size * data_parallel_size
     for batch in schedule.ramp_batch_sizes(args):
         where = "" if batch == args.global_batch_size else \
@@ -211,7 +339,7 @@ def _validate_batch(args, world_size: int) -> None:
                              f"is less than one micro-batch on every data-parallel rank "
                              f"(--micro-batch-size x data-parallel size = {per_step})")
         problem = microbatch_problem(running // per_step, pp,
-                                     args.virtual_pipeline_model_parallel_size)
+                                     args.virtual_pipeline_model_parallel_size, group_size)
         _refuse(problem and where + problem)
     args.num_microbatches = args.global_batch_size // per_step
 
@@ -262,6 +390,22 @@ def _validate_schedule(args) -> None:
                          "exclude each other (the command line's schedule, or the checkpoint's)")
     if args.skip_train and not args.load:
         raise ValueError("--skip-train needs --load (the checkpoint to evaluate)")
+
+
+def _validate_checkpoints(args) -> None:
+    """The checkpoint flags' rules (Megatron-LM's validate_args)."""
+    if args.save and args.save_retain_interval is not None:
+        if not args.save_interval:
+            raise ValueError("--save-retain-interval needs --save-interval (it keeps the saves "
+                             "at its multiples)")
+        if args.save_retain_interval % args.save_interval:
+            raise ValueError(f"--save-retain-interval ({args.save_retain_interval}) must be a "
+                             f"multiple of --save-interval ({args.save_interval})")
+    if args.non_persistent_save_interval and args.non_persistent_ckpt_type is None:
+        raise ValueError("--non-persistent-save-interval needs --non-persistent-ckpt-type "
+                         "global (where the non-persistent checkpoints go)")
+    if args.skip_train:  # Megatron-LM: an evaluation loads no optimizer state
+        args.no_load_optim = True
 
 
 # The schedule's lengths in one unit each: (iterations' flag, samples' flag).
@@ -351,15 +495,17 @@ def _validate_parm(args, world_size: int) -> None:
     from megatron_parm.comm.accounting import ranks_per_node
 
     per_node = ranks_per_node(world_size, args.parm_ranks_per_node)  # must divide the world
-    if args.moe_token_dispatcher_type == "parm_hier":  # parm leaves it out instead (one line)
+    # parm_hier and its pipelined form split the EP groups by node; parm leaves them out
+    # instead (one line)
+    if schedules.get(args.moe_token_dispatcher_type).splits_ep_by_node:
         from megatron_parm.perf_model.layout import world_node_split_problem
 
         problem = world_node_split_problem(world_size, args.expert_model_parallel_size,
                                            args.expert_tensor_parallel_size,
                                            args.pipeline_model_parallel_size, per_node)
         if problem:
-            raise ValueError(f"--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
-                             f"{per_node}: {problem}")
+            raise ValueError(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} "
+                             f"with --parm-ranks-per-node {per_node}: {problem}")
     if args.parm_profile is not None:
         from megatron_parm.perf_model import load_profile
 
@@ -372,17 +518,62 @@ def _validate_parm(args, world_size: int) -> None:
     args.parm_tune_cache = tuning.default_cache(args.parm_tune_cache, args.save)
 
 
+def _validate_run_control(args) -> None:
+    """The run-control flags' rules, Megatron-LM's validate_args' among them."""
+    if args.recompute_activations:  # Megatron-LM's older spelling
+        args.recompute_granularity = "selective"
+    if args.fp16 and args.loss_scale is None:
+        # dynamic loss scaling: a NaN or infinite gradient is its signal to lower the scale,
+        # not an error (Megatron-LM turns the check off too)
+        args.check_for_nan_in_loss_and_grad = False
+    if args.error_injection_rate and args.rerun_mode != "validate_results":
+        raise ValueError(f"--error-injection-rate {args.error_injection_rate} injects errors "
+                         f"only with --rerun-mode validate_results (not {args.rerun_mode})")
+    if args.calculate_per_token_loss and args.ddp_average_in_collective:
+        raise ValueError("--calculate-per-token-loss with --ddp-average-in-collective: the "
+                         "per-token loss sums the gradients over data-parallel ranks "
+                         "(Megatron-Core refuses the average)")
+    if args.result_rejected_tracker_filename and \
+            os.path.isfile(args.result_rejected_tracker_filename):
+        from megatron.core.rerun_state_machine import RerunStateMachine
+
+        rejected = RerunStateMachine.get_skipped_iterations_from_tracker_file(
+            args.result_rejected_tracker_filename)
+        args.iterations_to_skip = sorted({*args.iterations_to_skip, *rejected})
+    if args.deterministic_mode:
+        _validate_deterministic(args)
+
+
+def _validate_deterministic(args) -> None:
+    """--deterministic-mode: Megatron-LM's rules, and cuBLAS's on a GPU."""
+    for key in ("use_flash_attn", "cross_entropy_loss_fusion"):
+        if getattr(args, key):
+            raise ValueError(f"--deterministic-mode with {settings.flag_of(key)}: Megatron-LM "
+                             f"refuses it (that kernel is not deterministic)")
+    if not _cuda_available():
+        return
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        raise ValueError("--deterministic-mode on a GPU needs CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                         "(or :16:8) in the environment (cuBLAS's deterministic workspace)")
+    algorithms = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+    if args.distributed_backend == "nccl" and os.environ.get("NCCL_ALGO") not in algorithms:
+        raise ValueError(f"--deterministic-mode with NCCL needs NCCL_ALGO in the environment, "
+                         f"one of {', '.join(algorithms)} (Megatron-LM's rule)")
+
+
 def _validate_implementation(args) -> None:
     """What this machine and Megatron-Core 0.16.1 can run: data parallelism, precision,
     layer modules, activation recompute."""
+    _moe_layer_recompute(args)
     _refuse(recompute_problem(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
         args.recompute_modules,
         layers_per_stage=args.num_layers // args.pipeline_model_parallel_size,
         grouped_gemm=bool(args.moe_grouped_gemm),
         shared_experts=args.moe_shared_expert_intermediate_size is not None,
-        shared_expert_overlap=args.moe_shared_expert_overlap))
-    ddp.check_args(args, _cuda_available())
+        shared_expert_overlap=args.moe_shared_expert_overlap,
+        multi_latent_attention=args.multi_latent_attention))
+    _validate_ddp(args, _cuda_available())
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(
         args.overlap_moe_expert_parallel_comm, args.delay_wgrad_compute,
@@ -397,6 +588,51 @@ def _validate_implementation(args) -> None:
                          hidden_size=args.hidden_size,
                          ffn_per_rank=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
                          // args.expert_tensor_parallel_size)
+    _modules_for_flags(args)
+    upcycling.check_args(args, _cuda_available())
+
+
+def _moe_layer_recompute(args) -> None:
+    """--moe-layer-recompute, as Megatron-Core 0.16.1's TransformerConfig reads it: selective
+    recompute with moe among the modules (core_attn by default)."""
+    if not args.moe_layer_recompute:
+        return
+    if args.recompute_granularity == "full":
+        raise ValueError("--moe-layer-recompute cannot go with --recompute-granularity full "
+                         "(it asks for selective recompute of the MoE layers)")
+    args.recompute_granularity = "selective"
+    modules = list(args.recompute_modules or ["core_attn"])
+    args.recompute_modules = modules + ([] if "moe" in modules else ["moe"])
+
+
+def _modules_for_flags(args) -> None:
+    """Flags the layer modules this run builds cannot take."""
+    if args.fp32_residual_connection:
+        if not (args.bf16 or args.fp16):
+            raise ValueError("--fp32-residual-connection needs --bf16 or --fp16 (the residual "
+                             "stream is fp32 anyway)")
+        if args.transformer_impl != "transformer_engine":
+            raise ValueError("--fp32-residual-connection needs --transformer-impl "
+                             "transformer_engine: Megatron-Core's local LayerNorm (torch's) "
+                             "takes no fp32 input with bf16 / fp16 weights")
+    experts = expert_implementation(args.transformer_impl, args.moe_grouped_gemm,
+                                    cuda=_cuda_available(), bf16=args.bf16)
+    gated = _set(args, GATED_ONLY + ("--quick-geglu",))
+    if args.num_experts and experts in ("GroupedMLP", "TorchGroupedMLP") and gated:
+        raise ValueError(f"{gated[0]} with --moe-grouped-gemm: Megatron-Core 0.16.1's GroupedMLP "
+                         f"(which {experts} follows) takes neither Quick-GELU nor the GLU's "
+                         f"offset and clamp; drop --moe-grouped-gemm (SequentialMLP experts)")
+
+
+def _validate_ddp(args, cuda: bool) -> None:
+    """Megatron-LM's data-parallel flags (training/ddp.py maps them onto Megatron-Core)."""
+    _refuse(ddp_problem(overlap_param_gather=args.overlap_param_gather,
+                        overlap_grad_reduce=args.overlap_grad_reduce,
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        average_in_collective=args.ddp_average_in_collective, cuda=cuda,
+                        num_buckets=args.ddp_num_buckets, bucket_size=args.ddp_bucket_size,
+                        reduce_scatter_with_fp32_accumulation=(
+                            args.ddp_reduce_scatter_with_fp32_accumulation)))
 
 
 def _refuse(problem: Optional[str]) -> None:

@@ -2,12 +2,16 @@
 training maps them.
 
     (the flags --overlap-grad-reduce, --overlap-param-gather, --use-distributed-optimizer,
-    --ddp-bucket-size and --ddp-average-in-collective are declared in megatron_parm.settings;
+    --ddp-bucket-size, --ddp-num-buckets, --ddp-reduce-scatter-with-fp32-accumulation and
+    --ddp-average-in-collective are declared in megatron_parm.settings;
     the distributed optimizer's checkpoints, --dist-ckpt-optim-fully-reshardable:
     checkpointing/optimizer_state.py)
-    check_args(args, cuda)           what Megatron-Core cannot run here: ValueError naming the
-                                     flag, why, and which flag to drop
-    ddp_config(args)                 the DistributedDataParallelConfig
+    (what Megatron-Core cannot run here, naming the flag, why and which flag to drop:
+    layout_rules.ddp_problem, checked with the other flags by training/arguments.py)
+    ddp_config(args, chunks)         the DistributedDataParallelConfig (chunks: this rank's
+                                     model chunks, whose parameters --ddp-num-buckets divides)
+    broadcast_params(model, args)    --data-parallel-random-init: the first data-parallel
+                                     rank's weights on every one
     WeakHookDDP(config, ddp_config, module)   Megatron-Core's DDP, freed when a run ends
     set_sync_funcs(config, model, args)   the schedule's no_sync / grad_sync / param_sync hooks
     GradReadyCounts(model, args)     --overlap-grad-reduce's hook counts, learnt again where
@@ -24,6 +28,11 @@ work; nothing here reduces a gradient):
   --ddp-bucket-size N          parameters per bucket (default max(4e7, 1e6 x DP size));
                                Megatron-Core uses one bucket without --overlap-grad-reduce, so
                                the size matters only with it;
+  --ddp-num-buckets N          the same, as the rank's parameters (every chunk's) divided by N;
+  --ddp-reduce-scatter-with-fp32-accumulation
+                               the distributed optimizer's reduce-scatter done as an all-to-all
+                               of the gradients and a sum of them in fp32 on each rank
+                               (Megatron-Core's; one bucket with --overlap-grad-reduce);
   --use-distributed-optimizer  the optimizer state and fp32 main parameters sharded over the
                                data-parallel ranks (ZeRO-1): gradients reduce-scattered, each
                                rank updates its shard, parameters all-gathered after the step;
@@ -43,39 +52,53 @@ import contextlib
 import weakref
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import param_and_grad_buffer
 
 from megatron_parm.mcore_compat.comm_stream import on_compute_thread
 from megatron_parm.training import mixed_precision
 
 
-def check_args(args, cuda: bool) -> None:
-    """Refuse, with one ValueError naming the flag, a combination Megatron-LM refuses or
-    Megatron-Core 0.16.1 cannot run on this machine (cuda: a GPU is usable)."""
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps "
-                         "the distributed optimizer's parameter all-gather): add it or drop "
-                         "--overlap-param-gather")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (as in "
-                         "Megatron-LM): add it or drop --overlap-param-gather")
-    if args.ddp_average_in_collective and not cuda:
-        raise ValueError("--ddp-average-in-collective needs NCCL: gloo (this machine has no "
-                         "GPU) has no ReduceOp.AVG; drop the flag (the gradients are then "
-                         "scaled by 1/DP before a summing collective, the same average)")
+# The reduce-scatter Megatron-Core's buffers call: its DDP swaps in the fp32-accumulating one
+# (a module global) when a config asks for it and never back, so a later run of the same process
+# without the flag puts it back.
+_REDUCE_SCATTER = param_and_grad_buffer.dist_reduce_scatter_func
 
 
-def ddp_config(args) -> DistributedDataParallelConfig:
+def ddp_config(args, chunks=()) -> DistributedDataParallelConfig:
     """The DistributedDataParallelConfig Megatron-LM's training builds from the same flags
-    (grad_reduce_in_fp32 from the precision flags; align_param_gather on, its default)."""
+    (grad_reduce_in_fp32 from the precision flags; align_param_gather on, its default; each
+    gradient bucket checked for NaN and Inf before its reduction unless
+    --no-check-for-nan-in-loss-and-grad, and for large norms with --check-for-large-grads:
+    Megatron-Core's rerun engine, training.run_control); --ddp-num-buckets divides the
+    parameters of CHUNKS (this rank's model chunks)."""
+    bucket_size = args.ddp_bucket_size
+    if getattr(args, "ddp_num_buckets", None) is not None:
+        num_params = sum(param.nelement() for chunk in chunks for param in chunk.parameters())
+        bucket_size = num_params // args.ddp_num_buckets
+    fp32_accumulation = bool(getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False))
+    if not fp32_accumulation:
+        param_and_grad_buffer.dist_reduce_scatter_func = _REDUCE_SCATTER
     return DistributedDataParallelConfig(
+        check_for_nan_in_grad=getattr(args, "check_for_nan_in_loss_and_grad", False),
+        check_for_large_grads=getattr(args, "check_for_large_grads", False),
         grad_reduce_in_fp32=mixed_precision.grad_reduce_in_fp32(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        bucket_size=args.ddp_bucket_size,
+        bucket_size=bucket_size,
+        reduce_scatter_with_fp32_accumulation=fp32_accumulation,
         average_in_collective=args.ddp_average_in_collective)
+
+
+def broadcast_params(model, args) -> None:
+    """--data-parallel-random-init: every data-parallel rank starts from the first one's
+    weights (each was seeded differently: trainer.set_seed), as Megatron-LM does after wrapping
+    the model in DDP. Collective."""
+    if getattr(args, "data_parallel_random_init", False):
+        for chunk in model:
+            chunk.broadcast_params()
 
 
 class WeakHookDDP(DistributedDataParallel):

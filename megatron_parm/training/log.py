@@ -1,19 +1,35 @@
-"""Console lines in Megatron-LM's format, TensorBoard, and a progress bar.
+"""Console lines in Megatron-LM's format, the training loop's log (console, TensorBoard and W&B
+through training/writers.py), and a progress bar.
 
 The console lines keep Megatron-LM's spelling and number formats so that log parsers written
 for Megatron-LM (`iteration N/ M |`, `lm loss: X.XXXXXXE+00 |`, `validation loss at ...`)
-read these logs too.
+read these logs too. TrainingLog is Megatron-LM's training_log and evaluate_and_print_results:
+    every iteration        the router losses reduced (where a writer is configured)
+    every --tensorboard-log-interval   the iteration's values to TensorBoard / W&B (learning-rate,
+                           batch-size, each loss, loss-scale, world-size, grad-norm, num-zeros,
+                           params-norm, memory, the router losses and per layer), each also
+                           '<tag> vs samples' where Megatron-LM writes that
+    every --log-interval   the iteration line (throughput, num zeros, params norm by the flags),
+                           the expert load, the memory line (--log-memory-interval), the timers
+                           (--timing-log-level; to TensorBoard with --log-timers-to-tensorboard,
+                           with iteration-time and throughput)
+    each evaluation        the validation block, '<loss> validation' (and its ppl) to TensorBoard
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import settings
+from megatron_parm.training import flops as model_flops
+from megatron_parm.training.memory import memory_scalars, report_memory
+from megatron_parm.training.writers import Writers
 from megatron_parm.wording import plural
 
 
@@ -24,21 +40,60 @@ def print_rank_0(message: str = "") -> None:
         print(message, flush=True)
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Megatron-LM's log handler: every logger's records on stdout, torch.distributed's left
+    out."""
+
+    def __init__(self):
+        super().__init__(stream=sys.stdout)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("torch.distributed") and super().filter(record)
+
+
+_LOGGING: dict = {"handler": None, "level": logging.WARNING}  # what setup_logging changed
+
+
+def setup_logging(level: Optional[int]) -> None:
+    """--logging-level: Python's root logger at LEVEL, printing to stdout through Megatron-LM's
+    handler; without the flag, Python's default (warnings and errors on stderr). A previous
+    call's change is undone first (several runs in one process)."""
+    import torch
+
+    root = logging.getLogger()
+    if _LOGGING["handler"] is not None:
+        root.removeHandler(_LOGGING["handler"])
+        root.setLevel(_LOGGING["level"])
+        _LOGGING["handler"] = None
+    if level is None:
+        return
+    _LOGGING.update(handler=_StdoutHandler(), level=root.level)
+    root.addHandler(_LOGGING["handler"])
+    root.setLevel(level)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logging.getLogger(__name__).info(f"Setting logging level to {level}")
+
+
 def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
                    elapsed_ms: float, learning_rate: float, global_batch_size: int,
                    losses: Dict[str, float], tokens_per_second: float,
                    grad_norm: Optional[float] = None, skipped: int = 0,
                    loss_scale: float = 1.0, nan_iterations: int = 0,
-                   skipped_samples: int = 0) -> str:
+                   throughput: Optional[float] = None, num_zeros: Optional[float] = None,
+                   params_norm: Optional[float] = None, skipped_samples: int = 0) -> str:
     """skipped: iterations of the interval whose update was skipped (fp16 overflow);
     nan_iterations: those whose loss was inf or nan; loss_scale: the current loss scale
-    (1.0 without --fp16 / --loss-scale); skipped_samples: the samples of global batches left
-    out so far (--decrease-batch-size-if-needed), shown where there are any."""
+    (1.0 without --fp16 / --loss-scale); throughput (TFLOP/s per rank), num_zeros, params_norm:
+    where --log-throughput, --log-num-zeros-in-grad, --log-params-norm ask for them;
+    skipped_samples: the samples of global batches left out so far
+    (--decrease-batch-size-if-needed), shown where there are any."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     if skipped_samples > 0:
         line += f" skipped samples: {skipped_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    if throughput is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     for name, value in losses.items():
@@ -46,10 +101,19 @@ def iteration_line(iteration: int, train_iters: int, consumed_samples: int,
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"
     line += f" number of nan iterations: {nan_iterations:3d} |"
     line += f" tokens per second: {tokens_per_second:.1f} |"
     return line
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) as Megatron-LM caps it."""
+    return math.exp(min(20.0, loss))
 
 
 def validation_block(where: str, losses: Dict[str, float]) -> str:
@@ -57,7 +121,7 @@ def validation_block(where: str, losses: Dict[str, float]) -> str:
     line = f" validation loss at {where} | "
     for name, value in losses.items():
         line += f"{name} value: {value:.6E} | "
-        line += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
+        line += f"{name} PPL: {perplexity(value):.6E} | "
     rule = "-" * (len(line) + 1)
     return f"{rule}\n{line}\n{rule}"
 
@@ -67,33 +131,6 @@ def expert_load_line(layer_number: int, fractions: Sequence[float]) -> str:
     shares = " ".join(f"{f:.3f}" for f in fractions)
     return f"  expert load, layer {layer_number:2d}: [{shares}] | max/mean: " \
            f"{max(fractions) * len(fractions):.2f}"
-
-
-class TensorBoard:
-    """torch.utils.tensorboard on rank 0 when --tensorboard-dir is given and tensorboard is
-    installed; otherwise every call does nothing."""
-
-    def __init__(self, log_dir: Optional[str], is_rank_0: bool):
-        self.writer = None
-        self.notice = None
-        if log_dir is None or not is_rank_0:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            self.notice = (f"TensorBoard: the 'tensorboard' package is not installed, so nothing "
-                           f"is written to {log_dir} (pip install tensorboard to enable it)")
-            return
-        self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
-
-    def scalars(self, values: Dict[str, float], step: int) -> None:
-        if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 class Progress:
@@ -196,9 +233,10 @@ class Interval:
 
     def restart(self) -> None:
         self.losses: Dict[str, float] = {}
+        self.router: Dict[str, float] = {}  # the router losses' means, summed per iteration
         self.steps = 0
         self.samples = self.microbatches = 0  # summed over the interval's iterations
-        self.batch_size = 0  # the last iteration's global batch, as it ran
+        self.batch_size = self.microbatches_last = 0  # the last iteration's, as it ran
         self.skipped = 0  # Megatron-LM's skipped iterations (fp16: gradients overflowed)
         self.nan = 0  # iterations whose loss was inf or nan
         self.restart_clock()
@@ -214,14 +252,21 @@ class Interval:
         self.steps += 1
         self.samples += batch_size
         self.microbatches += microbatches
+        self.microbatches_last = microbatches
         self.batch_size = batch_size
         self.skipped += not updated
         self.nan += any(not math.isfinite(value) for value in losses.values())
         for name, value in losses.items():
             self.losses[name] = self.losses.get(name, 0.0) + value
 
+    def add_router(self, means: Dict[str, float], num_steps: int) -> None:
+        """Router losses per iteration over NUM_STEPS iterations (by their console names)."""
+        for name, value in means.items():
+            self.router[name] = self.router.get(name, 0.0) + value * num_steps
+
     def mean_losses(self) -> Dict[str, float]:
-        return {name: value / self.steps for name, value in self.losses.items()}
+        return {**{name: value / self.steps for name, value in self.losses.items()},
+                **{name: value / self.steps for name, value in self.router.items()}}
 
     def seconds_per_step(self) -> float:
         return (time.time() - self.start) / self.steps
@@ -261,65 +306,168 @@ def logged_learning_rate(optimizer) -> float:
     return optimizer.param_groups[0]["lr"] if learning_rate is None else learning_rate
 
 
-class TrainingLog:
-    """The training loop's console and TensorBoard: the progress bar, the iteration line of
-    each --log-interval (losses averaged over the interval), validation blocks, the end."""
+@dataclass
+class IterationValues:
+    """One iteration's values for the log (Megatron-LM's training_log arguments)."""
 
-    def __init__(self, args, is_rank_0: bool, start_iteration: int, chunk_notation: str):
+    losses: Dict[str, float]           # the iteration's, averaged over data-parallel ranks
+    learning_rate: float
+    loss_scale: float
+    grad_norm: Optional[float]         # None where the update was skipped (fp16 overflow)
+    num_zeros: Optional[float]         # --log-num-zeros-in-grad
+    params_norm: Optional[float]       # --log-params-norm
+    router: Dict[str, List[float]]     # per tracked router loss, per layer ({} where not taken)
+    seconds_per_step: Optional[float]  # the interval's, where the line is due
+
+
+class TrainingLog:
+    """The training loop's console, TensorBoard and W&B (the module docstring says what and
+    when): the progress bar, the iteration line of each --log-interval (losses averaged over
+    the interval), validation blocks, the end."""
+
+    def __init__(self, args, is_rank_0: bool, start_iteration: int, chunk_notation: str,
+                 padded_vocab_size: int):
+        from megatron_parm.training.moe_log import RouterLosses
+
         self.args = args
-        self.tensorboard = TensorBoard(args.tensorboard_dir, is_rank_0)
-        if self.tensorboard.notice:
-            print_rank_0(f"> {self.tensorboard.notice}")
+        self.writers = Writers(args, is_rank_0)
+        for notice in self.writers.notices:
+            print_rank_0(f"> {notice}")
         self.progress = Progress(args.train_iters, start_iteration, enabled=is_rank_0)
         self.interval = Interval()
         self.choices = ChoiceLog(args.moe_token_dispatcher_type, chunk_notation)
+        self.router_losses = RouterLosses(args)
+        self.router_steps = 0  # iterations since the router losses were last taken
+        self.router_microbatches = 0  # and their micro-batches (--rampup-batch-size varies them)
+        self.flops_per_sample = model_flops.num_floating_point_operations(args, 1,
+                                                                          padded_vocab_size)
 
     def line_due(self, iteration: int) -> bool:
         return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
 
-    def iteration(self, iteration: int, samples: Tuple[int, int], elapsed: float, optimizer,
-                  grad_norm, router_losses: dict, shares, summary: dict) -> None:
-        """Print the interval's line (SAMPLES: consumed and skipped so far; ELAPSED: seconds
-        per iteration) and each MoE layer's expert load, record the summary's learning rates,
-        loss scales and skipped iterations, then start the next interval."""
-        args, interval = self.args, self.interval
-        learning_rate = logged_learning_rate(optimizer)
-        logged = {**interval.mean_losses(), **router_losses}
-        tokens_per_second = interval.samples / interval.steps * args.seq_length / elapsed
+    def writes_due(self, iteration: int) -> bool:
+        return self.writers.configured and iteration % self.args.tensorboard_log_interval == 0
+
+    def collect(self, iteration: int, model, optimizer, grad_norm, num_zeros,
+                losses: Dict[str, float]) -> Optional[IterationValues]:
+        """The values of the iteration just run where the writers or the line want them (None
+        elsewhere). The router losses are taken every iteration where a writer is configured
+        (Megatron-LM reduces them each iteration), else at the line. Collective."""
+        from megatron_parm.training.moe_log import console_name
+        from megatron_parm.training.params_norm import params_norm
+
+        args = self.args
+        line, writes = self.line_due(iteration), self.writes_due(iteration)
+        seconds = self.interval.seconds_per_step() if line else None
+        self.router_steps += 1
+        self.router_microbatches += self.interval.microbatches_last
+        router = {}
+        if line or self.writers.configured:
+            router = self.router_losses.take(self.router_steps, self.router_microbatches)
+            self.interval.add_router({console_name(name): value for name, value in
+                                      self.router_losses.means(router).items()},
+                                     self.router_steps)
+            self.router_steps = self.router_microbatches = 0
+        if not (line or writes):
+            return None
+        return IterationValues(
+            losses=losses, learning_rate=logged_learning_rate(optimizer),
+            loss_scale=optimizer.get_loss_scale().item(), grad_norm=grad_norm,
+            num_zeros=num_zeros if args.log_num_zeros_in_grad else None,
+            params_norm=params_norm(model, args.bf16) if args.log_params_norm else None,
+            router=router, seconds_per_step=seconds)
+
+    def record(self, iteration: int, consumed_samples: int, values: IterationValues) -> None:
+        """The iteration's values to TensorBoard / W&B (every --tensorboard-log-interval)."""
+        import torch
+
+        args = self.args
+        if not self.writes_due(iteration):
+            return
+        scalars = {"learning-rate": values.learning_rate,
+                   "batch-size": self.interval.batch_size, **values.losses}
+        if args.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = values.loss_scale
+        if args.log_world_size_to_tensorboard:
+            scalars["world-size"] = torch.distributed.get_world_size()
+        for tag, value in (("grad-norm", values.grad_norm), ("num-zeros", values.num_zeros),
+                           ("params-norm", values.params_norm)):
+            if value is not None:
+                scalars[tag] = value
+        self.writers.scalars(scalars, iteration, samples=consumed_samples)
+        self.writers.wandb.log({"samples vs steps": consumed_samples}, iteration)
+        self.writers.scalars(self.router_losses.scalars(values.router, args.moe_per_layer_logging),
+                             iteration)
+        if args.log_memory_to_tensorboard:
+            self.writers.scalars(memory_scalars(), iteration)
+
+    def iteration(self, iteration: int, samples: Tuple[int, int], values: IterationValues,
+                  shares, summary: dict, timers) -> None:
+        """Print the interval's line (SAMPLES: consumed and skipped so far) and each MoE
+        layer's expert load, record the summary's learning rates, batch sizes, loss scales and
+        skipped iterations, the memory line, the timers; then start the next interval.
+        Collective (the timers)."""
+        import torch
+
+        args, interval, elapsed = self.args, self.interval, values.seconds_per_step
+        world_size = torch.distributed.get_world_size()
+        samples_per_step = interval.samples / interval.steps  # grows with --rampup-batch-size
+        throughput = model_flops.throughput(self.flops_per_sample * samples_per_step,
+                                            elapsed, world_size) if args.log_throughput else None
+        tokens_per_second = samples_per_step * args.seq_length / elapsed
         self.progress.clear()
-        loss_scale = optimizer.get_loss_scale().item()
         print_rank_0(iteration_line(iteration, args.train_iters, samples[0],
-                                    elapsed * 1000.0, learning_rate, interval.batch_size,
-                                    logged, tokens_per_second, grad_norm,
-                                    skipped=interval.skipped, loss_scale=loss_scale,
-                                    nan_iterations=interval.nan, skipped_samples=samples[1]))
-        summary.setdefault("learning_rates", []).append((iteration, learning_rate))
+                                    elapsed * 1000.0, values.learning_rate,
+                                    interval.batch_size, interval.mean_losses(),
+                                    tokens_per_second, values.grad_norm,
+                                    skipped=interval.skipped, loss_scale=values.loss_scale,
+                                    nan_iterations=interval.nan, throughput=throughput,
+                                    num_zeros=values.num_zeros, params_norm=values.params_norm,
+                                    skipped_samples=samples[1]))
+        summary.setdefault("learning_rates", []).append((iteration, values.learning_rate))
         summary.setdefault("batch_sizes", []).append((iteration, interval.batch_size))
-        summary.setdefault("loss_scales", []).append((iteration, loss_scale))
+        summary.setdefault("loss_scales", []).append((iteration, values.loss_scale))
         summary["skipped_iterations"] = summary.get("skipped_iterations", 0) + interval.skipped
         for layer_number, fractions in shares:
             print_rank_0(expert_load_line(layer_number, fractions))
-        self.tensorboard.scalars({**{f"train/{k}": v for k, v in logged.items()},
-                                  "train/learning-rate": learning_rate,
-                                  "train/tokens-per-second": tokens_per_second,
-                                  "train/grad-norm": grad_norm or 0.0,
-                                  "train/loss-scale": loss_scale,
-                                  **{f"expert-load/layer-{n}-max-over-mean": max(f) * len(f)
-                                     for n, f in shares}},
-                                 iteration)
+        scalars = {"tokens-per-second": tokens_per_second,
+                   **{f"expert-load/layer-{n}-max-over-mean": max(f) * len(f) for n, f in shares}}
+        if args.log_timers_to_tensorboard:
+            scalars["iteration-time"] = elapsed
+            if throughput is not None:
+                scalars["throughput"] = throughput
+        self.writers.scalars(scalars, iteration)
+        if args.log_memory_interval and iteration % args.log_memory_interval == 0:
+            report_memory(f"(after {iteration} iterations)", args.log_device_memory_used)
+        if args.log_timers_to_tensorboard:
+            timers.write(self.writers, iteration, normalizer=interval.steps)
+        timers.log(normalizer=interval.steps)
         interval.restart()
 
-    def validation(self, iteration: int, losses: Dict[str, float]) -> None:
+    def validation(self, iteration: int, consumed_samples: int,
+                   losses: Dict[str, float]) -> None:
+        """The validation block; '<loss> validation' (and with --log-validation-ppl-to-
+        tensorboard its ppl) to TensorBoard, each also vs samples; the loss to W&B."""
         self.progress.clear()
         print_rank_0(validation_block(f"iteration {iteration}", losses))
-        self.tensorboard.scalars({f"valid/{k}": v for k, v in losses.items()}, iteration)
+        self.writers.scalars({f"{key} validation": value for key, value in losses.items()},
+                             iteration, samples=consumed_samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            self.writers.scalars({f"{key} validation ppl": perplexity(value)
+                                  for key, value in losses.items()},
+                                 iteration, samples=consumed_samples, wandb=False)
 
     def done(self, iteration: int, summary: dict) -> None:
-        self.tensorboard.close()
-        print_rank_0(f"> done: {plural(iteration, 'iteration')}, final lm loss "
-                     f"{summary['losses'][-1]:.4f}"
+        self.writers.close()
+        # One iteration's loss, labelled so: the iteration lines average --log-interval's.
+        print_rank_0(f"> done: {plural(iteration, 'iteration')}; lm loss of iteration "
+                     f"{iteration}: {summary['losses'][-1]:.6E} (an iteration line's lm loss is "
+                     f"its interval's mean, --log-interval {self.args.log_interval})"
                      if summary["losses"] else f"> done: nothing to train at iteration {iteration}")
         print_rank_0(f"> checkpoint: {summary['checkpoint'] or '(none: no --save)'}")
         logdir = self.args.tensorboard_dir
         print_rank_0("> TensorBoard logs: " + (f"{logdir}  (tensorboard --logdir {logdir})"
-                                               if self.tensorboard.writer else "(none)"))
+                                               if self.writers.tensorboard.writer else "(none)"))
+        if self.writers.wandb.save_dir:
+            print_rank_0(f"> W&B logs (offline): {self.writers.wandb.save_dir}  (upload them "
+                         f"with wandb sync)")

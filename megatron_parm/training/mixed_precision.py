@@ -56,9 +56,12 @@ def validate(args: argparse.Namespace) -> None:
     for flag in ("loss_scale_window", "hysteresis"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16 (it keeps bf16 gradients in bf16)")
     if not args.fp16:
-        # Megatron-LM: bf16 (and fp32) gradients are accumulated and all-reduced in fp32.
-        args.accumulate_allreduce_grads_in_fp32 = True
+        # Megatron-LM: bf16 (and fp32) gradients are accumulated and all-reduced in fp32, bf16
+        # ones in bf16 with --grad-reduce-in-bf16.
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
 
 
 def _value(args, flag: str):
@@ -99,4 +102,8 @@ def optimizer_fields(args) -> dict:
 
 
 def grad_reduce_in_fp32(args) -> bool:
+    """fp32 gradients in DDP's buffers (fp32 runs; bf16 ones without --grad-reduce-in-bf16;
+    fp16 ones with --accumulate-allreduce-grads-in-fp32)."""
+    if _value(args, "bf16") and _value(args, "grad_reduce_in_bf16"):
+        return False
     return not _value(args, "fp16") or bool(_value(args, "accumulate_allreduce_grads_in_fp32"))

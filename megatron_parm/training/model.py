@@ -15,12 +15,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm import tuning
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
-from megatron_parm.config import ParmTransformerConfig
+from megatron_parm.config import ParmMLATransformerConfig, ParmTransformerConfig
 from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
@@ -31,7 +34,8 @@ from megatron_parm.training.implementation import expert_implementation
 
 
 def build_config(args) -> ParmTransformerConfig:
-    return ParmTransformerConfig(
+    mla = getattr(args, "multi_latent_attention", False)
+    return (ParmMLATransformerConfig if mla else ParmTransformerConfig)(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -40,7 +44,9 @@ def build_config(args) -> ParmTransformerConfig:
         attention_dropout=args.attention_dropout,
         add_bias_linear=not args.disable_bias_linear,
         **architecture_fields(args),
-        init_method_std=args.init_method_std,
+        **(mla_fields(args) if mla else {}),
+        **megatron_lm_fields(args),
+        **init_fields(args),
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
@@ -56,7 +62,7 @@ def build_config(args) -> ParmTransformerConfig:
         sequence_parallel=args.sequence_parallel,
         **pipeline_fields(args),
         **recompute_fields(args),
-        use_cpu_initialization=not device.is_cuda(),
+        **run_fields(args),
         params_dtype=mixed_precision.params_dtype(args),
         bf16=mixed_precision.params_dtype(args) == torch.bfloat16,
         fp16=mixed_precision.params_dtype(args) == torch.float16,
@@ -89,11 +95,69 @@ def architecture_fields(args) -> dict:
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute)
-    if args.swiglu:
-        fields.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
-    else:
-        fields.update(activation_func=openai_gelu if args.openai_gelu else F.gelu)
+    fields.update(activation_fields(args))
     return fields
+
+
+def activation_fields(args) -> dict:
+    """The MLPs' activation (dense and experts), as Megatron-LM maps its flags: --swiglu,
+    --squared-relu, --quick-geglu (gated), --openai-gelu, else GELU. Unfused: the fused kernels
+    compute the same."""
+    if args.swiglu:
+        return dict(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    if getattr(args, "squared_relu", False):
+        return dict(activation_func=squared_relu)
+    if getattr(args, "quick_geglu", False):
+        return dict(gated_linear_unit=True, activation_func=quick_gelu,
+                    bias_activation_fusion=False)
+    return dict(activation_func=openai_gelu if args.openai_gelu else F.gelu)
+
+
+# TransformerConfig fields that Megatron-LM's core_transformer_config_from_args copies from the
+# flag of the same name (their dests): attention, positions, norms, activations' GLU settings,
+# router and pipeline settings. A flag an older checkpoint's args lack keeps Megatron-Core's
+# default.
+SAME_NAME_FIELDS = (
+    "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "fp32_residual_connection",
+    "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
+    "rotary_interleaved", "no_rope_freq", "qk_l2_norm", "attention_output_gate",
+    "softmax_type", "window_size", "window_attn_skip_freq", "embedding_init_method_std",
+    "perform_initialization", "moe_router_force_load_balancing", "moe_input_jitter_eps",
+    "moe_token_drop_policy", "moe_apply_probs_on_input", "moe_layer_recompute",
+    "microbatch_group_size_per_vp_stage")
+
+
+def megatron_lm_fields(args) -> dict:
+    """The SAME_NAME_FIELDS args has, and --attention-backend as Megatron-Core's enum."""
+    fields = {name: getattr(args, name) for name in SAME_NAME_FIELDS if hasattr(args, name)}
+    if getattr(args, "attention_backend", None) is not None:
+        fields["attention_backend"] = AttnBackend[args.attention_backend]
+    return fields
+
+
+def init_fields(args) -> dict:
+    """The weights' initialization: normal (--init-method-std), or Xavier-uniform for every
+    weight the normal one would take (--init-method-xavier-uniform: Megatron-LM meant the output
+    layers' too); on the CPU with --use-cpu-initialization, and always without a GPU."""
+    fields = dict(init_method_std=args.init_method_std,
+                  use_cpu_initialization=bool(getattr(args, "use_cpu_initialization", False))
+                  or not device.is_cuda())
+    if getattr(args, "init_method_xavier_uniform", False):
+        fields.update(init_method=torch.nn.init.xavier_uniform_,
+                      output_layer_init_method=torch.nn.init.xavier_uniform_)
+    return fields
+
+
+def mla_fields(args) -> dict:
+    """The config's multi-latent attention fields from Megatron-LM's flags (its rotary: rope or
+    yarn, MLATransformerConfig's default, with YaRN's factor and mscales)."""
+    return dict(
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+        **({"rope_type": args.rope_type} if args.rope_type else {}))
 
 
 def router_fields(args) -> dict:
@@ -108,6 +172,15 @@ def router_fields(args) -> dict:
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_router_dtype=args.moe_router_dtype, moe_z_loss_coeff=args.moe_z_loss_coeff)
+
+
+def run_fields(args) -> dict:
+    """The config's fields of the run-control and loss flags (Megatron-LM copies them into its
+    TransformerConfig): the per-token loss (Megatron-Core's schedules, DDP and routers read
+    it), deterministic kernels, real-time tests."""
+    return dict(calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+                deterministic_mode=getattr(args, "deterministic_mode", False),
+                test_mode=getattr(args, "test_mode", False))
 
 
 def recompute_fields(args) -> dict:
@@ -195,6 +268,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
             rotary_percent=args.rotary_percent,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
             **stage,
         )
     else:
@@ -250,62 +324,110 @@ def _to_device(batch):
     return {k: v.to(target, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def next_batch(data_iterator, model) -> dict:
+    """The next micro-batch on this rank's device, timed as Megatron-LM's batch-generator
+    (--timing-log-level 2) by the timers the model's config carries (none in evaluation)."""
+    timers = getattr(getattr(model, "config", None), "timers", None)
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = _to_device(next(data_iterator))
+    if timers is not None:
+        timers("batch-generator").stop()
+    return batch
+
+
 def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:
     loss_mask_bs = loss_mask_bs.float()
     return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
 
 
+def _masked_sum(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor):
+    """(the summed loss of the unmasked tokens, their number as an int tensor)."""
+    loss_mask_bs = loss_mask_bs.float()
+    return (losses_bs.float() * loss_mask_bs).sum(), loss_mask_bs.sum().to(torch.int)
+
+
+def _per_token(model) -> bool:
+    """--calculate-per-token-loss (the model config's calculate_per_token_loss)."""
+    return bool(getattr(unwrap(model).config, "calculate_per_token_loss", False))
+
+
+def _reported(loss: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """[summed loss, tokens]: how Megatron-LM reports a per-token loss (the trainer divides the
+    global batch's sums)."""
+    return torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+
+
 # The reported values are clones: Megatron's schedule divides the returned loss in place by
 # the number of micro-batches, and a detached view would follow it.
+#
+# With --calculate-per-token-loss a loss function returns (summed loss, tokens, report), which
+# Megatron-Core's schedules neither divide by the tokens nor by the micro-batches: the
+# gradients are divided by the global batch's token count in finalize_model_grads.
 
-def gpt_loss(loss_mask_bs, losses_bs):
+def gpt_loss(loss_mask_bs, losses_bs, per_token: bool = False):
+    if per_token:
+        lm_loss, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
+        return lm_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens)}
     lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     return lm_loss, {"lm loss": lm_loss.detach().clone()}
 
 
 def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
+    loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
                                          batch.get("attention_mask"), labels=batch["labels"],
                                          loss_mask=batch["loss_mask"])
-        return plan, partial(gpt_loss, batch["loss_mask"])
+        return plan, loss_func
     # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
     # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
     # The loss mask is the MTP losses' (Megatron-LM passes it too; nothing else reads it).
     losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                       labels=batch["labels"], loss_mask=batch["loss_mask"])
-    return losses_bs, partial(gpt_loss, batch["loss_mask"])
+    return losses_bs, loss_func
 
 
-def bert_loss(loss_mask_bs, is_random_b, *output):
+def bert_loss(loss_mask_bs, is_random_b, *output, per_token: bool = False):
     # output: the model's (losses, binary logits), or, from the combined 1F1B's plan, its
     # post-process node's outputs as arguments (the losses alone without a binary head)
     if len(output) == 1 and isinstance(output[0], tuple):
         output = output[0]
     losses_bs, binary_logits_b2 = output if len(output) == 2 else (output[0], None)
-    lm_loss = _masked_mean(losses_bs, loss_mask_bs)
+    if per_token:
+        lm_loss, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
+    else:
+        lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     if binary_logits_b2 is None:
+        if per_token:
+            return lm_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens)}
         return lm_loss, {"lm loss": lm_loss.detach().clone()}
     # BERT's second objective here is next-sentence prediction (is B random?).
     sop_loss = torch.nn.functional.cross_entropy(binary_logits_b2.view(-1, 2).float(),
                                                  is_random_b.view(-1), ignore_index=-1)
+    if per_token:  # weighted by the micro-batch's tokens, as Megatron-Core's router losses
+        sop_loss = sop_loss * num_tokens
+        return lm_loss + sop_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens),
+                                                "sop loss": _reported(sop_loss, num_tokens)}
     return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(),
                                 "sop loss": sop_loss.detach().clone()}
 
 
 def bert_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = _to_device(next(data_iterator))
+    batch = next_batch(data_iterator, model)
+    loss_func = partial(bert_loss, batch["loss_mask"], batch["is_random"],
+                        per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(
             batch["text"], batch["padding_mask"],
             tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
             lm_labels=batch["labels"])
-        return plan, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+        return plan, loss_func
     output = model(batch["text"], batch["padding_mask"],
                    tokentype_ids=batch["types"] if model_has_tokentypes(model) else None,
                    lm_labels=batch["labels"])
-    return output, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+    return output, loss_func
 
 
 def model_has_tokentypes(model) -> bool:

@@ -39,6 +39,8 @@ def optimizer_config(args) -> OptimizerConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        barrier_with_L1_time=args.barrier_with_L1_time,
         **mixed_precision.optimizer_fields(args))
 
 

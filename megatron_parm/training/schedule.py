@@ -21,13 +21,11 @@ data-parallel rank; the rest counts as skipped samples).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-from megatron.core.num_microbatches_calculator import (
-    ConstantNumMicroBatchesCalculator,
-    RampupBatchsizeNumMicroBatchesCalculator,
-)
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+if TYPE_CHECKING:  # Megatron-Core's modules are imported where used: the launcher's check of
+    # the flags (training.arguments.validate) reads this module without Megatron-Core
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
 def sample_based(args) -> bool:
@@ -36,6 +34,11 @@ def sample_based(args) -> bool:
 
 def _calculator(args, rank: int = 0):
     """Megatron-Core's calculator for the flags (rank 0 logs its batch-size changes)."""
+    from megatron.core.num_microbatches_calculator import (
+        ConstantNumMicroBatchesCalculator,
+        RampupBatchsizeNumMicroBatchesCalculator,
+    )
+
     common = (args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
               args.decrease_batch_size_if_needed, rank)
     if args.rampup_batch_size is None:
@@ -83,10 +86,12 @@ def scheduler_lengths(args) -> Dict[str, Optional[float]]:
     return lengths
 
 
-def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+def build_scheduler(args, optimizer) -> "OptimizerParamScheduler":
     """Megatron-Core's scheduler of the learning rate and weight decay for the flags; on resume
     (Megatron-LM's rules, checked in checkpointing.scheduler) the command line's schedule, the
     checkpoint's, or (neither flag) a difference refused."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, lr_wsd_decay_style=args.lr_wsd_decay_style,

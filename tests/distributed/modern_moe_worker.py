@@ -302,7 +302,8 @@ def check_case(case_name, tp, ep, etp, per_node, layout, records):
         if name != "alltoall":
             compare(records, row, results[name], "alltoall", results["alltoall"], case)
     for candidate in schedules.supported_candidates(tp, ep, etp):
-        schedule = (candidate.name, NUM_CHUNKS, BWD_CHUNKS) if candidate.chunked else candidate.name
+        schedule = ((candidate.name, *candidate.pair(NUM_CHUNKS, BWD_CHUNKS)) if candidate.chunked
+                    else candidate.name)
         for phases in (False, True):
             overlap = phases and case.shared  # the phases run the shared expert only overlapped
             full, choice = run_layer("parm", case, tp, ep, etp, tp > 1, data, per_node, overlap,

@@ -53,7 +53,8 @@ from megatron_parm import device  # noqa: E402
 S, B, M, F, E = 8, 2, 16, 32, 8
 NUM_CHUNKS = 3  # --parm-num-chunks of every layer (S2; parm also weighs S2 at 3 chunks)
 # Bytes are checked against formulas written out in expected_bytes for these.
-BYTE_FORMULAS = ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm_hier")
+BYTE_FORMULAS = ("alltoall", "allgather", "ds_baseline", "parm_s1", "parm_s2", "parm_hier",
+                 "parm_hier_s2")
 
 
 def dispatchers(tp, ep, etp, sequence_parallel=True):
@@ -412,13 +413,15 @@ def hier_traffic(maps, ep_ranks, per_node):
     return blocks, rows, pairs, to_rank
 
 
-def expected_hier_bytes(maps, me, ep, etp, per_node):
+def expected_hier_bytes(maps, me, ep, etp, per_node, parts=1):
     """parm_hier's bytes by the design's formulas, from every rank's routing map [W, n, E].
 
     Between nodes (ep_inter): a row per (token, node) with its probability, a secondary pair
     as (probability, row index), both fp32; the dispatch and its backward, then the combine
     (rows only) and its backward. Inside a node (ep_intra): one row per pair with its
-    probability, as S1. AG/RS(ESP) as S1; counts: 2E integers per rank over ESP x EP.
+    probability, as S1. AG/RS(ESP) as S1; counts: 2E integers per rank over ESP x EP, per
+    part (parm_hier_s2: per chunk, ``parts`` of them; a token's rows are those of its
+    chunk, each (token, node) once, so the token bytes are parm_hier's).
     """
     from megatron.core import parallel_state as ps
 
@@ -443,7 +446,7 @@ def expected_hier_bytes(maps, me, ep, etp, per_node):
                       if blocks[node][p] != me)
         out[("all_to_all", "ep_intra")] = fanned * (2 * row + prob)
     if etp * ep > 1:
-        out[("all_gather", "tp_ep_counts")] = (etp * ep - 1) * 2 * E * 8
+        out[("all_gather", "tp_ep_counts")] = (etp * ep - 1) * 2 * E * 8 * parts
     if etp > 1:
         def held(rank):  # pairs an ESP peer holds after the intra-node stage
             group = [r for r in range(dist.get_world_size())
@@ -653,8 +656,9 @@ def parm_forced(case_name, case, tp, ep, etp, per_node, data, results, ref, layo
 
 def forced_schedule(candidate, bwd=NUM_CHUNKS):
     """What force_parm makes parm run of a candidate: its name, or for a chunked one (name,
-    NUM_CHUNKS forward, bwd backward)."""
-    return (candidate.name, NUM_CHUNKS, bwd) if candidate.chunked else candidate.name
+    NUM_CHUNKS forward, bwd backward: NUM_CHUNKS for one that runs its backward in its
+    forward's chunks)."""
+    return (candidate.name, *candidate.pair(NUM_CHUNKS, bwd)) if candidate.chunked else candidate.name
 
 
 def parm_forced_without_sequence_parallel(tp, ep, etp, per_node, data, ref, layout, records):
@@ -770,9 +774,9 @@ def layer_output_shard(full, tp):
 # World size -> layouts where the grouped experts (GroupedMLP, TorchGroupedMLP) run (bf16 on
 # CPU is slow): ETP 2 with 4 and with 2 local experts, EP 4 without ETP.
 GROUPED_LAYOUTS = {4: ("2,2,2", "1,4,1"), 8: ("2,4,2",)}
-# Dispatchers that also run TorchGroupedMLP in bf16 (float32: all of them): Megatron's and S2,
-# whose chunks each call the experts.
-TORCH_GROUPED_BF16 = ("alltoall", "parm_s2")
+# Dispatchers that also run TorchGroupedMLP in bf16 (float32: all of them): Megatron's and the
+# pipelined ones, whose chunks each call the experts.
+TORCH_GROUPED_BF16 = ("alltoall", "parm_s2", "parm_hier_s2")
 
 
 def torch_grouped_experts(tp, ep, etp, per_node, layout, records):
@@ -838,15 +842,16 @@ def grouped_experts(tp, ep, etp, per_node, layout, records):
 
 def simulated_device(tp, ep, etp, per_node, layout, records):
     """Each non-native schedule's layer call (forward and backward) under the simulated device,
-    parm_s2 also with one chunk ("parm_s2:1") and parm forced onto Megatron's allgather
-    ("parm:allgather"): any host tensor meeting a device tensor, every host sync with its call
-    site, and what parm ran."""
+    the pipelined ones also with one chunk ("parm_s2:1", "parm_hier_s2:1") and parm forced onto
+    Megatron's allgather ("parm:allgather"): any host tensor meeting a device tensor, every
+    host sync with its call site, and what parm ran."""
     from device_sim import SimulatedDevice
 
     data = global_tensors(123, dist.get_world_size() // tp)
-    runs = [(name, name, NUM_CHUNKS, None) for name in dispatchers(tp, ep, etp)[1:]] + [
-        ("parm_s2:1", "parm_s2", 1, None), ("parm:allgather", "parm", NUM_CHUNKS,
-                                             force_parm("allgather"))]
+    names = dispatchers(tp, ep, etp)[1:]
+    runs = [(name, name, NUM_CHUNKS, None) for name in names] + [
+        (f"{name}:1", name, 1, None) for name in ("parm_s2", "parm_hier_s2") if name in names] + [
+        ("parm:allgather", "parm", NUM_CHUNKS, force_parm("allgather"))]
     for case_name in ("dropless", "pad"):
         for label, name, chunks, prepare in runs:
             sim = SimulatedDevice(raise_on_mixing=False)
@@ -869,8 +874,9 @@ def check_bytes(name, totals, x_local, data, tp, ep, etp, per_node, layout, reco
     maps = [torch.zeros_like(routed) for _ in range(dist.get_world_size())]
     dist.all_gather(maps, routed)
     maps = torch.stack(maps).bool()  # [W, n, E]
-    if name == "parm_hier":
-        expected = expected_hier_bytes(maps, dist.get_rank(), ep, etp, per_node)
+    if name in ("parm_hier", "parm_hier_s2"):
+        parts = NUM_CHUNKS if name == "parm_hier_s2" else 1
+        expected = expected_hier_bytes(maps, dist.get_rank(), ep, etp, per_node, parts)
     else:
         expected = expected_bytes(name, maps.sum(dim=1).long(), dist.get_rank(), tp, ep, etp,
                                   tokens.shape[0])

@@ -180,7 +180,8 @@ def test_plain_transformer_config_matches_alltoall(records, world, layout, dispa
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")
 def test_parm_takes_s2_phase_by_phase(records, world):
-    """parm called phase by phase runs the schedule it chose, S2 included (unpipelined)."""
+    """parm called phase by phase runs the schedule it chose, S2 and parm_hier_s2 included
+    (unpipelined: one chunk)."""
     chosen = {(r["layout"], r["case"]): r["choice"] for r in records[world]
               if r["against"] == "choice"}
     phased = {(r["layout"], r["case"][:-len("-phases")]): r["choice"] for r in records[world]
@@ -189,6 +190,7 @@ def test_parm_takes_s2_phase_by_phase(records, world):
     for key, choice in phased.items():
         assert choice == chosen[key], key
     assert any(choice.startswith("('parm_s2'") for choice in phased.values()), phased
+    assert any(choice.startswith("('parm_hier_s2'") for choice in phased.values()), phased
 
 
 @pytest.mark.parametrize("world,layout", list(_params()))
@@ -244,11 +246,12 @@ def test_replicated_input_without_sequence_parallel(records, world, layout, disp
 
 @pytest.mark.parametrize("world,layout", list(_params()))
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ds_baseline", "parm_s1",
-                                        "parm_s2", "parm_hier"])
+                                        "parm_s2", "parm_hier", "parm_hier_s2"])
 def test_bytes_match_design_formulas(records, world, layout, dispatcher):
     """Every rank's recorded bytes per (kind, group) against the design's formulas, computed
     from the routing (allgather: run by parm, forced onto it; its bytes do not depend on the
-    routing, so its catalog cost plan must match them too, intra- and inter-node)."""
+    routing, so its catalog cost plan must match them too, intra- and inter-node;
+    parm_hier_s2: parm_hier's, in 3 chunks of the tokens, with the counts of each chunk)."""
     rows = _select(records, world, layout, case="bytes", dispatcher=dispatcher)
     assert len(rows) == world
     bad = {r["rank"]: r["mismatch"] for r in rows if r["mismatch"]}
@@ -278,7 +281,8 @@ def test_ds_baseline_sends_t_times_the_alltoall_bytes(records, world, layout):
 
 @pytest.mark.parametrize("world,layout", list(_params()))
 def test_parm_hier_sends_fewer_inter_node_bytes(records, world, layout):
-    """Over the world, parm_hier's inter-node token bytes are at most S1's, and fewer when a
+    """Over the world, parm_hier's (and parm_hier_s2's: the same) inter-node token bytes are
+    at most S1's, and fewer when a
     token picks two experts on one node other than its own (top-2 routing here), which
     happens on every layout whose EP groups span several nodes with several experts on each.
     (Routing counts are metadata: parm_hier exchanges 2E integers per rank, S1 E.)"""
@@ -295,6 +299,9 @@ def test_parm_hier_sends_fewer_inter_node_bytes(records, world, layout):
         assert hier[0]["inter_world"] < s1
     else:
         assert hier[0]["inter_world"] <= s1
+    # its pipelined form sends each (token, node) row once too, chunk by chunk
+    pipelined = _select(records, world, layout, case="bytes", dispatcher="parm_hier_s2")
+    assert pipelined[0]["inter_world"] == hier[0]["inter_world"]
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda world: f"w{world}")
@@ -364,7 +371,7 @@ def _simulated(records, world, layout, case):
     rows = _select(records, world, layout, case=f"device-sim-{case}")
     tp, ep, etp = (int(v) for v in layout.split(","))
     expected = [name for name in PARM if schedules.get(name).unsupported(tp, ep, etp) is None]
-    for name in expected + ["parm_s2:1", "parm:allgather"]:
+    for name in expected + ["parm_s2:1", "parm_hier_s2:1", "parm:allgather"]:
         assert sum(r["dispatcher"] == name for r in rows) == world, (name, rows)
     assert {r["choice"] for r in rows if r["dispatcher"] == "parm:allgather"} == {"allgather"}
     return rows
@@ -384,8 +391,8 @@ def test_no_host_tensor_meets_device_rows(records, world, layout, case):
 def test_host_syncs_per_layer_call(records, world, layout, case):
     """One device -> host copy per layer call (the gathered counts; S1, S2 and ds_baseline
     skip it when padding to capacity, where the counts are known), none in the backward, none
-    per S2 chunk. parm running Megatron's allgather pays allgather's own syncs instead, in
-    its dispatch_postprocess, and none in the backward either."""
+    per chunk of S2 or parm_hier_s2. parm running Megatron's allgather pays allgather's own
+    syncs instead, in its dispatch_postprocess, and none in the backward either."""
     for r in _simulated(records, world, layout, case):
         forward = [tuple(s) for s in r["syncs_forward"]]
         assert r["syncs_backward"] == [], (r["dispatcher"], r["syncs_backward"])
@@ -404,7 +411,8 @@ def test_host_syncs_per_layer_call(records, world, layout, case):
     by_name = {(r["dispatcher"], r["rank"]): r["syncs_forward"]
                for r in _simulated(records, world, layout, case)}
     for rank in range(world):
-        assert by_name[("parm_s2", rank)] == by_name[("parm_s2:1", rank)]  # c = 3 vs c = 1
+        for name in ("parm_s2", "parm_hier_s2"):  # c = 3 vs c = 1
+            assert by_name[(name, rank)] == by_name[(f"{name}:1", rank)], name
 
 
 GROUPED_TOL = 3e-2  # GroupedMLP vs SequentialMLP, both in bf16 (different summation orders)
@@ -448,8 +456,10 @@ def _torch_grouped(records, world, layout, dtype, dispatcher):
 def test_torch_grouped_experts_compute_the_same(records, world, layout, dispatcher):
     """--moe-grouped-gemm without grouped_gemm: TorchGroupedMLP (PyTorch's grouped_mm) behind
     every dispatcher gives the output and gradients of SequentialMLP behind alltoall, in
-    float32 to the suite's tolerance. S2 runs 3 forward and 2 backward chunks, and parm picks
-    S2 here (a latency-free profile), so that per-chunk expert calls run the grouped GEMM."""
+    float32 to the suite's tolerance. S2 runs 3 forward and 2 backward chunks (parm_hier_s2 3
+    both ways), and parm picks a pipelined schedule here (a latency-free profile: S2, or
+    parm_hier_s2 where the EP group spans nodes), so that per-chunk expert calls run the
+    grouped GEMM."""
     _skip_unless_supported(dispatcher, layout)
     rows = _torch_grouped(records, world, layout, "fp32", dispatcher)
     bad = {r["quantity"]: r["err"] for r in rows if not r["err"] <= TOL}
@@ -457,7 +467,7 @@ def test_torch_grouped_experts_compute_the_same(records, world, layout, dispatch
     if dispatcher == "parm":
         choice, = _select(records, world, layout, case="torch-grouped-fp32", dispatcher="parm",
                           against="schedule")
-        assert choice["choice"].startswith("('parm_s2'"), choice
+        assert choice["choice"].startswith(("('parm_s2'", "('parm_hier_s2'")), choice
 
 
 @pytest.mark.parametrize("world,layout", GROUPED)

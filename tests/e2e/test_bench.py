@@ -12,16 +12,18 @@ import pytest
 from launch import REPO, torchrun
 from megatron_parm import schedules
 
-# Every schedule of the catalog that runs tp=ep=etp=2 ('all'), parm_s2 at two chunk counts
-# instead of its default, and parm's two modes beside plain parm.
-VARIANTS = ["parm_s2@2", "parm_s2@4"]
+# Every schedule of the catalog that runs tp=ep=etp=2 ('all'), the chunked ones (parm_s2,
+# parm_hier_s2) at two chunk counts instead of their default, and parm's two modes beside
+# plain parm.
+CHUNK_VARIANTS = (2, 4)
 MODES = ["parm:model", "parm:measured"]
 
 
 def expected_dispatchers(tp, ep, etp):
     names = [name for name in schedules.names()
              if schedules.get(name).unsupported(tp, ep, etp) is None]
-    return sorted(MODES + [d for name in names for d in (VARIANTS if name == "parm_s2" else [name])])
+    return sorted(MODES + [d for name in names for d in (
+        [f"{name}@{c}" for c in CHUNK_VARIANTS] if schedules.get(name).chunked else [name])])
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def bench_output(tmp_path_factory):
     proc = torchrun("tools/bench_moe_layer.py", 4, "--grid", str(grid), "--output", str(out),
                     "--label", "loopback", "--run-id", "a", "--iters", "2", "--warmup", "0",
                     "--chunk-variants", "2,4", "--dispatchers", "all," + ",".join(MODES),
-                    timeout=600)
+                    "--parm-tune-margin", "100", timeout=600)
     return tmp, out, proc.stdout
 
 
@@ -70,6 +72,11 @@ def test_bench_writes_a_line_per_config_and_dispatcher(bench_output):
     assert "[2/2] MoE layer" in stdout and "parm_s2@4" in stdout
     choices = {r["dispatcher"]: r["choice"] for r in records if r["config"] == 1}
     assert all(choices[d] for d in ["parm"] + MODES)  # each mode logs the schedule it chose
+    # parm measured its candidates (every one within --parm-tune-margin 100) before its timed
+    # calls, which are its choice's: its line says measured, not the model's prediction
+    lines = [line for line in stdout.splitlines()
+             if line.startswith(("parm chose ", "parm:measured chose "))]
+    assert len(lines) == 4 and all(" (measured, median of " in line for line in lines), stdout
     for r in records:  # parm's bytes are its choice's (its tuning calls are not accounted)
         if r["dispatcher"] in ["parm"] + MODES:
             chosen = r["choice"].split("(")[0]
@@ -292,13 +299,27 @@ def test_e2e_config_variants_are_checked(tmp_path, lines, message):
     assert str(error.value).startswith(f"--config: {config}: ") and message in str(error.value)
 
 
-def test_the_model_table_in_benchmark_md_is_the_tools_output():
-    """docs/benchmark.md's predicted end-to-end table is what tools/predict_e2e.py writes
-    now (regenerate it with --update docs/benchmark.md after a model or profile change)."""
-    proc = subprocess.run([sys.executable, "tools/predict_e2e.py"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_the_predicted_tables_in_benchmark_md_are_the_tools_output():
+    """docs/benchmark.md's predicted end-to-end tables are what tools/predict_e2e.py writes now:
+    the dgx table whole, the clusters table's rows of one model, cluster kind and size (each
+    row is planned alone; the whole table takes half an hour). Regenerate both with --update
+    docs/benchmark.md after a model or profile change."""
     doc = (REPO / "docs/benchmark.md").read_text()
-    begin, end = "<!-- predict_e2e: begin -->\n", "<!-- predict_e2e: end -->"
-    assert doc[doc.index(begin) + len(begin):doc.index(end)] == proc.stdout
-    assert "| GPT-2-medium-MoE | 4 x 8 | TP=ETP 4, EP 8 |" in proc.stdout
+
+    def predicted(*flags):
+        proc = subprocess.run([sys.executable, "tools/predict_e2e.py", *flags], cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    def block(table):
+        begin, end = (f"<!-- predict_e2e{table}: begin -->\n", f"<!-- predict_e2e{table}: end -->")
+        return doc[doc.index(begin) + len(begin):doc.index(end)]
+
+    dgx = predicted("--table", "dgx")
+    assert block("") == dgx
+    assert "| GPT-2-medium-MoE | 4 x 8 | TP=ETP 4, EP 8 |" in dgx
+    rows = [line for line in predicted("--table", "clusters", "--models", "Qwen3-30B-A3B",
+                                       "--clusters", "h100_roce", "--nnodes", "2").splitlines()
+            if line.startswith("| Qwen3-30B-A3B | h100_roce | 2 x 8 |")]
+    assert len(rows) == 2 and all(f"{row}\n" in block(" clusters") for row in rows), rows

@@ -2,12 +2,19 @@
 
 Three torchrun launches (this file run as a script) and a few converter runs, shared by the
 tests through one module fixture:
-  crash (4 ranks)  trains with --save-interval 2; rank 1 SIGKILLs itself at iteration 4, after
-                   writing its shards and before the checkpoint is published.
+  crash (4 ranks)  trains with --save-interval 2 and a global non-persistent save every 3; rank 1
+                   SIGKILLs itself at iteration 4, after writing its shards and before the
+                   checkpoint is published.
   main  (4 ranks)  (2,2,2): 10 iterations uninterrupted (saved at 5 and 10); the same run stopped
-                   at 5 by --exit-interval and resumed; the crashed run resumed; the iteration-10
-                   checkpoint evaluated at (2,2,2), (1,4,1), (4,1,4), (2,2,1) with other
-                   dispatchers; the error cases; a dense model trained and evaluated.
+                   at 5 by --exit-interval in Megatron-LM's per-rank files (--ckpt-format torch)
+                   and resumed, saving without the fully parallel save; the crashed run resumed
+                   (from its newer non-persistent save, with the fully parallel load, a save
+                   every 2 kept every 4 and the cached structure); the iteration-10 checkpoint
+                   evaluated at (2,2,2), (1,4,1), (4,1,4), (2,2,1) with other dispatchers (one
+                   through --auto-detect-ckpt-format); what a load takes (--no-load-optim with
+                   --ckpt-step, --no-load-rng, --pretrained-checkpoint) and a save writes
+                   (--no-save-optim, --no-save-rng); the error cases; a dense model trained and
+                   evaluated.
   converters       to another layout (1,4,1), to one file and back, dense -> MoE upcycling.
   wide  (8 ranks)  (2,4,2) evaluates the checkpoint, its converted copies and the upcycled one.
 Dropout is on (0.1), so a bitwise resume needs every rank's RNG states back.
@@ -18,8 +25,10 @@ through megatron_parm.launch as a user starts one:
                      (TorchGroupedMLP) in another layout, and that one's checkpoint resumed
                      with SequentialMLP and with TorchGroupedMLP in two more (dropout off, so
                      that the losses of different layouts agree); a checkpoint with an expert
-                     tensor of another shape; last, --moe-grouped-gemm with a width the grouped
-                     GEMM cannot take, which ends the launch with status 2.
+                     tensor of another shape; a checkpoint lacking a tensor and holding another
+                     loaded with three --dist-ckpt-strictness values; last, --moe-grouped-gemm
+                     with a width the grouped GEMM cannot take, which ends the launch with
+                     status 2.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ BASE = ["--config", "configs/gpt2_tiny_moe.yaml", "--micro-batch-size", "2",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 EVAL_LAYOUTS = [((2, 2, 2), "alltoall"), ((1, 4, 1), "parm"), ((4, 1, 4), "ds_baseline"),
                 ((2, 2, 1), "parm_s1")]
+# The first evaluation loads the torch_dist checkpoint with --ckpt-format torch.
+AUTO_DETECT = ["--ckpt-format", "torch", "--auto-detect-ckpt-format"]
+NON_PERSISTENT = ["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "3"]
+# The crashed run resumed: saves at 4, 6, 8, 10 (every 4 kept), non-persistent at 9.
+AFTER_CRASH = [*NON_PERSISTENT, "--save-interval", "2", "--save-retain-interval", "4",
+               "--ckpt-assume-constant-structure", "--ckpt-fully-parallel-load"]
 
 
 def layout_flags(tp, ep, etp, dispatcher):
@@ -84,6 +99,9 @@ FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 FC2_MOMENT = "optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc2.weight"
 # Rows of 66 fp32 values: not on the 16-byte boundary PyTorch's grouped GEMM needs.
 BAD_WIDTH = ["--moe-ffn-hidden-size", "66"]
+# A checkpoint without this tensor and with EXTRA, loaded with each --dist-ckpt-strictness.
+FINAL_NORM, EXTRA = "decoder.final_layernorm.weight", "extra.weight"
+STRICTNESS = ("assume_ok_unexpected", "raise_all", "log_all")
 
 
 def grouped_worker(run: Path, train) -> dict:
@@ -117,6 +135,20 @@ def grouped_worker(run: Path, train) -> dict:
         results["bad_checkpoint"] = None
     except ValueError as err:  # CheckpointError is a ValueError
         results["bad_checkpoint"] = str(err)
+    if rank == 0:  # iteration 2 without the final norm's weight (and its moments), with another
+        full = read_full(f"{run}/sequential/iter_0000002")
+        for key in [key for key in full.tensors if key.endswith(FINAL_NORM)]:
+            del full.tensors[key]
+        full.tensors[EXTRA] = torch.zeros(3)
+        write_full(f"{run}/partial", 2, full)
+    torch.distributed.barrier()
+    for strictness in STRICTNESS:  # iteration 3 of each
+        try:
+            results[f"strict {strictness}"] = train(
+                *layout_flags(2, 2, 2, "alltoall"), *GROUPED_RUN, "--exit-interval", "3",
+                "--load", f"{run}/partial", "--dist-ckpt-strictness", strictness)["losses"]
+        except ValueError as err:
+            results[f"strict {strictness}"] = str(err)
     return results
 
 
@@ -130,6 +162,8 @@ FULLY = DIST + ["--dist-ckpt-optim-fully-reshardable"]
 DIST_RUN = ["--train-iters", "4", "--save-interval", "2", "--eval-iters", "0"]
 DISPATCHERS = ("alltoall", "parm_s1", "parm_s2", "parm_hier", "parm")
 MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+# alltoall at (2,2,2) saves Megatron-LM's per-rank files, distrib_optim.pt included
+TORCH_FORMAT = ["--ckpt-format", "torch"]
 
 
 def dispatcher_flags(dispatcher: str) -> list:
@@ -165,7 +199,8 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
         for dispatcher in DISPATCHERS:  # dp-reshardable at (2,2,2), fully reshardable (1,4,1)
             for (tp, ep, etp), optim in (((2, 2, 2), DIST), ((1, 4, 1), FULLY)):
                 flags = [*layout_flags(tp, ep, etp, dispatcher), *dispatcher_flags(dispatcher),
-                         *optim, *DIST_RUN]
+                         *optim, *DIST_RUN, *(TORCH_FORMAT if (dispatcher, optim) ==
+                                              ("alltoall", DIST) else [])]
                 name = f"{tp},{ep},{etp} {dispatcher}"
                 saved = f"{run}/dist {name.replace(' ', '_')}"
                 results[f"{name} reference"] = train(*flags, "--save", saved)["losses"]
@@ -215,6 +250,27 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
     return results
 
 
+def load_and_save_content(run: Path, train, layout: list) -> dict:
+    """The main launch's runs of what a load takes and a save writes (see
+    test_loads_take_and_saves_write_what_the_flags_say); their losses."""
+    no_epochs = ["--eval-iters", "0"]
+    return {
+        # iteration 5 of ref (its tracker names 10) without the optimizer's state: iterations 6
+        # and 7, saved without optimizer state and RNG states
+        "no_load_optim": train(*layout, "--load", f"{run}/ref", "--ckpt-step", "5",
+                               "--no-load-optim", "--train-iters", "7", "--save",
+                               f"{run}/no_optim", "--no-save-optim", "--no-save-rng",
+                               *no_epochs)["losses"],
+        # iteration 5 without its RNG states: iteration 6
+        "no_load_rng": train(*layout, "--load", f"{run}/ref/iter_0000005", "--no-load-rng",
+                             "--exit-interval", "6", *no_epochs)["losses"],
+        # --load holds nothing yet: ref's latest (10) as --finetune loads it, 2 iterations
+        "finetuned": train(*layout, "--load", f"{run}/finetuned", "--save", f"{run}/finetuned",
+                           "--pretrained-checkpoint", f"{run}/ref", "--train-iters", "2",
+                           *no_epochs)["losses"],
+    }
+
+
 def worker(mode: str, run_dir: str) -> None:
     sys.path.insert(0, str(REPO))
     from megatron_parm import cli
@@ -247,21 +303,28 @@ def worker(mode: str, run_dir: str) -> None:
             if stage == "written" and iteration == 4 and torch.distributed.get_rank() == 1:
                 os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
         checkpointing.set_fault_hook(kill_rank_1)
-        train(*L222, "--save", f"{run}/crash", "--save-interval", "2")
+        train(*L222, "--save", f"{run}/crash", "--save-interval", "2", *NON_PERSISTENT)
         return  # not reached
 
     if mode == "main":
         rank = torch.distributed.get_rank()
         results["reference"] = train(*L222, "--save", f"{run}/ref", "--save-interval", "5")["losses"]
-        first = train(*L222, "--save", f"{run}/stop", "--exit-interval", "5")
+        # stopped at 5 in Megatron-LM's per-rank files; resumed from them (the default format
+        # loads either) and saved at 10 without the fully parallel save
+        first = train(*L222, "--save", f"{run}/stop", "--exit-interval", "5", "--ckpt-format",
+                      "torch")
         results["first_half"] = first["losses"]
-        results["resumed"] = train(*L222, "--save", f"{run}/stop", "--load", f"{run}/stop")["losses"]
-        results["after_crash"] = train(*L222, "--save", f"{run}/crash", "--load", f"{run}/crash")["losses"]
+        results["resumed"] = train(*L222, "--save", f"{run}/stop", "--load", f"{run}/stop",
+                                   "--no-ckpt-fully-parallel-save")["losses"]
+        results["after_crash"] = train(*L222, "--save", f"{run}/crash", "--load", f"{run}/crash",
+                                       *AFTER_CRASH)["losses"]
         results["eval"] = {}
         for (tp, ep, etp), dispatcher in EVAL_LAYOUTS:
             summary = train(*layout_flags(tp, ep, etp, dispatcher), "--load",
-                            f"{run}/ref/iter_0000010", "--skip-train")
+                            f"{run}/ref/iter_0000010", "--skip-train",
+                            *(AUTO_DETECT if dispatcher == "alltoall" else []))
             results["eval"][f"{tp},{ep},{etp} {dispatcher}"] = eval_loss(summary)
+        results.update(load_and_save_content(run, train, L222))
 
         errors = {}
         if rank == 0:  # a copy of the checkpoint with a truncated data file
@@ -273,7 +336,14 @@ def worker(mode: str, run_dir: str) -> None:
         for name, flags in (("nowhere", ["--load", f"{run}/does-not-exist"]),
                             ("other_shape", ["--load", f"{run}/ref", "--ffn-hidden-size", "128"]),
                             ("truncated", ["--load", f"{run}/truncated"]),
-                            ("no_checkpoint", ["--load", f"{run}/ref/../empty_dir_that_exists"])):
+                            ("no_checkpoint", ["--load", f"{run}/ref/../empty_dir_that_exists"]),
+                            ("torch_needs_detect", ["--load", f"{run}/ref", "--ckpt-format",
+                                                    "torch"]),
+                            ("torch_other_layout", [*layout_flags(1, 4, 1, "alltoall"), "--load",
+                                                    f"{run}/stop/iter_0000005"]),
+                            ("ckpt_step", ["--load", f"{run}/ref", "--ckpt-step", "7"]),
+                            ("exit_on_missing", ["--load", f"{run}/fresh", "--save",
+                                                 f"{run}/fresh", "--exit-on-missing-checkpoint"])):
             if name == "no_checkpoint" and rank == 0:
                 os.makedirs(f"{run}/empty_dir_that_exists", exist_ok=True)
             torch.distributed.barrier()
@@ -289,6 +359,15 @@ def worker(mode: str, run_dir: str) -> None:
         results["dense_eval"] = eval_loss(train(*dense_layout, "--load", f"{run}/dense",
                                                 "--skip-train", "--train-iters", "3", config=dense))
 
+        # --data-parallel-random-init at (2,1,2): 2 data-parallel ranks, over which the experts
+        # are replicated too: rank 0's weights everywhere, each rank's own dropout
+        short = [*dense_layout, "--train-iters", "2", "--eval-iters", "0"]
+        results["dp_random_init"] = {
+            "no_dropout": train(*short, *NO_DROPOUT, "--data-parallel-random-init")["losses"],
+            "no_dropout_without": train(*short, *NO_DROPOUT)["losses"],
+            "dropout": train(*short, "--data-parallel-random-init")["losses"],
+            "dropout_without": train(*short)["losses"]}
+
     if mode == "grouped":
         results = grouped_worker(run, train)
 
@@ -298,6 +377,15 @@ def worker(mode: str, run_dir: str) -> None:
 
     if mode == "wide":
         flags = layout_flags(2, 4, 2, "parm_s2")
+        # --moe-use-upcycling of the dense checkpoint against its offline upcycled copy: the
+        # same first loss (each MoE layer computes its dense MLP)
+        short = [*flags, *NO_DROPOUT, "--eval-iters", "0"]
+        results["upcycling"] = {
+            "in_run": train(*short, "--moe-use-upcycling", "--load", f"{run}/dense", "--save",
+                            f"{run}/upcycling", "--train-iters", "2")["losses"],
+            "offline": train(*short, "--load", f"{run}/upcycled", "--train-iters", "1",
+                             "--lr-warmup-iters", "0")["losses"],
+            "saved": sorted(path.name for path in (run / "upcycling").iterdir())}
         results["eval"] = {name: eval_loss(train(*flags, "--load", path, "--skip-train"))
                            for name, path in (("ref", f"{run}/ref/iter_0000010"),
                                               ("relayout", f"{run}/relayout"),
@@ -352,7 +440,7 @@ def runs(tmp_path_factory, prepared_data):
     crash_state = {"log": crash_launch(script, run),
                    "tracker": (run / "crash/latest_checkpointed_iteration.txt").read_text(),
                    "dirs": sorted(p.name for p in (run / "crash").iterdir())}
-    torchrun(script, 4, "worker", "main", str(run), timeout=900)
+    main = torchrun(script, 4, "worker", "main", str(run), timeout=900)
     conversions = {
         "relayout": convert("--load", f"{run}/ref", "--save", f"{run}/relayout",
                             "--target-tensor-parallel-size", "1", "--target-expert-parallel-size",
@@ -366,16 +454,58 @@ def runs(tmp_path_factory, prepared_data):
         assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr[-5000:]}"
     torchrun(script, 8, "worker", "wide", str(run), timeout=900)
     results = {mode: json.loads((run / f"{mode}.json").read_text()) for mode in ("main", "wide")}
+    results["main_log"] = main.stdout + main.stderr
     return run, results, crash_state, conversions
 
 
 def test_resume_reproduces_uninterrupted_run_bitwise(runs):
-    _, results, _, _ = runs
+    """Stopped at 5 in Megatron-LM's per-rank files (--ckpt-format torch), resumed by a run of
+    the default format (which loads either, as Megatron-LM's does): iterations 6-10 bitwise."""
+    run, results, _, _ = runs
     main = results["main"]
     reference = main["reference"]
     assert len(reference) == 10
     assert main["first_half"] == reference[:5]
     assert main["resumed"] == reference[5:], (main["resumed"], reference[5:])
+    saved = run / "stop/iter_0000005"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001",
+        "parm_manifest.json"]  # tp 2 x ep 2, etp 2: every rank writes its own file
+    assert (saved / "mp_rank_01_001/model_optim_rng.pt").is_file()
+    assert "> loaded torch checkpoint " in results["main_log"]
+
+
+def _tensors(path: Path) -> dict:
+    from megatron_parm.checkpointing.full import read_full
+
+    return read_full(str(path)).tensors
+
+
+def _bytes_per_rank(path: Path) -> dict:
+    """The bytes each rank wrote into a torch_dist folder (its __RANK_N.distcp files)."""
+    written = {}
+    for data_file in path.glob("__*.distcp"):
+        rank = int(data_file.name.split("_")[2])
+        written[rank] = written.get(rank, 0) + data_file.stat().st_size
+    return written
+
+
+def test_fully_parallel_save_writes_the_same_tensors_from_more_ranks(runs):
+    """Iteration 10 saved with Megatron-LM's default fully parallel save (ref) and with
+    --no-ckpt-fully-parallel-save (the resumed run, bitwise the same run): the same tensors,
+    every one equal; the replicated ones written by their first data-parallel replica only
+    without it, by both replicas with it."""
+    import torch
+
+    run = runs[0]
+    parallel, single = run / "ref/iter_0000010", run / "stop/iter_0000010"
+    expected, got = _tensors(parallel), _tensors(single)
+    assert sorted(expected) == sorted(got) and len(expected) > 20
+    for key, tensor in expected.items():
+        assert torch.equal(tensor, got[key]), key
+    # (2,2,2) on 4 ranks: ranks 0, 1 are the first data-parallel replica of 2, 3
+    spread, first_only = _bytes_per_rank(parallel), _bytes_per_rank(single)
+    assert spread[2] > first_only[2] and spread[0] < first_only[0], (spread, first_only)
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(runs):
@@ -384,10 +514,95 @@ def test_sigkill_during_save_keeps_previous_checkpoint(runs):
     # Killed while saving iteration 4: the tracker still names 2, iteration 4 never published.
     assert crash["tracker"].strip() == "2"
     assert "iter_0000004" not in crash["dirs"] and "iter_0000004.partial" in crash["dirs"]
-    # The resumed run loaded iteration 2 and reproduces iterations 3-10 exactly.
-    assert results["main"]["after_crash"] == results["main"]["reference"][2:]
+    # The resumed run loaded the newer non-persistent save (3) and reproduces 4-10 exactly,
+    # with --ckpt-fully-parallel-load.
+    assert results["main"]["after_crash"] == results["main"]["reference"][3:]
     assert (run / "crash/latest_checkpointed_iteration.txt").read_text().strip() == "10"
     assert not (run / "crash/iter_0000004.partial").exists()
+
+
+def test_retention_and_non_persistent_saves_keep_what_they_should(runs):
+    """The resumed crashed run saved at 4, 6, 8 and 10 with --save-retain-interval 4 (each save
+    deletes the one before it unless a multiple of 4: the crash's 2 at 4, 6 at 8), and
+    non-persistently at 9 (that folder keeps its latest only: 3 went)."""
+    run, results, _, _ = runs
+    assert sorted(p.name for p in (run / "crash").glob("iter_*")) == [
+        "iter_0000004", "iter_0000008", "iter_0000010"]
+    assert sorted(p.name for p in (run / "crash/non_persistent").glob("iter_*")) == [
+        "iter_0000009"]
+    log = results["main_log"]
+    for iteration in (2, 6):
+        assert f"> deleted checkpoint {run}/crash/iter_{iteration:07d} (--save-retain-interval " \
+               f"4)" in log, log[-3000:]
+    assert f"> deleted checkpoint {run}/crash/non_persistent/iter_0000003 (non-persistent)" in log
+    assert "> saved non-persistent checkpoint at iteration 9 " in log
+
+
+def test_cached_structure_saves_the_same_tensors(runs):
+    """--ckpt-assume-constant-structure: once the saves at 4 and 6 agreed, those at 8, 9 and 10
+    reused their plan (said on the console); iteration 10 holds the reference's tensors."""
+    import torch
+
+    run, results, _, _ = runs
+    log = results["main_log"]
+    reused = [line for line in log.splitlines() if "(the structure of the saves before it "
+              "reused)" in line]
+    assert [line.split(" at iteration ")[1].split()[0] for line in reused] == ["8", "9", "10"], \
+        reused
+    expected, got = _tensors(run / "ref/iter_0000010"), _tensors(run / "crash/iter_0000010")
+    assert sorted(expected) == sorted(got)
+    for key, tensor in expected.items():
+        assert torch.equal(tensor, got[key]), key
+
+
+def test_loads_take_and_saves_write_what_the_flags_say(runs):
+    """--ckpt-step 5 --no-load-optim: iteration 6 is the reference's (weights, data position and
+    RNG states loaded), 7 is not (Adam starts fresh). --no-load-rng: iteration 6 is not (dropout
+    draws from the seed). --pretrained-checkpoint (as --finetune): iterations 1 and 2 from
+    iteration 10's weights, with a fresh optimizer and schedule and the data from its start.
+    --no-save-optim --no-save-rng: neither in the saved checkpoint."""
+    from megatron_parm.checkpointing.full import read_full
+
+    run, results, _, _ = runs
+    main = results["main"]
+    reference = main["reference"]
+    assert main["no_load_optim"][0] == reference[5] and main["no_load_optim"][1] != reference[6]
+    assert len(main["no_load_rng"]) == 1 and main["no_load_rng"][0] != reference[5]
+    finetuned = main["finetuned"]
+    assert len(finetuned) == 2 and finetuned[0] < reference[0] - 0.1, (finetuned, reference)
+    saved = read_full(str(run / "finetuned/iter_0000002"))
+    assert (saved.common["iteration"], saved.common["consumed_samples"]) == (2, 16)
+    assert int(saved.common["optimizer_step"]) == 2
+    assert saved.common["opt_param_scheduler"]["num_steps"] == 16
+    bare = read_full(str(run / "no_optim/iter_0000007"))
+    assert bare.common["iteration"] == 7
+    assert not {"optimizer_step", "opt_param_scheduler", "rng_state"} & set(bare.common)
+    assert not [key for key in bare.tensors if key.startswith("optimizer.")]
+    assert f"finetuning from --pretrained-checkpoint {run}/ref/iter_0000010" in results["main_log"]
+
+
+def test_use_checkpoint_args_takes_the_model_flags(runs, monkeypatch):
+    """--use-checkpoint-args (and the parallel sizes with --use-mp-args-from-checkpoint-args):
+    the model's flags come from ref's checkpoint, the forced ones over the command line's, the
+    others where it left them unset; the tokenizer too unless told not to."""
+    from megatron_parm.training.arguments import parse_args
+
+    run = runs[0]
+    monkeypatch.chdir(REPO)
+    argv = ["--use-checkpoint-args", "--load", str(run / "ref"), "--seq-length", "64",
+            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "0.001", "--num-experts",
+            "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--use-mp-args-from-checkpoint-args", "--sequence-parallel"]
+    args = parse_args(argv, world_size=4, reads_data=False)
+    assert (args.num_layers, args.num_experts, args.moe_router_topk) == (2, 4, 2)
+    assert args.disable_bias_linear  # Megatron-LM's add_bias_linear, forced
+    assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (2, 2)
+    assert (args.tokenizer_type, args.ffn_hidden_size) == ("SentencePieceTokenizer", 256)
+    assert args.checkpoint_args_note.startswith(f"--use-checkpoint-args: from {run}/ref/"
+                                                f"iter_0000010: --num-layers 2, ")
+    args = parse_args(argv + ["--no-use-tokenizer-model-from-checkpoint-args", "--tokenizer-type",
+                              "GPT2BPETokenizer"], world_size=4, reads_data=False)
+    assert args.tokenizer_type == "GPT2BPETokenizer"
 
 
 def test_eval_loss_identical_in_every_layout(runs):
@@ -402,12 +617,21 @@ def test_eval_loss_identical_in_every_layout(runs):
 
 
 def test_clear_errors_never_a_silent_fresh_start(runs):
-    _, results, _, _ = runs
+    run, results, _, _ = runs
     errors = results["main"]["errors"]
     assert "no such directory" in errors["nowhere"], errors
     assert "--ffn-hidden-size" in errors["other_shape"], errors
     assert "truncated" in errors["truncated"] and ".weight" in errors["truncated"], errors
     assert "no checkpoint found" in errors["no_checkpoint"], errors
+    assert f"--ckpt-format torch: {run}/ref/iter_0000010 holds a torch_dist checkpoint; give " \
+           f"--auto-detect-ckpt-format" in errors["torch_needs_detect"], errors
+    assert f"--ckpt-format torch: {run}/stop/iter_0000005 loads only at the layout it was saved " \
+           f"at (tp, pp, vpp, ep and etp): it was saved at tp=2 ep=2 etp=2, this run has tp=1 " \
+           f"ep=4 etp=1" in errors["torch_other_layout"], errors
+    assert f"--ckpt-step 7: {run}/ref/iter_0000007 does not exist (complete iterations in " \
+           f"{run}/ref: 5, 10)" in errors["ckpt_step"], errors
+    assert f"--exit-on-missing-checkpoint: --load {run}/fresh holds no checkpoint yet" in \
+        errors["exit_on_missing"], errors
 
 
 def test_single_file_round_trip_is_bitwise(runs):
@@ -433,6 +657,26 @@ def test_upcycled_model_starts_at_the_dense_loss(runs):
     assert "4 experts per layer" in conversions["upcycle"].stdout
     dense, upcycled = results["main"]["dense_eval"], results["wide"]["eval"]["upcycled"]
     assert abs(dense - upcycled) <= 1e-5, (dense, upcycled)
+
+
+def test_moe_use_upcycling_starts_at_the_dense_model(runs):
+    _, results, _, _ = runs
+    upcycling = results["wide"]["upcycling"]
+    # iteration 1 is the upcycled checkpoint (Megatron-LM's); the run trains iteration 2 on the
+    # first batch, which the offline copy (iteration 0) trains as its iteration 1
+    assert "iter_0000001" in upcycling["saved"] and "iter_0000002" in upcycling["saved"]
+    assert len(upcycling["in_run"]) == 1
+    assert abs(upcycling["in_run"][0] - upcycling["offline"][0]) <= 1e-5, upcycling
+
+
+def test_data_parallel_random_init_copies_rank_0_weights(runs):
+    _, results, _, _ = runs
+    runs_ = results["main"]["dp_random_init"]
+    # the same weights on both data-parallel ranks (rank 0's, which the default seed gives)
+    assert runs_["no_dropout"] == runs_["no_dropout_without"], runs_
+    # the second rank's dropout masks come from its own seed: the first loss (before any update)
+    # is not the default run's
+    assert runs_["dropout"][0] != runs_["dropout_without"][0], runs_
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -540,8 +784,9 @@ def test_grouped_experts_resume_a_sequential_checkpoint_and_back(grouped_runs):
     assert _close(results["to_grouped"], sequential[2:]), (results["to_grouped"], sequential)
     for name in ("back", "grouped_etp"):
         assert _close(results[name], results["to_grouped"][2:]), (name, results[name], results)
-    # The start-up lines: 2 runs with each implementation, and the refused checkpoint's.
-    assert output.count(", experts SequentialMLP,") == 2, output[-6000:]
+    # The start-up lines: 2 runs with each implementation, the refused checkpoint's, and the
+    # three of --dist-ckpt-strictness (SequentialMLP).
+    assert output.count(", experts SequentialMLP,") == 5, output[-6000:]
     assert output.count(", experts TorchGroupedMLP,") == 3, output[-6000:]
 
 
@@ -558,13 +803,32 @@ def test_grouped_checkpoint_of_other_expert_shapes_names_the_tensor(grouped_runs
         f"{FC2_MOMENT}: shape (2, 4, 64, 128) in the checkpoint, (2, 4, 64, 256) in this model"], message
 
 
+def test_strictness_decides_what_lacking_and_extra_tensors_do(grouped_runs):
+    """A checkpoint without the final norm's weight (nor its moments) and with a tensor the
+    model lacks: by default the load stops naming the first; raise_all names both (every rank
+    alike); log_all loads the rest, says what it left out and what it did not load, and the
+    norm keeps its initial weight (iteration 3's loss moves a little from the full load's)."""
+    _, results, _, output = grouped_runs
+    default = results["strict assume_ok_unexpected"]
+    assert f"does not fit this model: {FINAL_NORM}: not in the checkpoint" in default, default
+    moments = [f"optimizer.state.{name}.{FINAL_NORM}" for name in ("exp_avg", "exp_avg_sq")]
+    assert results["strict raise_all"] == (
+        f"--dist-ckpt-strictness raise_all: not in the checkpoint: {FINAL_NORM}, "
+        f"{', '.join(moments)}; in the checkpoint, not in this model: {EXTRA}"), results
+    logged, full = results["strict log_all"], results["sequential"][2]
+    assert len(logged) == 1 and logged[0] != full and abs(logged[0] - full) < 0.05, (logged, full)
+    assert f"> note: --dist-ckpt-strictness log_all: not in the checkpoint: {FINAL_NORM}" in output
+    assert f"> note: --dist-ckpt-strictness log_all: in the checkpoint, not in this model: " \
+           f"{EXTRA} (not loaded)" in output
+
+
 def test_runs_that_load_checkpoints_print_no_warning(grouped_runs):
-    """The grouped launch as a user sees it (megatron_parm.launch, no PYTHONWARNINGS): three
-    runs that --load and a refused one, and not one warning line (Megatron-Core's loader raised
-    three FutureWarnings of torch's own deprecations on every load, before they were silenced
-    where it is called)."""
+    """The grouped launch as a user sees it (megatron_parm.launch, no PYTHONWARNINGS): four
+    runs that --load and three refused ones, and not one warning line (Megatron-Core's loader
+    raised three FutureWarnings of torch's own deprecations on every load, before they were
+    silenced where it is called)."""
     _, _, _, output = grouped_runs
-    assert output.count("> loaded checkpoint ") == 3, output[-6000:]
+    assert output.count("> loaded torch_dist checkpoint ") == 4, output[-6000:]
     warned = [line for line in output.splitlines() if "warning" in line.lower()]
     assert warned == [], warned
 
@@ -620,6 +884,11 @@ def test_distopt_resume_is_bitwise_for_every_dispatcher(distopt_runs):
     for name in names:
         reference = runs[f"{name} reference"]
         assert len(reference) == 4 and runs[f"{name} resumed"] == reference[2:], (name, runs)
+    # alltoall at (2,2,2) saved Megatron-LM's per-rank files (--ckpt-format torch), with the
+    # distributed optimizer's parameter state gathered on each data-parallel group's first rank
+    saved = distopt_runs[0] / "dist 2,2,2_alltoall/iter_0000002"
+    assert sorted(p.name for p in (saved / "mp_rank_00_000").iterdir()) == [
+        "distrib_optim.pt", "model_optim_rng.pt"]
 
 
 def test_finished_runs_leave_no_threads_behind(distopt_runs):
@@ -701,6 +970,15 @@ def test_distopt_damaged_shards_named_by_inspect_and_converter(distopt_runs, tmp
     assert ".bucket_idx_0.exp_avg " in proc.stdout, proc.stdout
     to_file = convert("--load", str(good), "--to-single-file", str(tmp_path / "x.pt"))
     assert to_file.returncode == 0, to_file.stdout + to_file.stderr
+    # another layout: refused in one line before any rank process starts, in the tool's flags
+    relayout = convert("--load", str(good), "--save", str(tmp_path / "relayout"),
+                       "--target-tensor-parallel-size", "1", "--target-expert-parallel-size", "2")
+    assert relayout.returncode == 2 and relayout.stderr.startswith(f"error: --load {good}: "), \
+        relayout.stdout + relayout.stderr
+    assert len(relayout.stderr.splitlines()) == 1 and "resharding" not in relayout.stdout, \
+        relayout.stdout + relayout.stderr
+    assert "--dist-ckpt-optim-fully-reshardable" in relayout.stderr, relayout.stderr
+    assert not (tmp_path / "relayout").exists()
     metadata = FileSystemReader(str(good)).read_metadata()
     index, info = next((i, v) for i, v in metadata.storage_data.items()
                        if i.fqn.endswith(".exp_avg_sq") and "bucket_idx" in i.fqn)

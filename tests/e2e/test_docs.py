@@ -9,10 +9,15 @@ this test does with it, visibly in the Markdown source:
 
 A block without either, or a command written as an indented block, fails the test: new
 commands cannot be skipped silently. A fenced python block marked run is a script the reader
-launches with torchrun: it runs as `torchrun --standalone --nproc-per-node 2 BLOCK.py` (python
-blocks without a marker are excerpts, not run). Blocks run with bash -e from a copy of the repository
-(the virtual environment and the prepared data linked in), with this Python's bin directory
-first on PATH, so `python` and `.venv/bin/python` are the project's.
+launches with torchrun: it runs as `.venv/bin/torchrun --standalone --nproc-per-node 2 BLOCK.py`
+(python blocks without a marker are excerpts, not run).
+
+Each doc with commands says once, at its top, how they run (CONVENTION: from the repository
+root after `make install`, with `.venv/bin/python`; docs/gpu.md: a GPU machine's own Python),
+and its commands call Python, pip and torchrun that way (a block for the reader's own
+environment says so in its skip reason). Blocks run with bash -e from a copy of the repository
+(the virtual environment and the prepared data linked in) as a fresh clone after `make install`
+would: without the virtual environment on PATH, so a bare `python` is not the project's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ INDENTED_COMMAND = re.compile(r"^ {4}(\$ )?(\.venv/bin/)?(python3?|torchrun|make
                               r"pretrain_scripts/|tools/)\b")
 _COPY_SKIPPED = {".git", ".venv", "__pycache__", ".pytest_cache", "runs", "outputs", "build",
                  "dist"}
+# How a doc says its commands run (once, at its top; compared with whitespace collapsed).
+CONVENTION = ("after `make install`: Python is `.venv/bin/python` (the virtual environment "
+              "`make install` made), so nothing needs activating.")
+OWN_PYTHON = "run on a GPU machine, from the repository root, with that machine's own Python"
+# Python, pip or torchrun called as a command (a line's start, after a pipe, `;`, `&&`, `(`,
+# `$(`, `<(`, sudo or an environment assignment), not through .venv/bin/.
+BARE_COMMAND = re.compile(r"(?:^|[|;&(]\s*|\$\(|<\(|\bsudo\s+|\b[A-Z_]+=\S*\s+)"
+                          r"(python3?|pip3?|torchrun)\b")
+READERS_ENVIRONMENT = "the reader's environment"
 
 
 def command_blocks(path: Path):
@@ -65,7 +79,7 @@ def _as_torchrun_script(source: str) -> str:
     """A python block as the bash command that writes it to a file and launches it."""
     assert "PARM_DOC_SCRIPT" not in source
     return (f"cat > doc_block.py <<'PARM_DOC_SCRIPT'\n{source}\nPARM_DOC_SCRIPT\n"
-            f"python -m torch.distributed.run --standalone --nproc-per-node 2 doc_block.py")
+            f".venv/bin/torchrun --standalone --nproc-per-node 2 doc_block.py")
 
 
 def _all_blocks():
@@ -95,6 +109,34 @@ def test_every_command_block_is_run_or_says_why_not():
     assert len(RUN_BLOCKS) >= 6, RUN_BLOCKS  # the one-process launch, plan_schedule, data, ...
 
 
+def _top(path: Path) -> str:
+    """The doc before its first section, whitespace collapsed."""
+    return " ".join(path.read_text().split("\n## ", 1)[0].split())
+
+
+def test_every_doc_says_once_how_its_commands_run_and_they_do():
+    problems = []
+    for path in DOC_FILES:
+        blocks = [block for block in command_blocks(path) if block[1] != "indented"]
+        where = path.relative_to(REPO)
+        if not blocks:
+            continue
+        top, text = _top(path), " ".join(path.read_text().split())
+        if OWN_PYTHON in top:
+            continue  # docs/gpu.md: another machine's Python
+        if CONVENTION not in top or text.count(CONVENTION) != 1:
+            problems.append(f"{where}: say once, before its first section: ...{CONVENTION}")
+        for number, marker, body in blocks:
+            if marker and READERS_ENVIRONMENT in marker:
+                continue
+            for line in body.splitlines():
+                match = BARE_COMMAND.search(line.split(" #")[0])
+                if match:
+                    problems.append(f"{where}:{number}: `{match.group(1)}` is not the project's: "
+                                    f"write .venv/bin/{match.group(1)} ({line.strip()})")
+    assert not problems, "\n".join(problems)
+
+
 @pytest.fixture(scope="module")
 def repo_copy(tmp_path_factory, prepared_data):
     """The working tree without build outputs, .venv and data/cache linked to the real ones."""
@@ -107,18 +149,63 @@ def repo_copy(tmp_path_factory, prepared_data):
     shutil.copytree(REPO, copy, ignore=skipped, symlinks=True)
     if (REPO / ".venv").exists():
         (copy / ".venv").symlink_to(REPO / ".venv")
+    else:  # tests run by another environment's Python: it stands in for `make install`'s
+        (copy / ".venv").symlink_to(Path(sys.executable).parent.parent)
     (copy / "data/cache").symlink_to(REPO / "data/cache")
     return copy
+
+
+def _fresh_shell_path() -> str:
+    """PATH without the directory of this Python's environment (nor .venv/bin): as in a fresh
+    shell, where the project's Python is only .venv/bin/python."""
+    ours = {Path(sys.executable).parent.resolve(), (REPO / ".venv/bin").resolve()}
+    return os.pathsep.join(entry for entry in os.environ["PATH"].split(os.pathsep)
+                           if entry and Path(entry).resolve() not in ours)
+
+
+# What a training run prints (Megatron-LM's lines and this project's `> ` ones), and the lines of
+# the README's library block: anything else in their output is noise the test counts.
+TRAINING_LINE = re.compile(r"^(> |note: |warning: | iteration +\d+/|  expert load, layer|-+$| "
+                           r"validation loss at )")
+LIBRARY_LINE = re.compile(r"^rank \d+: loss ")
+LIBRARY_NOTE = ("UserWarning: optional packages not installed: ",
+                "megatron_parm.hide_library_warnings()")
+
+
+def _is_training_run(text: str) -> bool:
+    """A block whose every command runs a pretraining script (alone or under the launcher)."""
+    commands = [line for line, previous in zip(text.splitlines(), [""] + text.splitlines())
+                if not previous.rstrip().endswith("\\")]
+    return bool(commands) and all(re.search(r"pretrain_scripts/pretrain_\w+\.py", line)
+                                  for line in commands)
+
+
+def _noise(path: Path, text: str, output: str) -> list:
+    """The lines of a training run or of the library block that are neither their results nor
+    the one line that says what remains (the optional packages), warnings included."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    if text.startswith("cat > doc_block.py"):
+        results = [line for line in lines if LIBRARY_LINE.match(line)]
+        others = [line for line in lines if not LIBRARY_LINE.match(line)]
+        assert len(results) == 2, output  # one line per rank
+        notes = [line for line in others if any(part in line for part in LIBRARY_NOTE)]
+        return [line for line in others if line not in notes] + notes[len(LIBRARY_NOTE):]
+    if _is_training_run(text):
+        return [line for line in lines
+                if not TRAINING_LINE.match(line) or line.startswith("warning: ")]
+    return []
 
 
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=_block_id)
 def test_documented_command_runs(block, repo_copy):
     path, number, _, text = block
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               OMP_NUM_THREADS="1")
-    env.pop("PYTHONWARNINGS", None)
+    env = dict(os.environ, PATH=_fresh_shell_path(), OMP_NUM_THREADS="1")
+    for name in ("PYTHONWARNINGS", "VIRTUAL_ENV"):
+        env.pop(name, None)
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=repo_copy, env=env,
                           capture_output=True, text=True, timeout=600)
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{path.relative_to(REPO)}:{number} failed:\n{text}\n{output}"
     assert "Traceback" not in proc.stdout + proc.stderr, output
+    noise = _noise(path, text, proc.stdout + "\n" + proc.stderr)
+    assert not noise, f"{len(noise)} lines a user cannot act on:\n" + "\n".join(noise)

@@ -9,8 +9,9 @@ One torchrun launch (this file run as a script), in one process per rank:
 The tests check: bf16 loss falls; the Parm dispatchers follow alltoall's bf16 curve within 2e-2
 relative; the model runs in bf16 with fp32 main parameters in Megatron's mixed-precision
 optimizer, which the checkpoint holds (optimizer.state.fp32_param...); the resumed bf16 run
-reproduces the uninterrupted one exactly; fp16's skipped iterations and loss scale show in
-Megatron-LM's log line.
+reproduces the uninterrupted one exactly; its --log-params-norm is the saved main parameters'
+norm;
+fp16's skipped iterations and loss scale show in Megatron-LM's log line.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def worker(out_path: str, run_dir: str) -> None:
     # parm decides by the model here: measured tuning would still be trying candidates at the
     # resume (16 calls per layer), and schedules agree in bf16 only to rounding.
     resume = ["--bf16", "--moe-token-dispatcher-type", "parm", "--no-parm-tune", "--train-iters", "10",
-              "--log-interval", "5", "--hidden-dropout", "0.1"]
+              "--log-interval", "5", "--hidden-dropout", "0.1", "--log-params-norm"]
     results["reference"] = train(*resume, "--save", f"{run}/ref", "--save-interval", "5")["losses"]
     results["first_half"] = train(*resume, "--save", f"{run}/stop", "--exit-interval", "5")["losses"]
     results["resumed"] = train(*resume, "--save", f"{run}/stop", "--load", f"{run}/stop")["losses"]
@@ -118,6 +119,25 @@ def test_bf16_resume_is_exact(run):
     weight = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
     assert str(full.tensors[weight].dtype) == "torch.bfloat16"
     assert f"optimizer.state.fp32_param.{weight}" in full.tensors
+
+
+def test_bf16_params_norm_is_the_saved_main_params_norm(run):
+    """--log-params-norm in bf16 with Megatron-Core's mixed-precision optimizer: as Megatron-LM
+    computes it, the norm of the fp32 main parameters the optimizer keeps on each bf16
+    parameter, each shard of tp=2, ep=2 once, i.e. that of the main parameters the checkpoint
+    of iteration 10 holds (the run that resumed to 10 prints the same)."""
+    _, stdout, run_dir = run
+    from megatron_parm.checkpointing.full import read_full
+
+    full = read_full(str(run_dir / "ref/iter_0000010"))
+    prefix = "optimizer.state.fp32_param."
+    main = {key[len(prefix):]: tensor for key, tensor in full.tensors.items()
+            if key.startswith(prefix)}
+    assert set(main) == {key for key in full.tensors if not key.startswith("optimizer")}
+    norm = sum(float((tensor.double() ** 2).sum()) for tensor in main.values()) ** 0.5
+    logged = re.findall(r"^ iteration +10/ +10 \|.* params norm: ([\d.]+) \|", stdout, re.M)
+    assert len(logged) == 2, stdout[-3000:]
+    assert all(float(value) == pytest.approx(norm, abs=6e-4) for value in logged), (logged, norm)
 
 
 def test_fp16_dynamic_loss_scaling(run):

@@ -12,7 +12,8 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
     dispatcher for 5;
   * pp=2 with activation recompute, full (uniform, one layer) and selective (`moe core_attn
     layernorm`), with alltoall, parm_s2 (pipelined) and parm, iterations 2-4 each;
-  * pp=2 interleaved (2 virtual stages of one layer), alltoall;
+  * pp=2 interleaved (2 virtual stages of one layer), alltoall; and with
+    --microbatch-group-size-per-virtual-pipeline-stage 4, iterations 2-4;
   * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
   * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each;
   * BERT MoE (its tiny config, 2 layers: one a stage) from its own one-iteration pp=1 start,
@@ -117,6 +118,11 @@ def worker(world: str, run_dir: str) -> None:
             for kind, flags in RECOMPUTE.items() for name in RECOMPUTE_DISPATCHERS}
         results["interleaved"] = train(*PP2, "--num-layers-per-virtual-pipeline-stage", "1",
                                        "--load", start)
+        # the 4 micro-batches as one group per virtual stage (breadth first), iterations 2-4
+        results["interleaved_group_4"] = train(
+            *PP2, "--num-layers-per-virtual-pipeline-stage", "1",
+            "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--load", start,
+            "--exit-interval", "4")
         iter5 = f"{saved}/iter_0000005"
         results["resumed"] = train(*PP2, "--load", iter5)
         results["at_pp1"] = train(*REFERENCE, "--load", iter5, "--exit-interval", "6")
@@ -171,6 +177,8 @@ def test_pipelined_run_matches_the_unpipelined_model(runs):
     assert len(reference) == 10 and reference[-1] < reference[0], reference
     _close(results["pp2"]["alltoall"]["losses"], reference, CURVE_TOLERANCE)
     _close(results["interleaved"]["losses"], reference, CURVE_TOLERANCE)
+    # another order of the same micro-batches: the same steps
+    _close(results["interleaved_group_4"]["losses"], results["interleaved"]["losses"][:3], 1e-5)
     _close(results["pp2_tp2_ep2"]["losses"], reference, CURVE_TOLERANCE)
     assert "pp=2, dp=1" in outputs["4"] and "pp=2 x 2 virtual" in outputs["4"]
     assert "pp=2, dp=2" in outputs["8"]

@@ -10,7 +10,13 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
     distributed optimizer's with the schedule in samples and Megatron-LM's data flags), and with
     the step's time breakdown written (alltoall, parm_s2);
   * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs);
-  * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK).
+  * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK);
+  * GPT-2 MoE (output layer untied) for 4 iterations with Megatron-LM's logging flags
+    (logging_run), then its last gradients saved as a checkpoint in the weights' place.
+  * GPT-2 MoE with Megatron-LM's run-control flags (run_control_runs): --manual-gc,
+    --deterministic-mode, the weight-hash check, the timeout after the first iteration, and
+    --exit-duration-in-mins passed on one rank only; then a weight-hash check that finds one
+    rank's parameters changed.
 The tests then check, from the recorded summaries and the console output:
   * the loss falls for both models;
   * every dispatcher's GPT loss curve matches alltoall's to 1e-4;
@@ -20,12 +26,21 @@ The tests then check, from the recorded summaries and the console output:
   * each data-parallel flag, the timing breakdown, activation recompute and the data flags
     that change no sample (2 DataLoader workers per rank, no attention mask in the batch, no
     mmap) leave the losses as they are, and the breakdown has the parts each run must have;
-  * mock data trains, its vocabulary padded as --make-vocab-size-divisible-by says.
+  * mock data trains, its vocabulary padded as --make-vocab-size-divisible-by says;
+  * the logging flags: the params norm is the norm of the saved weights and the zeros count
+    that of the saved gradients (each shard once over tp=2, ep=2), TensorBoard's tags and
+    values read back from the event files, the timers of --timing-log-level 1 and 2, the
+    memory lines, progress.txt and W&B's one line where the package is missing.
+  * every rank stops at the same iteration when one alone finds the duration passed, collects
+    garbage at the same points, and refuses parameters that differ across data-parallel
+    replicas.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -70,6 +85,8 @@ def worker(out_path: str, run_dir: str) -> None:
                       for name in DDP_RUNS}
     results["recompute"] = recompute_runs()
     results["mock"] = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + MOCK))["losses"]
+    results["logging"] = logging_run(run_dir)
+    results["run_control"] = run_control_runs()
     bert_dispatcher = "parm" if "parm" in dispatchers_to_compare() else "parm_s2"
     args = parse_args(TINY_BERT + LAYOUT + SHORT + [
         "--moe-token-dispatcher-type", bert_dispatcher, "--save", f"{run_dir}/checkpoints",
@@ -92,12 +109,15 @@ DDP_SAMPLES = ["--train-samples", "32", "--lr-decay-samples", str(NUM_ITERS * 8)
 DDP_RUNS = {
     "overlap_grad_reduce": lambda d: ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                                       "--parm-timing-file", f"{d}/timing_alltoall.jsonl"],
-    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
-    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
-    # attention mask in the batch (the model's causal mask), file reads instead of mmap
+    # with the schedule in samples (DDP_SAMPLES), Megatron-LM's data flags that change no
+    # sample (2 DataLoader worker processes per rank, its default: the tiny configs set 0; no
+    # attention mask in the batch, the model's causal mask; file reads instead of mmap) and
+    # Megatron-Core's level-1 timers (the distributed optimizer's params-all-gather)
     "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
                                         "--no-create-attention-mask-in-dataloader",
-                                        "--no-mmap-bin-files"],
+                                        "--no-mmap-bin-files", "--timing-log-level", "1",
+                                        "--timing-log-option", "max",
+                                        "--no-barrier-with-level-1-timing"],
     "overlap_param_gather": lambda d: ["--use-distributed-optimizer", "--overlap-grad-reduce",
                                        "--overlap-param-gather", "--ddp-bucket-size", "20000",
                                        "--eval-interval", "2"],
@@ -117,12 +137,20 @@ DDP_RUNS = {
 }
 
 
-    # with the schedule in samples (DDP_SAMPLES), and with Megatron-LM's data flags that change
-    # no sample: 2 DataLoader worker processes per rank (its default; the tiny configs set 0), no
-    # attention mask in the batch (the model's causal mask), file reads instead of mmap
-    "distributed_optimizer": lambda d: ["--use-distributed-optimizer", "--num-workers", "2",
-                                        "--no-create-attention-mask-in-dataloader",
-                                        "--no-mmap-bin-files"],
+def ddp_argv(name: str, run_dir: str) -> list:
+    """A DDP run's flags: DDP_ITERS' schedule, or for distributed_optimizer DDP_SAMPLES' (SHORT's
+    --train-iters left out)."""
+    if name != "distributed_optimizer":
+        return TINY_GPT + LAYOUT + SHORT + DDP_ITERS + DDP_RUNS[name](run_dir)
+    short = SHORT[2:] if SHORT[:1] == ["--train-iters"] else SHORT
+    return TINY_GPT + LAYOUT + short + DDP_SAMPLES + DDP_RUNS[name](run_dir)
+
+
+# Megatron-Core's mock GPT dataset with Megatron-LM's NullTokenizer (no files), a vocabulary
+# padded to multiples of 64 x TP, in a random order each epoch.
+MOCK = ["--mock-data", "--data-path", "", "--tokenizer-type", "NullTokenizer", "--tokenizer-model",
+        "", "--vocab-size", "1100", "--make-vocab-size-divisible-by", "64", "--dataloader-type",
+        "cyclic"]
 
 
 # Megatron-LM's activation-recompute flags, each dispatcher under full recompute and the
@@ -167,6 +195,124 @@ def recompute_runs():
         return out
     finally:
         TopKRouter.forward = forward
+
+
+# Megatron-LM's logging flags on a short GPT run whose output layer is untied: the word
+# embedding's rows of the tokens a batch lacks get zero gradients, which the zeros count sees.
+LOGGING_ITERS = 4
+LOGGING = ["--untie-embeddings-and-output-weights", "--train-iters", str(LOGGING_ITERS),
+           "--lr-decay-iters", str(NUM_ITERS), "--log-interval", "2", "--eval-interval", str(LOGGING_ITERS),
+           "--tensorboard-log-interval", "2", "--log-params-norm", "--log-num-zeros-in-grad",
+           "--log-throughput", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+           "--log-memory-interval", "2", "--log-device-memory-used",
+           "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
+           "--timing-log-level", "2", "--moe-per-layer-logging", "--log-progress"]
+
+
+def logging_run(run_dir: str) -> list:
+    """The LOGGING run (TensorBoard in RUN_DIR/logging/tensorboard, its checkpoint and
+    progress.txt in RUN_DIR/logging/checkpoints, W&B asked for), then its last step's gradients
+    (the main grads Megatron-Core's optimizer counted the zeros of) saved as a checkpoint in
+    place of the weights, RUN_DIR/logging/grads. Returns its losses."""
+    from megatron_parm.checkpointing import save_checkpoint
+    from megatron_parm.training import trainer
+    from megatron_parm.training.arguments import parse_args
+
+    out = f"{run_dir}/logging"
+    args = parse_args(TINY_GPT + LAYOUT + SHORT + LOGGING + [
+        "--moe-token-dispatcher-type", "parm_s1", "--tensorboard-dir", f"{out}/tensorboard",
+        "--save", f"{out}/checkpoints", "--wandb-project", "parm",
+        "--wandb-save-dir", f"{out}/wandb"])
+    built, build = [], trainer.build_model_and_optimizer
+
+    def keep(*a, **k):
+        built.append(build(*a, **k))
+        return built[-1]
+    trainer.build_model_and_optimizer = keep
+    try:
+        losses = trainer.pretrain(args)["losses"]
+    finally:
+        trainer.build_model_and_optimizer = build
+    model = built[0][0]
+    for chunk in model:
+        for param in chunk.parameters():
+            param.data = param.main_grad.view_as(param)
+    save_checkpoint(f"{out}/grads", LOGGING_ITERS, model, None, None, 0, args)
+    return losses
+
+
+# Megatron-LM's run-control flags on DDP_ITERS (dp = 2): none changes the losses.
+RUN_CONTROL = ["--manual-gc", "--manual-gc-interval", "2", "--deterministic-mode",
+               "--check-weight-hash-across-dp-replicas-interval", "2",
+               "--distributed-timeout-seconds-after-init", "300", "--exit-duration-in-mins", "1"]
+
+
+def run_control_runs():
+    """Per rank, from a DDP_ITERS run with RUN_CONTROL where rank 1's clock alone jumps past
+    --exit-duration-in-mins after iteration 3: (iteration, exit reason, losses, run_control's
+    gc.collect generations, every group's timeout); then, per rank, the error of a run whose
+    rank 0 changed a parameter before the weight-hash check."""
+    import datetime
+    import gc
+    import time
+
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from megatron_parm.training import run_control, trainer
+    from megatron_parm.training.arguments import parse_args
+
+    rank = torch.distributed.get_rank()
+    collections = []
+
+    class Clock:  # time.time() is called once per iteration (no evaluation before the 4th)
+        calls = 0
+
+        def time(self):
+            self.calls += 1
+            return time.time() + (120 if rank == 1 and self.calls >= 3 else 0)
+
+    class CountedGC:
+        def collect(self, generation=2):
+            collections.append(generation)
+            return gc.collect(generation)
+
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+    flags = TINY_GPT + LAYOUT + SHORT + DDP_ITERS
+    run_control.time, run_control.gc = Clock(), CountedGC()
+    try:
+        summary = trainer.pretrain(parse_args(flags + RUN_CONTROL))
+    finally:
+        run_control.time, run_control.gc = time, gc
+    timeouts = sorted({group._get_backend(torch.device("cpu")).options._timeout
+                       / datetime.timedelta(seconds=1)
+                       for group in distributed_c10d._world.pg_map})
+    record = {"iteration": summary["iteration"], "reason": summary.get("exit_reason"),
+              "losses": summary["losses"], "collections": collections, "timeouts": timeouts}
+
+    build = trainer.build_model_and_optimizer
+
+    def changed_on_rank_0(*args, **kwargs):
+        model, optimizer, scheduler = build(*args, **kwargs)
+        if rank == 0:
+            with torch.no_grad():
+                next(model[0].parameters()).add_(1e-3)
+        return model, optimizer, scheduler
+
+    trainer.build_model_and_optimizer = changed_on_rank_0
+    try:
+        trainer.pretrain(parse_args(flags + ["--check-weight-hash-across-dp-replicas-interval",
+                                             "1"]))
+        record["mismatch"] = None
+    except ValueError as error:
+        record["mismatch"] = str(error)
+    finally:
+        trainer.build_model_and_optimizer = build
+    records = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(records, record)
+    return records
 
 
 # Tuning at 1 timed call per candidate: the tiny layer's 4 candidates x 2 calls, decided at
@@ -332,6 +478,31 @@ def test_activation_recompute_leaves_the_losses(run):
         assert runs[name]["losses"] == pytest.approx(reference, abs=tolerance), name
 
 
+def test_run_control_on_every_rank(run):
+    """Megatron-LM's run-control flags on 4 ranks: one rank past --exit-duration-in-mins stops
+    them all after the same iteration (saved state aside, the losses those without the flags:
+    deterministic kernels round alike to 1e-5); --manual-gc collects at the start and after
+    iterations 2 on every rank; the group timeouts are 300 s after the first iteration; the
+    weight hashes match, and a parameter changed on rank 0 alone stops every rank."""
+    results, stdout, _ = run
+    records = results["run_control"]
+    reference = results["gpt"]["alltoall"]
+    for rank, record in enumerate(records):
+        assert (record["iteration"], record["reason"]) == (3, "exit-duration-in-mins"), rank
+        assert record["losses"] == pytest.approx(reference[:3], abs=1e-5), rank
+        assert record["collections"] == [2, 2], (rank, record["collections"])
+        assert record["timeouts"] == [300.0], (rank, record["timeouts"])
+        assert record["mismatch"].startswith("--check-weight-hash-across-dp-replicas-interval: "
+                                             "after iteration 0 parameters differ across "
+                                             "data-parallel replicas: "), (rank, record)
+    # rank 0 and its data-parallel peer (rank 2) name the parameter, the others do not
+    assert [record["mismatch"].endswith(f"module.embedding.word_embeddings.weight on rank "
+                                        f"{rank}") for rank, record in enumerate(records)] == \
+        [True, False, True, False]
+    assert stdout.count(">>> Weight hashes match after 2 iterations...") == 1
+    assert "(--exit-duration-in-mins 1): stopping after iteration 3" in stdout
+
+
 def test_timing_breakdown_has_each_part(run):
     _, stdout, run_dir = run
     assert stdout.count(" time breakdown (ms/iteration, mean over ranks): ") == 4
@@ -355,6 +526,130 @@ def test_timing_breakdown_has_each_part(run):
             else:
                 assert ms["moe_dispatch"] > 0 and ms["moe_combine"] > 0
                 assert ms["moe_dispatch_combine"] == 0
+
+
+def tensorboard_scalars(log_dir) -> dict:
+    """{tag: {step: value}} of every scalar TensorBoard wrote under LOG_DIR."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def model_tensors(path) -> dict:
+    """The model's tensors of a checkpoint, whole (every shard of tp=2, ep=2 once)."""
+    from megatron_parm.checkpointing.full import read_full
+
+    return {key: tensor for key, tensor in read_full(str(path)).tensors.items()
+            if not key.startswith("optimizer")}
+
+
+def test_params_norm_and_zeros_count_each_shard_once(run):
+    """The last iteration's params norm is the norm of the weights saved after it, and its
+    zeros count the zeros of its gradients saved in their place (the untied word embedding's
+    rows of the tokens the batch lacks): Megatron-LM's sums over tp=2, ep=2 without
+    duplicates, on the line and in TensorBoard."""
+    _, stdout, run_dir = run
+    weights = model_tensors(run_dir / "logging/checkpoints" / f"iter_{LOGGING_ITERS:07d}")
+    grads = model_tensors(run_dir / "logging/grads" / f"iter_{LOGGING_ITERS:07d}")
+    assert weights.keys() == grads.keys() and "output_layer.weight" in weights
+    norm = sum(float((t.double() ** 2).sum()) for t in weights.values()) ** 0.5
+    zeros = sum(int((t == 0).sum()) for t in grads.values())
+    assert zeros > 0
+    written = tensorboard_scalars(run_dir / "logging/tensorboard")
+    assert written["params-norm"][LOGGING_ITERS] == pytest.approx(norm, rel=1e-6)
+    assert written["num-zeros"][LOGGING_ITERS] == zeros
+    line = re.search(rf"^ iteration +{LOGGING_ITERS}/ +{LOGGING_ITERS} \|.* num zeros: .*$",
+                     stdout, re.M)[0]  # the logging run's last line
+    assert f" num zeros: {float(zeros)} | params norm: {norm:.3f} |" in line
+
+
+def test_logging_flags_write_megatron_lm_s_tensorboard_tags(run):
+    results, _, run_dir = run
+    written = tensorboard_scalars(run_dir / "logging/tensorboard")
+    losses = results["logging"]
+    # every --tensorboard-log-interval (2): the iteration's own values, also vs samples
+    assert written["lm loss"] == {2: pytest.approx(losses[1]), 4: pytest.approx(losses[3])}
+    assert written["lm loss vs samples"] == {16: pytest.approx(losses[1]),
+                                             32: pytest.approx(losses[3])}
+    assert written["world-size"] == {2: 4, 4: 4} and written["batch-size"] == {2: 8, 4: 8}
+    assert set(written["loss-scale"]) == set(written["grad-norm"]) == {2, 4}
+    assert set(written["mem-resident-bytes"]) == {2, 4}  # CPU: the process's resident memory
+    for step in (2, 4):  # the router loss: the mean of its layers (both MoE)
+        layers = [written[f"moe/load_balancing_loss_layer_{i}"][step] for i in (0, 1)]
+        assert written["load_balancing_loss"][step] == pytest.approx(sum(layers) / 2)
+    # every --log-interval: the iteration time, the throughput, the timers (slowest rank)
+    from megatron_parm.training import timers
+
+    for step in (2, 4):
+        seconds = written["iteration-time"][step]
+        assert written["forward-backward-time"][step] < seconds
+        assert written["throughput"][step] > 0
+    logged = {tag[:-len("-time")] for tag in written if tag.endswith("-time")} - {"iteration"}
+    assert {"forward-backward", "all-grads-sync", "optimizer", "optimizer-inner-step",
+            "batch-generator", "forward-compute", "backward-compute"} <= logged
+    assert logged <= set(timers.timer_names(2))
+    validation = written["lm loss validation"][LOGGING_ITERS]
+    assert written["lm loss validation ppl"] == {LOGGING_ITERS: pytest.approx(math.exp(validation))}
+    # the BERT run: Megatron-LM's tags for its losses
+    bert = tensorboard_scalars(run_dir / "tensorboard")
+    assert {"lm loss", "sop loss", "learning-rate", "loss-scale", "grad-norm",
+            "lm loss validation"} <= set(bert)
+    assert "world-size" not in bert and "params-norm" not in bert
+
+
+def timer_blocks(stdout: str, option: str) -> list:
+    """The timer names of each block Megatron-Core's Timers printed with --timing-log-option
+    OPTION's heading ('(min, max)' or 'max')."""
+    blocks = stdout.split(f"\n{option} time across ranks (ms):\n")[1:]
+    pattern = r"    ([a-z-]+) \.+: (\([\d.]+, [\d.]+\)|[\d.]+)"
+    return [[re.fullmatch(pattern, line)[1]
+             for line in itertools.takewhile(lambda line: line.startswith("    "),
+                                             block.split("\n"))] for block in blocks]
+
+
+def test_logging_flags_console_timers_memory_progress_and_wandb(run):
+    from megatron_parm.training import timers
+
+    _, stdout, run_dir = run
+    lines = re.findall(r"^ iteration +(\d+)/ +4 \|.* throughput per GPU \(TFLOP/s/GPU\): "
+                       r"[\d.]+ \|.* num zeros: \d+\.0 \| params norm: [\d.]+ \|", stdout, re.M)
+    assert lines == ["2", "4"]
+    # --timing-log-level 2, minmax (the logging run), 1, max (the distributed-optimizer run):
+    # a block after each line, the timers of the level that ran
+    minmax, slowest = timer_blocks(stdout, "(min, max)"), timer_blocks(stdout, "max")
+    assert len(minmax) == len(slowest) == 2
+    for names in minmax:
+        assert {"forward-backward", "optimizer", "batch-generator", "forward-compute",
+                "backward-compute"} <= set(names), names
+    for names in slowest:
+        assert {"forward-backward", "optimizer", "params-all-gather"} <= set(names), names
+        assert not set(names) & set(timers.TIMER_NAMES[2]), names
+    # --log-memory-interval 2: the ranks of data-parallel rank 0 (tp ranks 0 and 1)
+    memory = re.findall(r"^\[Rank (\d)\] \(after (\d) iterations\) memory \(MB\) \| resident: "
+                        r"[\d.]+ \| max resident: [\d.]+ \| total host memory used: [\d.]+$",
+                        stdout, re.M)
+    assert sorted(memory) == [("0", "2"), ("0", "4"), ("1", "2"), ("1", "4")]
+    # --log-progress: Megatron-LM's progress.txt
+    from megatron_parm.training import flops
+    from megatron_parm.training.arguments import parse_args
+
+    progress = (run_dir / "logging/checkpoints/progress.txt").read_text().splitlines()
+    assert [line.split("\t")[2:4] for line in progress] == [["# GPUs: 4", "Starting job"],
+                                                              ["# GPUs: 4", "Saved checkpoint"]]
+    args = parse_args(["--config", str(REPO / TINY_GPT[1])] + LAYOUT + SHORT + LOGGING,
+                      world_size=4, reads_data=False)
+    samples = LOGGING_ITERS * 8
+    fields = progress[1].split("\t")[4:]
+    assert fields[0] == f"Iteration: {LOGGING_ITERS}"
+    assert re.fullmatch(r"Job throughput: [\d.]+ TFLOP/s/GPU", fields[1])
+    assert re.fullmatch(r"Cumulative throughput: [\d.]+ TFLOP/s/GPU", fields[2])
+    assert fields[3] == (f"Floating-point operations: "
+                         f"{samples * flops.num_floating_point_operations(args, 1, 8192):.2e}")
+    assert fields[4] == "Tokens (in billions): 0.00"
+    # W&B asked for without its package: one line, and the run went on
+    assert stdout.count("> W&B: the 'wandb' package is not installed") == 1
 
 
 def test_console_lines_in_megatron_format(run):

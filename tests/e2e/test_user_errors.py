@@ -77,8 +77,6 @@ def bad_inputs(run: Path) -> dict:
         "router groups that do not divide the experts": (
             ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
             "error: --moe-router-num-groups (3) must divide --num-experts (4) into equal groups"),
-        "multi-latent attention": (["--multi-latent-attention"],
-                                   "error: --multi-latent-attention is not supported"),
         "what Megatron-Core's TransformerConfig refuses": (
             ["--moe-pad-expert-input-to-capacity"],
             "error: Megatron-Core 0.16.1 refuses these flags: moe_expert_capacity_factor must be "
@@ -336,7 +334,10 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
             [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4",
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
              "pretrain_scripts/pretrain_gpt2_moe.py", *TINY, "--train-iters", "1000",
-             "--save", str(tmp_path / "ckpt"), "--exit-signal-handler"],
+             "--save", str(tmp_path / "ckpt"), "--exit-signal-handler",
+             # a data-loader worker per rank: the job-wide SIGTERM reaches it too, and it must
+             # leave the stop to its rank (Megatron-LM's worker_init_fn)
+             "--num-workers", "1"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(marker))
         try:
             deadline = time.time() + 300
@@ -357,8 +358,8 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
                 os.kill(pid, signal.SIGKILL)
             launcher.wait()
     output = log_path.read_text()
-    stopped = int(re.search(r"> exit signal received: stopping after iteration (\d+)",
-                            output).group(1))
+    stopped = int(re.search(r"> exit signal received \(SIGTERM\): stopping after iteration "
+                            r"(\d+)", output).group(1))
     assert status == 0, output[-4000:]
     assert len(threads) >= 4 and set(threads) == {"1"}, threads  # the ranks (and their helpers)
     assert "OMP_NUM_THREADS" not in output, output[-4000:]
@@ -367,7 +368,7 @@ def test_sigterm_saves_and_every_rank_exits_0(tmp_path, prepared_data):
     assert (tmp_path / f"ckpt/iter_{stopped:07d}/metadata.json").is_file()
     assert f"> saved checkpoint at iteration {stopped}" in output
     assert "Traceback" not in output, output[-4000:]
-    assert "launch: SIGTERM received: passed to 4 ranks" in output
+    assert "launch: SIGTERM received: passed to 4 ranks as SIGTERM" in output
     assert pids_with_marker(f"PARM_TEST_LAUNCH={marker}") == []
 
 
@@ -388,9 +389,12 @@ TOOL_MISTAKES = {
     "count_ops.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
     "emulate_cluster.py": (["--nnodes", "0", "--", "true"], {}, "--nnodes"),
     "fault_loop.py": (["--faults", "crash"], {}, "--faults"),
+    "flag_table.py": (["--check", "--chek"], {}, "unrecognized arguments: --chek"),
     "gpu_check.py": (["--out", "{tmp}", "--stages", "a,x"], {}, "--stages: unknown stage 'x'"),
     "gpu_check.sh": ([], {}, "OUT_DIR is required"),
     "inspect_checkpoint.py": ([MISSING], {}, f"{MISSING}: no such directory"),
+    "megatron_lm_configs.py": (["--megatron-lm", MISSING, "--show"], {},
+                               f"--megatron-lm: no test cases under {MISSING}"),
     "make_corpus.py": (["--output", "{tmp}/corpus.jsonl", "--max-bytes", "-5"], {},
                        "--max-bytes"),
     "plan_layout.py": (["--config", f"{MISSING}.yaml", "--nproc-per-node", "4",

@@ -114,20 +114,79 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
                           env={**run_env, **env}, timeout=120)
 
 
-WARN = ("from megatron_parm import cli; cli.setup_warnings(); import warnings; "
-        "warnings.warn('Apex is not installed. Falling back to Torch Norm'); "
-        "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch "
-        "optimizers.'); warnings.warn('something\\n  worth   knowing'); "
+# Warnings as Megatron-Core and torch raise them (the message, from the module), and others.
+FROM_MEGATRON = (
+    "import warnings; "
+    "warnings.warn_explicit('Apex is not installed. Falling back to Torch Norm', UserWarning, "
+    "'backends.py', 21, module='megatron.core.models.backends'); "
+    "warnings.warn_explicit('Transformer Engine and Apex are not installed. Falling back to "
+    "Torch optimizers.', UserWarning, '__init__.py', 24, module='megatron.core.optimizer'); "
+    "warnings.warn_explicit('The .grad attribute of a Tensor that is not a leaf Tensor is being "
+    "accessed.', UserWarning, 'optimizer.py', 66, module='megatron.core.optimizer.optimizer'); "
+    "warnings.warn_explicit('moe_ffn_hidden_size is not set, using ffn_hidden_size instead.', "
+    "UserWarning, 'transformer_config.py', 1056, "
+    "module='megatron.core.transformer.transformer_config'); "
+    "warnings.warn('The .grad attribute of a Tensor that is not a leaf Tensor is being accessed "
+    "(yours)'); ")
+WARN = ("from megatron_parm import cli; cli.setup_warnings(); " + FROM_MEGATRON +
+        "warnings.warn('something\\n  worth   knowing'); "
         "warnings.warn('something\\n  worth   knowing')")
 
 
 def test_warnings_once_on_rank_0_in_one_line():
+    """Hidden where they arise: the same message from another module (the user's) is shown."""
     rank0 = _python(WARN, RANK="0")
     assert rank0.stderr.splitlines() == [
+        "warning: The .grad attribute of a Tensor that is not a leaf Tensor is being accessed "
+        "(yours) [UserWarning, <string>:1]",
         "warning: something worth knowing [UserWarning, <string>:1]"], rank0.stderr
     assert _python(WARN, RANK="3").stderr == ""
     note = cli.optional_packages_note()
     assert note is None or note.startswith("optional packages not installed: ")
+
+
+def test_library_users_opt_in_to_hiding_megatron_cores_own_warnings():
+    """megatron_parm.hide_library_warnings(): Megatron-Core's and torch's warnings about their
+    own internals hidden where they arise, what a library user can act on kept (the MoE FFN
+    size is theirs to give), the missing packages said once on rank 0; importing megatron_parm
+    alone changes no filter."""
+    code = ("import warnings; before = list(warnings.filters); import megatron_parm; "
+            "assert warnings.filters == before; megatron_parm.hide_library_warnings(); "
+            + FROM_MEGATRON)
+    shown = [line for line in _python(code, RANK="0").stderr.splitlines()
+             if "Warning: " in line]
+    note = cli.optional_packages_note()
+    assert [line.split("Warning: ", 1)[1] for line in shown] == (
+        [note] if note else []) + [
+        "moe_ffn_hidden_size is not set, using ffn_hidden_size instead.",
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed (yours)"]
+    assert not [line for line in _python(code, RANK="1").stderr.splitlines()
+                if "optional packages" in line]
+
+
+@pytest.mark.parametrize("target", ["demo", "layer-demo"])
+def test_the_makefiles_multi_rank_targets_take_a_master_port(target, tmp_path):
+    """A second job on the machine must not collide with the first: MASTER_PORT given, the
+    launch uses it; not given, torchrun's --standalone picks a free port (make -n: the
+    commands, not run; run_local.sh's rendezvous lines are run alone)."""
+    def commands(*variables):
+        proc = subprocess.run(["make", "-n", "--always-make", target, *variables], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    if target == "layer-demo":
+        assert "--master-port 29613" in commands("MASTER_PORT=29613")
+        assert "--standalone" in commands() and "--master-port" not in commands()
+        return
+    assert "MASTER_PORT=29613 pretrain_scripts/run_local.sh" in commands("MASTER_PORT=29613")
+    script = (REPO / "pretrain_scripts/run_local.sh").read_text()
+    rendezvous = script[script.index("RENDEZVOUS=(--standalone)"):script.index("# tee ignores")]
+    for port, expected in (("29613", "--master-addr 127.0.0.1 --master-port 29613"),
+                           ("", "--standalone")):
+        shown = subprocess.run(["bash", "-c", f'MASTER_PORT={port}\n{rendezvous}'
+                                f'echo "${{RENDEZVOUS[@]}}"'], capture_output=True, text=True)
+        assert shown.stdout.strip() == expected, (port, shown.stdout, shown.stderr)
 
 
 def test_counts_say_1_rank_not_1_ranks():
@@ -214,6 +273,39 @@ def test_checkpoint_flags_of_an_earlier_version_get_todays_defaults():
     assert flags["norm_epsilon"] == 1e-6 and "layernorm_epsilon" not in flags
     assert (flags["normalization"], flags["position_embedding_type"], flags["moe_layer_freq"],
             flags["num_layers"]) == ("LayerNorm", "learned_absolute", 1, 2)
+
+
+_TINY_SAVED = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256,
+               "num_attention_heads": 4, "seq_length": 64, "max_position_embeddings": 64,
+               "num_experts": 4, "moe_router_topk": 2, "disable_bias_linear": True}
+
+
+@pytest.mark.parametrize("common,layout,world,words", [
+    # a distributed optimizer's dp-reshardable state: refused whatever the target layout
+    ({"optimizer_step": 40, "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}},
+     (1, 4, 1, 1), 4, ["--load", "dp-reshardable", "--dist-ckpt-optim-fully-reshardable"]),
+    # the padded vocabulary is fixed at save time: 8192 does not split over 3 TP ranks
+    ({"args": {**_TINY_SAVED, "num_attention_heads": 6, "hidden_size": 96, "seq_length": 96,
+               "max_position_embeddings": 96}},
+     (3, 1, 1, 1), 3, ["--target-tensor-parallel-size 3", "padded vocabulary (8192"]),
+    # each expert's FFN (256) over 3 expert-tensor ranks
+    ({}, (1, 1, 3, 1), 3, ["--target-expert-tensor-parallel-size"]),
+    ({}, (1, 1, 1, 3), 3, ["--target-pipeline-parallel-size"]),
+])
+def test_conversion_refusals_come_before_any_process_and_name_the_tools_flags(
+        common, layout, world, words):
+    """tools/convert_checkpoint.py checks everything the target layout's ranks would refuse
+    before it starts them (relayout_problem), in this tool's flags (--target-*, --load), not
+    training's (--tensor-model-parallel-size, --use-distributed-optimizer alone)."""
+    convert = _load_tool("convert_checkpoint")
+    plain = {"args": _TINY_SAVED, "optimizer_step": 40,
+             "layout": {"world_size": 4, "tensor_model_parallel_size": 2,
+                        "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+             "model_info": {"padded_vocab_size": 8192, "vocab_size": 8000}}
+    problem = convert.relayout_problem("SAVE/iter_0000040", {**plain, **common}, layout, world)
+    assert problem is not None and all(word in problem for word in words), problem
+    assert "--tensor-model-parallel-size" not in problem, problem
+    assert convert.relayout_problem("SAVE/iter_0000040", plain, (1, 4, 1, 1), 4) is None
 
 
 def test_every_shipped_grid_loads():
@@ -313,6 +405,29 @@ def _tiny_full(objects=None, common_extra=None) -> FullCheckpoint:
 @pytest.fixture
 def checkpoint(tmp_path):
     return write_full(str(tmp_path / "ckpt"), 3, _tiny_full())
+
+
+def test_a_tool_whose_reader_went_away_stops_quietly(checkpoint):
+    """`tools/inspect_checkpoint.py SAVE | head -30`: once head has its lines, the tool ends
+    with SIGPIPE's status and without a BrokenPipeError traceback (stdout unbuffered here, so
+    that the first print meets the closed pipe)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.Popen([sys.executable, "-u", "tools/inspect_checkpoint.py", checkpoint],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == cli.BROKEN_PIPE, err
+    assert err == "", err
+
+
+def test_a_broken_pipe_elsewhere_is_still_a_bug(capsys):
+    """Only a closed standard output is quiet: a BrokenPipeError from anything else (a socket
+    to a peer) keeps its traceback."""
+    def main():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert cli.call(main) == cli.BUG
+    assert "BrokenPipeError" in capsys.readouterr().err
 
 
 def test_checkpoints_of_this_project_load_safely(checkpoint, tmp_path):

@@ -108,15 +108,17 @@ def test_flags_without_effect_are_one_start_up_note(tmp_path):
     config = tmp_path / "mlm.yaml"
     config.write_text((REPO / "configs" / "gpt2_tiny_moe.yaml").read_text()
                       + "no_bias_gelu_fusion: true\nuse_mcore_models: true\n"
-                        "distributed_backend: gloo\nno_parm_tune: true\n")
+                        "exit_signal_handler_for_dataloader: true\nno_parm_tune: true\n")
     args = settings.read(settings.training_parser(),
                          ["--config", str(config), "--no-gradient-accumulation-fusion"])
     assert args.parm_tune is False and args.bias_gelu_fusion is False
     assert settings.no_effect_note(args) == (
-        "note: no effect here: --no-bias-gelu-fusion, --no-gradient-accumulation-fusion: picks a "
-        "fused GPU kernel, and the same computation runs unfused here; --use-mcore-models: always "
-        "so here: Megatron-Core models and its distributed checkpoints; --distributed-backend: "
-        "the backend follows the device here: NCCL on a GPU, gloo on CPU")
+        "note: no effect here: --exit-signal-handler-for-dataloader: Megatron-LM core_v0.16.1 "
+        "reads it nowhere: with --exit-signal-handler the data loader's workers catch "
+        "--exit-signal anyway, there as here; --no-bias-gelu-fusion, "
+        "--no-gradient-accumulation-fusion: picks a fused GPU kernel, and the same computation "
+        "runs unfused here; --use-mcore-models: always so here: Megatron-Core models and its "
+        "distributed checkpoints")
     assert settings.no_effect_note(settings.read(settings.training_parser(), TINY_GPT)) is None
 
 
@@ -137,6 +139,36 @@ def test_a_tool_s_own_flag_sharing_a_refused_name_is_not_refused():
     parser = settings.Parser()
     parser.add_argument("--warmup", type=int, default=1)  # a benchmark's warm-up iterations
     assert settings.read(parser, ["--warmup", "0"]).warmup == 0
+
+
+def test_checkpoint_flags_as_config_keys_and_their_refused_values(tmp_path):
+    """The checkpoint flags are config keys as on the command line (the BERT script reads the
+    same parser); the values that do not run here are refused naming the flag and why."""
+    config = tmp_path / "ckpt.yaml"
+    config.write_text("ckpt_format: torch\nno_ckpt_fully_parallel_save: true\nno_save_optim: "
+                      "true\ndist_ckpt_strictness: log_all\nsave_retain_interval: 4\nfinetune: "
+                      "true\nno_use_tokenizer_model_from_checkpoint_args: true\n")
+    values, _ = settings.config_values(str(config), settings.training_parser())
+    assert values == {"ckpt_format": "torch", "ckpt_fully_parallel_save": False,
+                      "no_save_optim": True, "dist_ckpt_strictness": "log_all",
+                      "save_retain_interval": 4, "finetune": True,
+                      "use_tokenizer_model_from_checkpoint_args": False}
+    with pytest.raises(ValueError) as error:
+        settings.read(settings.training_parser(),
+                      TINY_GPT + ["--ckpt-format", "torch_dcp", "--non-persistent-ckpt-type",
+                                  "local", "--replication"])
+    assert str(error.value) == (
+        "not available here: --replication: replicates local non-persistent checkpoints, which "
+        "need NVIDIA's resiliency package (nvidia-resiliency-ext), not used here; --ckpt-format "
+        "torch_dcp: torch_dcp and fsdp_dtensor are the formats of FSDP, which is not built here "
+        "(torch_dist and torch are); --non-persistent-ckpt-type local: local (and in_memory) "
+        "non-persistent checkpoints need NVIDIA's resiliency package (nvidia-resiliency-ext), "
+        "which is not used here (global is built)")
+    args = settings.read(settings.training_parser(), TINY_GPT + ["--async-save",
+                                                                 "--ckpt-fully-parallel-save"])
+    assert "--async-save: writes checkpoints in the background" in settings.no_effect_note(args)
+    assert "--ckpt-fully-parallel-save: deprecated in Megatron-LM 0.16.1, which ignores it too" \
+        in settings.no_effect_note(args)
 
 
 def test_a_value_this_machine_cannot_run_is_refused_with_the_others(monkeypatch):

@@ -129,7 +129,7 @@ def test_node_plan_split_sizes():
     assert plan.secondaries_in == [3 + 4 - 2, 11 + 12 - 8]
     assert plan.pairs_out == [3 + 11, 4 + 12]  # to node 1's members: experts 2 and 3
     assert plan.pairs_in == [3 + 11, 7 + 15]  # to my expert 2 from relays 0 (me) and 1
-    primaries, secondaries = plan.relay_counts(counts)
+    primaries, secondaries = plan.relay_counts()
     assert primaries.tolist() == [[2, 0], [6, 2]] and secondaries.tolist() == [[1, 4], [5, 10]]
     # S1's member side, its sources in arrival order [relay][source node]: EP 0, 2, 1, 3
     assert plan.member.gathered_chunk_sizes().tolist() == [3, 11, 7, 15]

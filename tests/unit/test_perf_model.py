@@ -21,6 +21,7 @@ from megatron_parm.perf_model import (COLLECTIVE_KINDS, LayerShape, Layout, Prof
                                       fit_alpha_beta, load_profile, predict, save_profile)
 
 from megatron_parm.perf_model.profile import shipped_profiles  # noqa: E402
+from megatron_parm import schedules  # noqa: E402
 
 PROFILE_DIR = os.path.join(REPO_ROOT, "megatron_parm", "perf_model", "profiles")
 SHIPPED_PROFILES = ("emulated_pcie.yaml", "emulated_nvlink.yaml", "nvlink_ib_estimate.yaml")
@@ -287,13 +288,15 @@ def test_choice_prefers_s1_for_tiny_layers_and_s2_for_large_ones():
     assert choice.schedule == "parm_s1"
     assert choice.dispatcher == "parm_s1" and choice.num_chunks == 1
     assert set(choice.times) == {"parm_s1", "parm_hier", "allgather"} | {
-        ("parm_s2", c, b) for c in (2, 4, 8) for b in (2, 4, 8)}
+        ("parm_s2", c, b) for c in (2, 4, 8) for b in (2, 4, 8)} | {
+        ("parm_hier_s2", c, c) for c in (2, 4, 8)}  # one chunk count for both passes
 
     large = small_shape(num_tokens=4096, hidden_size=1024, ffn_hidden_size=1024)
     choice = choose_schedule(large, SMALL_LAYOUT, profile)
-    assert choice.dispatcher == "parm_s2" and choice.num_chunks in (2, 4, 8)
+    # a pipelined schedule: S2, or parm_hier's pipelined form where its rows pay too
+    assert schedules.get(choice.dispatcher).chunked and choice.num_chunks in (2, 4, 8)
     assert choice.times[choice.schedule] == min(choice.times.values())
-    assert choice.times[choice.schedule] < choice.times["parm_s1"]
+    assert choice.times[choice.schedule] < min(choice.times["parm_s1"], choice.times["parm_hier"])
 
 
 def test_choice_matches_the_prototype_direction_on_gpu_estimates():
@@ -324,7 +327,7 @@ def test_choice_is_deterministic_and_breaks_ties_towards_s1():
 def test_choice_skips_chunk_counts_above_token_count_and_rejects_bad_ones():
     choice = choose_schedule(small_shape(num_tokens=4), SMALL_LAYOUT, uniform_profile())
     assert set(choice.times) == {"parm_s1", "parm_hier", "allgather"} | {
-        ("parm_s2", c, b) for c in (2, 4) for b in (2, 4)}
+        ("parm_s2", c, b) for c in (2, 4) for b in (2, 4)} | {("parm_hier_s2", c, c) for c in (2, 4)}
     with pytest.raises(ValueError, match="chunk_candidates"):
         choose_schedule(small_shape(), SMALL_LAYOUT, uniform_profile(), chunk_candidates=(1,))
 
@@ -359,9 +362,10 @@ def test_choice_picks_forward_and_backward_chunks_separately():
     shape = small_shape(num_tokens=4096, hidden_size=512, ffn_hidden_size=512)
     choice = choose_schedule(shape, SMALL_LAYOUT, profile)
     assert choice.schedule == min(choice.times, key=choice.times.get)
-    # the backward pass has twice the compute per chunk: here it pays to cut it finer
-    assert choice.dispatcher == "parm_s2" and choice.bwd_num_chunks > choice.num_chunks
-    assert choice.label == f"parm_s2(c={choice.num_chunks}/{choice.bwd_num_chunks})"
+    # the backward pass has twice the compute per chunk: here it pays to cut S2's finer
+    s2 = {key: t for key, t in choice.times.items() if key[0] == "parm_s2"}
+    _, forward, backward = min(s2, key=s2.get)
+    assert backward > forward
     for (name, forward, backward), seconds in ((k, v) for k, v in choice.times.items()
                                                if not isinstance(k, str)):
         assert seconds == predict(name, shape, SMALL_LAYOUT, profile, forward,
@@ -390,6 +394,38 @@ def test_shipped_profiles_load(profile_file):
     for kind in COLLECTIVE_KINDS:
         # intra-node links are faster than inter-node ones in every shipped profile
         assert profile.beta[kind]["intra"] < profile.beta[kind]["inter"]
+
+
+# the cluster kinds beyond one DGX (docs/benchmark.md, "Predicted on a real cluster"): every
+# number names its source
+SOURCED_ESTIMATES = ("h100_roce_estimate", "l40s_ethernet_estimate")
+
+
+@pytest.mark.parametrize("name", SOURCED_ESTIMATES)
+def test_cluster_estimates_name_a_source_for_every_number(name):
+    profile = load_profile(name, require_terms=True)
+    assert profile.sources and set(profile.sources) == set(profile.numbers())
+    # each from a datasheet or a published measurement, or saying that none was found
+    for path, text in profile.sources.items():
+        assert any(word in text.lower() for word in ("datasheet", "measured", "fitted",
+                                                     "published", "no published", "cluster kind",
+                                                     "not measured")), (path, text)
+    # the links these kinds stand for: the inter-node link per GPU well below one NIC per GPU
+    dgx = load_profile("nvlink_ib_estimate")
+    assert profile.beta["all_to_all"]["inter"] > 4 * dgx.beta["all_to_all"]["inter"]
+
+
+def test_profile_sources_name_numbers_of_a_profile(tmp_path):
+    data = profile_dict()
+    data["sources"] = {"beta.all_to_all.inter": "a datasheet"}
+    assert load_profile(_write(tmp_path, data, "ok.yaml")).sources == data["sources"]
+    data["sources"] = {"beta.all_to_all.wan": "a datasheet"}
+    with pytest.raises(ValueError, match="field sources names no number of a profile: "
+                                         "beta.all_to_all.wan"):
+        load_profile(_write(tmp_path, data))
+    data["sources"] = {"compute.beta": ""}
+    with pytest.raises(ValueError, match="field sources must map"):
+        load_profile(_write(tmp_path, data))
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -749,7 +785,7 @@ def test_plan_schedule_reads_a_config(tmp_path):
     assert report["num_moe_layers"] == 4
     assert set(report["times_s"]) == {"alltoall", "ds_baseline", "parm_s1", "parm_s2(c=2)",
                                       "parm_s2(c=4)", "parm_s2(c=2/4)", "parm_s2(c=4/2)", "parm_hier",
-                                      "allgather"}
+                                      "parm_hier_s2(c=2)", "parm_hier_s2(c=4)", "allgather"}
     assert "lr" in result.stderr  # unused keys are reported, not silently dropped
 
 

@@ -335,7 +335,7 @@ def test_collectives_cost_nothing_on_one_rank_and_more_across_nodes():
 def test_dispatchers_follow_the_layout_rules():
     allowed, refused = _dispatchers_for(layout(2, 2, 2))
     assert [s.name for s in allowed] == ["allgather", "alltoall", "ds_baseline", "parm_s1",
-                                         "parm_s2", "parm_hier"]
+                                         "parm_s2", "parm_hier", "parm_hier_s2"]
     assert "parm_s1" in refused["parm"] and "allgather" in refused["parm"]
     allowed, refused = _dispatchers_for(layout(1, 2, 2))
     assert "ds_baseline" not in [s.name for s in allowed]

@@ -1,7 +1,8 @@
 """The planner's parameter counts against the model Megatron-Core builds, in one process (world
 size 1, Megatron-Core's own process groups): today's architectures (SwiGLU, grouped-query
 attention, --kv-channels, q/k norms, RMSNorm, rope, dense layers among MoE layers, shared
-experts and their gate, untied output) and the three real-size configs at full depth.
+experts and their gate, untied output, multi-latent attention) and the three real-size configs
+at full depth.
 
 The models are built as the trainer builds them (training/model.py: parse_args, build_model,
 GPTModel with Megatron-Core's decoder-block spec and ParmMoELayer) on the meta device: their
@@ -28,14 +29,17 @@ from megatron_parm.training.arguments import parse_args
 REAL_SIZE = [
     ("configs/mixtral_8x7b.yaml", 32000, 46_702_792_704, 46_702_792_704),
     ("configs/qwen3_30b_a3b.yaml", 151936, 30_532_122_624, 30_532_122_624),
-    # standard attention of 16 heads x 128 channels instead of MLA: per layer QKV and
-    # projection 4 x 2048 x 2048 = 16,777,216 against MLA's q 2048 x 3072, kv_a 2048 x 576,
-    # its norm 512, kv_b 512 x 4096, o 2048 x 2048 = 13,763,072
-    ("configs/deepseek_v2_lite.yaml", 102400, 15_787_866_112, 15_706_484_224),
+    # multi-latent attention: per layer q 2048 x 3072, kv_a 2048 x 576, its norm 512, kv_b
+    # 512 x 4096, o 2048 x 2048 = 13,763,072
+    ("configs/deepseek_v2_lite.yaml", 102400, 15_706_484_224, 15_706_484_224),
 ]
 TINY = "configs/gpt2_tiny_moe.yaml"
 BIASES = "biases"  # the tiny config with linear biases (it disables them; no flag turns them on)
 MODERN = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+# multi-latent attention: heads of 16 + 8 rotary channels, values of 12, a key/value latent of
+# 24 (DeepSeek-V2-Lite's form), and a query latent of 20 too (DeepSeek-V3's)
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "24", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
 # Each architecture flag alone and together, on the tiny GPT (hidden 64, 4 heads, 4 experts)
 VARIANTS = [
     [],
@@ -53,6 +57,9 @@ VARIANTS = [
     MODERN + ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate",
               "--group-query-attention", "--num-query-groups", "1",
               "--untie-embeddings-and-output-weights"],
+    MODERN + MLA,
+    MODERN + MLA + ["--qk-layernorm", "--q-lora-rank", "20"],
+    MLA + ["--qk-layernorm", BIASES],  # LayerNorm latent norms; only the projection's bias
 ]
 
 
@@ -94,11 +101,7 @@ def test_real_size_configs_count_exactly_what_megatron_builds(megatron_world, co
                                                               megatron, hugging_face):
     argv = ["--config", config]
     assert megatron_parameters(argv, vocab_size) == megatron
-    assert planner_parameters(argv, vocab_size) == megatron
-    if "deepseek" in config:  # standard attention instead of MLA, on every layer
-        assert megatron - hugging_face == 27 * (16_777_216 - 13_763_072) == 81_381_888
-    else:
-        assert megatron == hugging_face
+    assert planner_parameters(argv, vocab_size) == megatron == hugging_face
 
 
 @pytest.mark.parametrize("flags", VARIANTS, ids=[" ".join(flags) or "gpt2" for flags in VARIANTS])
@@ -134,6 +137,9 @@ ACTIVATION_VARIANTS = [
     MODERN + ["--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-overlap"],
     MODERN + ["--group-query-attention", "--num-query-groups", "2", "--qk-layernorm"],
     ["--moe-router-pre-softmax"],
+    MODERN + MLA,
+    MODERN + MLA + ["--qk-layernorm", "--q-lora-rank", "20"],
+    MLA + ["--qk-layernorm", "--q-lora-rank", "20"],  # LayerNorm latent norms
 ]
 
 

@@ -105,6 +105,18 @@ def test_chunk_counts_are_checked_in_one_place():
     pairs = s2.chunk_pairs()
     assert pairs == tuple(sorted((c, b) for c in s2.chunk_candidates for b in s2.bwd_chunk_candidates))
     assert (3, 5) in s2.chunk_pairs(((3, 5),))
+    # parm_hier_s2 runs its backward in its forward's chunks: --parm-bwd-num-chunks and a
+    # requested pair become (F, F)
+    hier = schedules.get("parm_hier_s2")
+    assert not hier.separate_backward_chunks and hier.chunk_counts(8, 2) == (8, 8)
+    assert hier.chunk_pairs(((3, 5),)) == ((2, 2), (3, 3), (4, 4), (8, 8))
+    with pytest.raises(ValueError, match="bwd_chunk_candidates need separate_backward_chunks"):
+        schedules.Schedule("x", schedules.PARM, "x", dispatcher="m:C", pipelined=True,
+                           chunked=True, bwd_chunk_candidates=(2,),
+                           separate_backward_chunks=False)
+    with pytest.raises(ValueError, match="runs its backward in its forward chunk count"):
+        predict("parm_hier_s2", SHAPE, LAYOUT, load_profile("emulated_pcie"), 4,
+                bwd_num_chunks=2)
 
 
 def test_the_pipelined_call_is_a_declared_capability():
@@ -113,7 +125,8 @@ def test_the_pipelined_call_is_a_declared_capability():
     a pipelined one, and Megatron's own dispatchers have none."""
     from megatron_parm.dispatchers import ParmTokenDispatcher, dispatcher_class
 
-    assert [n for n in schedules.names() if schedules.get(n).pipelined] == ["parm_s2"]
+    assert [n for n in schedules.names() if schedules.get(n).pipelined] == ["parm_s2",
+                                                                            "parm_hier_s2"]
     for name in schedules.names(schedules.BASELINE, schedules.PARM, schedules.AUTO):
         cls = dispatcher_class(name)
         # every dispatcher runs the six phases on its own; pipelined ones also the fused call
@@ -133,6 +146,8 @@ def test_cost_plans_move_what_the_dataflows_say():
     s1 = comm_volumes("parm_s1", SHAPE, LAYOUT)
     assert comm_volumes("alltoall", SHAPE, LAYOUT) == s1  # Megatron's alltoall moves S1's data
     assert comm_volumes("parm_s2", SHAPE, LAYOUT) == s1  # the same data, in chunks
+    # parm_hier's pipelined form: parm_hier's rows, chunk by chunk
+    assert comm_volumes("parm_hier_s2", SHAPE, LAYOUT) == comm_volumes("parm_hier", SHAPE, LAYOUT)
     ds = comm_volumes("ds_baseline", SHAPE, LAYOUT)
     assert ds[("all_to_all", "ep")]["inter"] == LAYOUT.tp * s1[("all_to_all", "ep")]["inter"]
     # Every forward collective has its dual in the backward pass, with the same bytes.

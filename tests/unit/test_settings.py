@@ -3,9 +3,13 @@ suggestion for a misspelled flag (no process group, no torch)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_parm import cli, settings
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def training_parser():
@@ -96,6 +100,57 @@ def test_the_launcher_refuses_a_misspelled_flag_before_starting_ranks(capsys, mo
     typo.write_text("num_layers: 2\nnum_layer: 1\n")
     assert "unknown keys num_layer" in launch.script_flags_problem(
         "pretrain_gpt2_moe.py", ["--config", str(typo)])
+
+
+COMBINED_1F1B = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                 "--sequence-parallel", "--moe-token-dispatcher-type", "parm",
+                 "--overlap-moe-expert-parallel-comm", "--bf16", "--recompute-granularity",
+                 "selective", "--recompute-modules", "moe"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tensor-model-parallel-size", "3"],
+     "--tensor-model-parallel-size (3) must divide the world size (4)"),
+    (COMBINED_1F1B, "--overlap-moe-expert-parallel-comm cannot recompute the MoE layer"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+])
+def test_the_launcher_checks_the_rules_between_flags_before_starting_ranks(
+        flags, message, capsys, monkeypatch):
+    """The rules of training.arguments.validate that need only the flags and the world size,
+    in the launching process: one line, the one a rank would print, and no rank started."""
+    from megatron_parm import launch
+    from megatron_parm.training.arguments import parse_args
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("torchrun started ranks for flags that cannot run")
+
+    monkeypatch.setattr("torch.distributed.run.main", no_ranks)
+    argv = ["--config", "configs/gpt2_tiny_moe.yaml", *flags]
+    status = launch.main(["--nproc-per-node", "4", "pretrain_scripts/pretrain_gpt2_moe.py", *argv])
+    assert status == cli.USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    with pytest.raises(ValueError) as rank_error:  # what each rank would say
+        parse_args(argv, "gpt", world_size=4, reads_data=False)
+    assert err == f"error: {rank_error.value}\n"
+    # an elastic world (--nnodes MIN:MAX) has no size yet: the ranks check it
+    assert launch.script_flags_problem("pretrain_gpt2_moe.py", argv, "1:2", 4) is None
+
+
+def test_the_launchers_check_imports_no_megatron_core():
+    """Importing Megatron-Core takes seconds (about 5 on 2 idle cores): the launcher's check of
+    the flags (settings.read and training.arguments.validate without Megatron-Core's own
+    checks) must not, to answer within seconds."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_parm import launch; "
+            "problem = launch.script_flags_problem('pretrain_bert_moe.py', ['--config', "
+            "'configs/bert_tiny_moe.yaml', '--tensor-model-parallel-size', '2', "
+            "'--expert-model-parallel-size', '2', '--sequence-parallel'], '1', 4); "
+            "assert problem is None, problem; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'megatron']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def test_settings_import_no_torch_or_yaml():

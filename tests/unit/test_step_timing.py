@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_parm.training import ddp, timing
+from megatron_parm.training import arguments, ddp, timing
 
 SLEEP = 0.05
 
@@ -120,7 +120,9 @@ def flags(**given):
     values = dict(overlap_grad_reduce=False, overlap_param_gather=False,
                   use_distributed_optimizer=False, ddp_bucket_size=None,
                   ddp_average_in_collective=False, save=None, load=None, bf16=False,
-                  fp16=False, accumulate_allreduce_grads_in_fp32=False)
+                  fp16=False, accumulate_allreduce_grads_in_fp32=False,
+                  num_distributed_optimizer_instances=1, ddp_num_buckets=None,
+                  ddp_reduce_scatter_with_fp32_accumulation=False)
     values.update(given)
     return argparse.Namespace(**values)
 
@@ -142,18 +144,23 @@ def test_ddp_config_carries_the_flags_as_megatron_lm_does():
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), False,
      "--overlap-param-gather needs --overlap-grad-reduce"),
     (dict(ddp_average_in_collective=True), False, "--ddp-average-in-collective needs NCCL"),
+    (dict(ddp_num_buckets=4, ddp_bucket_size=10), False,
+     "--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets"),
+    (dict(ddp_reduce_scatter_with_fp32_accumulation=True), False,
+     "--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer"),
 ])
 def test_ddp_flags_megatron_core_cannot_run_here_are_refused(given, cuda, message):
     with pytest.raises(ValueError, match=message):
-        ddp.check_args(flags(**given), cuda)
+        arguments._validate_ddp(flags(**given), cuda)
 
 
 def test_ddp_flags_it_runs_pass():
-    ddp.check_args(flags(ddp_average_in_collective=True), cuda=True)
-    ddp.check_args(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                         overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
+    arguments._validate_ddp(flags(ddp_average_in_collective=True), cuda=True)
+    arguments._validate_ddp(flags(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                  overlap_param_gather=True, ddp_bucket_size=10), cuda=False)
     # its checkpoints are Megatron-Core's sharded state (tests/e2e/test_checkpoint.py -k distopt)
-    ddp.check_args(flags(use_distributed_optimizer=True, save="ckpt", load="ckpt"), cuda=False)
+    arguments._validate_ddp(flags(use_distributed_optimizer=True, save="ckpt", load="ckpt"),
+                            cuda=False)
 
 
 class FakeChunk:

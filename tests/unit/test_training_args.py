@@ -126,9 +126,10 @@ def test_parm_hier_needs_ep_groups_that_split_evenly_by_node():
     layers leave parm_hier out with one line)."""
     flags = TINY_GPT + ["--parm-ranks-per-node", "3", "--expert-model-parallel-size", "4",
                         "--global-batch-size", "48", "--moe-token-dispatcher-type"]
-    message = error(flags + ["parm_hier"], world_size=12)
-    assert message.startswith("--moe-token-dispatcher-type parm_hier with --parm-ranks-per-node "
-                              "3: the EP group [0, 1, 2, 3] does not split evenly by node"), message
+    for name in ("parm_hier", "parm_hier_s2"):  # the catalog's splits_ep_by_node
+        message = error(flags + [name], world_size=12)
+        assert message.startswith(f"--moe-token-dispatcher-type {name} with --parm-ranks-per-node "
+                                  "3: the EP group [0, 1, 2, 3] does not split evenly by node"), message
     assert parse_args(flags + ["parm"], world_size=12).moe_token_dispatcher_type == "parm"
 
 
@@ -207,6 +208,40 @@ def test_iteration_line_has_loss_scale_and_nan_iterations():
                           skipped=2, loss_scale=65536.0, nan_iterations=1)
     assert ("| lm loss: 6.100000E+00 | loss scale: 65536.0 | grad norm: 0.500 | number of "
             "skipped iterations:   2 | number of nan iterations:   1 | tokens per second:") in line
+
+
+def test_the_docs_example_log_line_is_what_the_trainer_prints():
+    """docs/pretraining.md's example iteration line, printed again from its own values by
+    iteration_line: every field, in order and format (loss scale, number of nan iterations)."""
+    text = (REPO / "docs/pretraining.md").read_text()
+    example = next(line for line in text.split("## What the log shows", 1)[1].splitlines()
+                   if line.startswith(" iteration "))
+    head, *parts = [part.strip() for part in example.strip(" |").split(" | ")]
+    fields = dict(part.split(": ", 1) for part in parts)
+    iteration, train_iters = (int(n) for n in re.findall(r"\d+", head))
+    losses = {name: float(value) for name, value in fields.items()
+              if name.endswith("loss") and name != "loss scale"}
+    again = iteration_line(
+        iteration, train_iters, int(fields["consumed samples"]),
+        float(fields["elapsed time per iteration (ms)"]), float(fields["learning rate"]),
+        int(fields["global batch size"]), losses, float(fields["tokens per second"]),
+        float(fields["grad norm"]), skipped=int(fields["number of skipped iterations"]),
+        loss_scale=float(fields["loss scale"]),
+        nan_iterations=int(fields["number of nan iterations"]))
+    assert example == again
+
+
+def test_the_last_line_says_whose_loss_it_is(capsys):
+    """The end of a run names its loss as one iteration's, unlike the iteration lines' interval
+    means (Megatron-LM's lines name each value)."""
+    from megatron_parm.training.log import TrainingLog
+
+    args = parse_args(TINY_GPT + ["--train-iters", "40", "--log-interval", "5"], world_size=1,
+                      reads_data=False)
+    TrainingLog(args, True, 0, "", 512).done(40, {"losses": [7.0, 6.6823], "checkpoint": None})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("> done: 40 iterations; lm loss of iteration 40: 6.682300E+00 (an "
+                        "iteration line's lm loss is its interval's mean, --log-interval 5)"), lines
 
 
 def one_line_error(argv) -> str:
@@ -532,9 +567,6 @@ def test_swiglu_ffn_default_is_megatron_lms():
                                    "--moe-shared-expert-intermediate-size"),
     (["--group-query-attention", "--num-query-groups", "3"],
      "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (["--multi-latent-attention"], "not available here: --multi-latent-attention: multi-latent "
-                                   "attention is not built yet: Megatron-Core 0.16.1 runs it only "
-                                   "with Transformer Engine's attention"),
 ])
 def test_architecture_mistakes_name_the_flag(flags, message):
     assert message in error(TINY_GPT + flags, world_size=1)
@@ -560,3 +592,81 @@ def test_bert_refuses_gpt_only_architecture_flags():
     bert = ["--config", str(REPO / "configs/bert_tiny_moe.yaml")]
     assert "--position-embedding-type applies to GPT models" in error(
         bert + ["--position-embedding-type", "rope"], world_size=1, model_type="bert")
+
+
+def test_checkpoint_flag_rules_as_megatron_lm_checks_them():
+    assert error(TINY_GPT + ["--save", "s", "--save-interval", "2", "--save-retain-interval",
+                             "3"]) == ("--save-retain-interval (3) must be a multiple of "
+                                       "--save-interval (2)")
+    assert error(TINY_GPT + ["--save", "s", "--save-retain-interval", "4"]).startswith(
+        "--save-retain-interval needs --save-interval")
+    assert error(TINY_GPT + ["--non-persistent-save-interval", "3"]).startswith(
+        "--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+    # an evaluation loads no optimizer state (Megatron-LM's rule); BERT takes the same flags
+    args = parse_args(["--config", "configs/bert_tiny_moe.yaml", "--load", "x", "--skip-train",
+                       "--ckpt-format", "torch", "--no-save-rng"], model_type="bert", world_size=1)
+    assert args.no_load_optim and args.ckpt_format == "torch" and args.no_save_rng
+
+
+# ---------------------------------------------------------------------------------------------
+# run control (training/run_control.py): Megatron-LM's rules between its flags
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--error-injection-rate", "10", "--rerun-mode", "disabled"],
+     "--error-injection-rate 10 injects errors only with --rerun-mode validate_results (not "
+     "disabled)"),
+    (["--calculate-per-token-loss", "--ddp-average-in-collective"],
+     "--calculate-per-token-loss with --ddp-average-in-collective: the per-token loss sums the "
+     "gradients over data-parallel ranks (Megatron-Core refuses the average)"),
+    (["--deterministic-mode", "--cross-entropy-loss-fusion"],
+     "--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM refuses it (that kernel "
+     "is not deterministic)"),
+    (["--exit-signal", "SIGKILL"],
+     "--exit-signal SIGKILL: no process can catch SIGKILL (pick another signal, e.g. SIGTERM or "
+     "SIGUSR1)"),
+    (["--rerun-mode", "report_stats"],
+     "not available here: --rerun-mode report_stats: Megatron-LM core_v0.16.1 cannot run it "
+     "either: it is no mode of Megatron-Core 0.16.1's rerun engine (report_determinism_stats "
+     "there), whose report of the statistics fails (its Caller has no filename)"),
+])
+def test_run_control_rules_name_the_flag(flags, message):
+    assert error(TINY_GPT + flags, world_size=1) == message
+
+
+def test_run_control_flags_as_megatron_lm_reads_them(tmp_path):
+    args = parse_args(TINY_GPT, world_size=1)
+    assert args.check_for_nan_in_loss_and_grad and args.rerun_mode == "validate_results"
+    assert (args.exit_signal, args.iterations_to_skip, args.manual_gc_eval) == ("SIGTERM", [], True)
+    # --recompute-activations: Megatron-LM's older spelling of selective recompute
+    args = parse_args(TINY_GPT + ["--recompute-activations"], world_size=1)
+    assert args.recompute_granularity == "selective"
+    # fp16's dynamic loss scaling lowers the scale on a NaN: Megatron-LM turns the check off
+    assert not parse_args(TINY_GPT + ["--fp16"], world_size=1).check_for_nan_in_loss_and_grad
+    assert parse_args(TINY_GPT + ["--fp16", "--loss-scale", "1024"],
+                      world_size=1).check_for_nan_in_loss_and_grad
+    config = tmp_path / "run.yaml"
+    config.write_text((REPO / "configs/gpt2_tiny_moe.yaml").read_text()
+                      + "exit_signal: SIGUSR1\nno_check_for_nan_in_loss_and_grad: true\n"
+                        "iterations_to_skip: [3, 1]\nno_manual_gc_eval: true\n")
+    args = parse_args(["--config", str(config)], world_size=1)
+    assert (args.exit_signal, args.check_for_nan_in_loss_and_grad, args.manual_gc_eval) == \
+        ("SIGUSR1", False, False)
+    assert args.iterations_to_skip == [3, 1]
+
+
+def test_rejected_results_file_adds_iterations_to_skip(tmp_path):
+    """Megatron-LM's rule (RerunStateMachine.get_skipped_iterations_from_tracker_file): an
+    iteration rejected twice on the same rank, and reproduced, is skipped; one rejected on
+    several ranks of one job is not."""
+    tracker = tmp_path / "rejected.txt"
+    line = ("ts=2026-01-01 00:00:00 node=n device=0 jobID={job} rank={rank} iteration={it} "
+            "status=RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE result=nan message='x'\n")
+    tracker.write_text(line.format(job=1, rank=0, it=7) + line.format(job=2, rank=0, it=7)
+                       + line.format(job=1, rank=0, it=9) + line.format(job=3, rank=0, it=11)
+                       + line.format(job=3, rank=1, it=11) + line.format(job=4, rank=0, it=11))
+    args = parse_args(TINY_GPT + ["--result-rejected-tracker-filename", str(tracker),
+                                  "--iterations-to-skip", "2"], world_size=1)
+    assert args.iterations_to_skip == [2, 7]
+    # the parser's default list is not changed by it
+    assert parse_args(TINY_GPT, world_size=1).iterations_to_skip == []
