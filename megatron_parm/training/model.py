@@ -260,7 +260,9 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
         model = GPTModel(
             config=config,
             transformer_layer_spec=decoder,
-            mtp_block_spec=mtp.block_spec(config, decoder, vp_stage),
+            mtp_block_spec=mtp.block_spec(
+                config, decoder, lambda whole: gpt_block_spec(whole, expert_module_name(config)),
+                vp_stage),
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,

@@ -2,13 +2,14 @@
 and its losses for the log.
 
     config_fields(args)             the TransformerConfig's MTP fields
-    block_spec(config, decoder_spec, vp_stage)
+    block_spec(config, decoder_spec, whole_decoder_spec, vp_stage)
                                     the MTP block of this (virtual) stage, None where it has none
     model_layers(args)              layers the routers and the expert load count: the
                                     transformer layers, then the MTP layers' (num_layers + d)
     embedding_ranks(args)           Megatron-LM's embedding group for these flags, or None for
                                     Megatron-Core's default
-    MtpLosses                       the iteration line's 'mtp_k loss' values
+    MtpLosses(mtp_num_layers).take(microbatches)
+                                    the log's 'mtp_k loss' values (collective)
 
 What Megatron-Core computes (gpt_model.py, multi_token_prediction.py), for depth k = 1..d:
 h_k = final_norm_k(layer_k(eh_proj_k([enorm_k(emb(x shifted k left)); hnorm_k(h_{k-1})]))),
@@ -25,7 +26,8 @@ the embedding group, embedding_ranks).
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import Dict, Optional
 
 import torch
 
@@ -33,26 +35,44 @@ from megatron_parm import device
 from megatron_parm.layout_rules import mtp_stages, pipeline_layout
 
 
+# The flags Megatron-LM copies into the TransformerConfig under their own names.
+CONFIG_FIELDS = ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_standalone")
+
+
 def config_fields(args) -> dict:
-    """The config's MTP fields (Megatron-Core's defaults without --mtp-num-layers)."""
-    if not getattr(args, "mtp_num_layers", None):
-        return {}
-    return dict(mtp_num_layers=args.mtp_num_layers,
-                mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-                mtp_standalone=args.mtp_standalone)
+    """The config's MTP fields (Megatron-LM copies them whatever --mtp-num-layers is:
+    --mtp-standalone alone makes the pipeline's sends exchange their shapes)."""
+    return {name: getattr(args, name) for name in CONFIG_FIELDS if hasattr(args, name)}
 
 
-def block_spec(config, decoder_spec, vp_stage: Optional[int] = None):
+def block_spec(config, decoder_spec, whole_decoder_spec, vp_stage: Optional[int] = None):
     """Megatron-Core's MTP block spec for this (virtual) pipeline stage: one MTP layer per depth
     around a transformer layer of the decoder's last layer's kind (its MoE layer a ParmMoELayer
-    where the decoder's is); None without MTP or where this stage holds none."""
+    where the decoder's is); None without MTP or where this stage holds none.
+    decoder_spec: this stage's decoder-block spec; whole_decoder_spec(config): the whole
+    model's, asked where a layout's stage holds MTP layers and no transformer layer (Megatron-LM
+    then takes a layer spec of the whole model as well)."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
+    if not decoder_spec.layer_specs:
+        decoder_spec = whole_decoder_spec(unpipelined(config))
     return get_gpt_mtp_block_spec(config, decoder_spec,
                                   use_transformer_engine=config.transformer_impl
                                   == "transformer_engine", vp_stage=vp_stage)
+
+
+def unpipelined(config):
+    """A copy of the config without pipelining (a spec built from it has every layer)."""
+    whole = copy.copy(config)
+    whole.pipeline_model_parallel_size = 1
+    whole.virtual_pipeline_model_parallel_size = None
+    whole.pipeline_model_parallel_layout = None
+    whole.num_layers_in_first_pipeline_stage = whole.num_layers_in_last_pipeline_stage = None
+    whole.account_for_embedding_in_pipeline_split = False
+    whole.account_for_loss_in_pipeline_split = False
+    return whole
 
 
 def model_layers(args) -> int:
@@ -86,8 +106,9 @@ def embedding_ranks(args):
 class MtpLosses:
     """The MTP losses Megatron-Core's GPTModel tracks (MTPLossLoggingHelper: per depth, the sum
     over the micro-batches of their mean loss, on the ranks of the stage that computes the
-    loss), as the iteration line shows them: {'mtp_1 loss': ...}, each averaged over those
-    ranks and over the interval's micro-batches."""
+    loss), as Megatron-LM's training_log takes them: 'mtp_k loss', the mean over the
+    micro-batches, averaged over the ranks that hold them (its data-parallel average; the
+    tensor-parallel ranks hold the same value)."""
 
     def __init__(self, mtp_num_layers: Optional[int]):
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -96,8 +117,9 @@ class MtpLosses:
         self.tracker = MTPLossLoggingHelper.tracker
         self.tracker.clear()  # a previous run in this process leaves its values (and size)
 
-    def interval(self, num_microbatches: int) -> dict:
-        """The losses since the last call, reset; {} without MTP. Collective over every rank."""
+    def take(self, num_microbatches: int) -> Dict[str, float]:
+        """{'mtp_k loss': the mean over the NUM_MICROBATCHES micro-batches tracked since the
+        last take}, the tracker reset; {} without MTP. Collective over every rank."""
         if not self.num_layers:
             return {}
         # [d losses, 1 where this rank holds them]: summed over every rank, the last entry
@@ -108,5 +130,6 @@ class MtpLosses:
             totals[-1] = 1.0
             self.tracker["values"].zero_()
         torch.distributed.all_reduce(totals)
+        totals = device.to_host(totals)
         values = (totals[:-1] / (totals[-1].clamp(min=1) * max(num_microbatches, 1))).tolist()
         return {f"mtp_{depth + 1} loss": value for depth, value in enumerate(values)}

@@ -150,3 +150,72 @@ def test_mtp_losses_and_gradients_match_the_plain_reference(megatron_world):
     word = "embedding.word_embeddings.weight"
     assert not torch.allclose(model.get_parameter(word).grad, megatron_grads[word], atol=1e-6)
     MTPLossLoggingHelper.tracker.clear()
+
+
+# (layout, pp, --num-layers, --mtp-num-layers): the MTP layers with the last transformer layers,
+# and in a stage of their own (Megatron-Core's mtp_standalone), on the DeepSeek-like model
+# (layer 1 dense, 2-3 MoE)
+STAGE_LAYOUTS = [("Et|t|t|mL", 2, 3, 1), ("Et||ttmm|L", 2, 3, 2), ("Ettt|mL", 2, 3, 1)]
+
+
+@pytest.mark.parametrize("layout,pp,num_layers,mtp_layers", STAGE_LAYOUTS,
+                         ids=[case[0] for case in STAGE_LAYOUTS])
+def test_layout_builds_the_stages_megatron_core_places(megatron_world, layout, pp, num_layers,
+                                                       mtp_layers):
+    """--pipeline-model-parallel-layout: on each (pipeline rank, virtual stage) the trainer's
+    specs (specs.gpt_block_spec, mtp.block_spec) build the transformer and MTP layers of the
+    layout's stage (layout_rules.pipeline_layout, itself checked against Megatron-Core's
+    parser in test_training_args.py), with Megatron-Core's layer numbers and embedding / loss
+    stages; a stage of MTP layers alone builds them of the model's last layer's kind (MoE)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import get_mtp_layer_offset
+
+    from megatron_parm.layout_rules import pipeline_layout
+    from megatron_parm.specs import gpt_block_spec
+    from megatron_parm.training import mtp
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.model import build_config, expert_module_name
+
+    args = parse_args(["--config", str(REPO / "configs/deepseek_v2_lite_tiny_moe.yaml"),
+                       "--mtp-num-layers", str(mtp_layers), "--pipeline-model-parallel-size",
+                       str(pp), "--pipeline-model-parallel-layout", layout,
+                       "--global-batch-size", "8"], world_size=pp, reads_data=False)
+    stages = pipeline_layout(layout, pp, num_layers, mtp_layers)
+    vpp = len(stages[0])
+    assert args.virtual_pipeline_model_parallel_size == (vpp if vpp > 1 else None)
+    config = build_config(args)
+    assert config.mtp_standalone == any("m" in stage and rank != pp - 1
+                                        for rank, chunks in enumerate(stages) for stage in chunks)
+    expert = expert_module_name(config)
+    whole = gpt_block_spec(mtp.unpipelined(config), expert).layer_specs
+    built = []
+    try:
+        parallel_state.set_pipeline_model_parallel_world_size(pp)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(args.
+                                                                      virtual_pipeline_model_parallel_size)
+        for rank in range(pp):
+            parallel_state.set_pipeline_model_parallel_rank(rank)
+            for chunk in range(vpp):
+                vp_stage = chunk if vpp > 1 else None
+                decoder = gpt_block_spec(config, expert, vp_stage)
+                block = mtp.block_spec(config, decoder,
+                                       lambda c: gpt_block_spec(c, expert), vp_stage)
+                stage = stages[rank][chunk]
+                assert len(decoder.layer_specs) == stage.count("t"), (rank, chunk)
+                assert (0 if block is None else len(block.layer_specs)) == stage.count("m")
+                assert parallel_state.is_pipeline_first_stage(False, vp_stage) == ("E" in stage)
+                assert parallel_state.is_pipeline_last_stage(False, vp_stage) == ("L" in stage)
+                built.append(("t" * len(decoder.layer_specs), decoder.layer_specs))
+                if block is not None:
+                    assert get_mtp_layer_offset(config, vp_stage) == 0
+                    # the MTP layer's transformer layer: the whole model's last layer's spec
+                    layer = block.layer_specs[0].submodules.transformer_layer
+                    assert layer.submodules.mlp.module is whole[-1].submodules.mlp.module
+    finally:
+        parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+    # the stages in the layout's order hold the model's layers in order, each once
+    order = [built[rank * vpp + chunk] for chunk in range(vpp) for rank in range(pp)]
+    assert [spec.submodules.mlp.module for _, specs in order for spec in specs] == \
+        [spec.submodules.mlp.module for spec in whole]
