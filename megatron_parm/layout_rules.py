@@ -119,8 +119,8 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
 
 
 def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embedding_type: str,
-                recompute_method: Optional[str], recompute_num_layers: Optional[int]
-                ) -> Optional[str]:
+                recompute_method: Optional[str], recompute_num_layers: Optional[int],
+                overlap_moe_comm: bool = False) -> Optional[str]:
     """Why --mtp-num-layers cannot run with the other flags (Megatron-LM's and Megatron-Core
     0.16.1's rules), or None."""
     if not mtp_num_layers:
@@ -134,6 +134,10 @@ def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embe
     if recompute_method == "uniform" and recompute_num_layers != 1:
         return (f"{MTP_FLAG} with --recompute-method uniform needs --recompute-num-layers 1 "
                 f"(Megatron-Core 0.16.1 recomputes an MTP layer only so)")
+    if overlap_moe_comm:
+        return (f"{MTP_FLAG} with --overlap-moe-expert-parallel-comm is not built here: the "
+                f"overlapped schedule's multi-token prediction node (Megatron-Core 0.16.1: one "
+                f"MTP layer, pipelined) is not run or tested on this project's schedules")
     return None
 
 
@@ -508,6 +512,14 @@ def _layout_stage_layers(layout: str, num_layers: int, pp: int, vpp: Optional[in
     if vpp is not None and vpp != len(stages[0]):
         return (f"{LAYOUT_FLAG} {layout} has {len(stages[0])} virtual stages per pipeline rank, "
                 f"not {vpp}")
+    if len(stages[0]) > 1 and MTP in stages[0][-1]:
+        # Megatron-Core 0.16.1 lets it through, then all-reduces that rank's two embedding
+        # copies at start-up (a hang where the last stage shares them) and its gradients only
+        # for the first chunk's copy
+        return (f"{LAYOUT_FLAG} {layout}: the multi-token prediction layers (m) on the first "
+                f"pipeline rank must be in its first virtual stage, with the embedding "
+                f"(Megatron-Core 0.16.1 keeps the second copy of the word embeddings there out "
+                f"of step): put them on another rank")
     return [[chunk.count(DECODER) for chunk in chunks] for chunks in stages]
 
 

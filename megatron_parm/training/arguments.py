@@ -212,7 +212,8 @@ def _validate_model(args) -> None:
     _refuse(mtp_problem(args.mtp_num_layers, model_type=args.model_type,
                         position_embedding_type=args.position_embedding_type,
                         recompute_method=args.recompute_method,
-                        recompute_num_layers=args.recompute_num_layers))
+                        recompute_num_layers=args.recompute_num_layers,
+                        overlap_moe_comm=args.overlap_moe_expert_parallel_comm))
     _validate_rope_type(args)
 
 

@@ -318,8 +318,8 @@ class IterationValues:
     num_zeros: Optional[float]         # --log-num-zeros-in-grad
     params_norm: Optional[float]       # --log-params-norm
     router: Dict[str, List[float]]     # per tracked router loss, per layer ({} where not taken)
-    mtp: Dict[str, float] = field(default_factory=dict)  # 'mtp_k loss' ({} where not taken)
     seconds_per_step: Optional[float]  # the interval's, where the line is due
+    mtp: Dict[str, float] = field(default_factory=dict)  # 'mtp_k loss' ({} where not taken)
 
 
 class TrainingLog:

@@ -273,6 +273,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             rope_scaling=getattr(args, "use_rope_scaling", False),
             **stage,
         )
+        mtp.drop_unused_output_weight(model)
     else:
         model = ParmBertModel(
             config=config,

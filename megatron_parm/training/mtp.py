@@ -4,6 +4,8 @@ and its losses for the log.
     config_fields(args)             the TransformerConfig's MTP fields
     block_spec(config, decoder_spec, whole_decoder_spec, vp_stage)
                                     the MTP block of this (virtual) stage, None where it has none
+    drop_unused_output_weight(model)
+                                    the dead output weight of a tied MTP stage, dropped
     model_layers(args)              layers the routers and the expert load count: the
                                     transformer layers, then the MTP layers' (num_layers + d)
     embedding_ranks(args)           Megatron-LM's embedding group for these flags, or None for
@@ -73,6 +75,18 @@ def unpipelined(config):
     whole.account_for_embedding_in_pipeline_split = False
     whole.account_for_loss_in_pipeline_split = False
     return whole
+
+
+def drop_unused_output_weight(model) -> None:
+    """Megatron-Core 0.16.1 gives the output layer of a last pipeline stage that holds the MTP
+    layers and shares the embeddings with the output layer (but not the first stage) a weight
+    of its own, which its forward never reads (it passes the stage's copy of the word
+    embeddings, the shared weight) and its checkpointing refuses to save (an assert in
+    LanguageModule.tie_embeddings_and_output_weights_state_dict). Dropped, as the first stage
+    does not allocate it."""
+    if model.mtp_process and model.post_process and not model.pre_process \
+            and model.share_embeddings_and_output_weights:
+        model.output_layer.weight = None
 
 
 def model_layers(args) -> int:

@@ -12,7 +12,9 @@ The reference, for depth k = 1..d (h_0: the decoder's output after its final nor
              mask_k = roll(loss_mask, -k) with the last k positions 0
 written out with torch's functions on the model's weights; layer_k is the model's own
 transformer layer (attention and MoE are checked elsewhere), called with the attention mask
-and rotary embedding the block gives it.
+and rotary embedding the block gives it. Also: the log's 'mtp_k loss' values, and the stages
+--pipeline-model-parallel-layout builds (its MTP layers with the last transformer layers or in
+a stage of their own).
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def run(model, data, mtp_gradient_scale: float):
 def test_mtp_losses_and_gradients_match_the_plain_reference(megatron_world):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from megatron_parm.training.mtp import MtpLosses
+
     args, model = build()
     model.train()
     data = batch(args)
@@ -122,10 +126,14 @@ def test_mtp_losses_and_gradients_match_the_plain_reference(megatron_world):
     assert model.mtp.layers[0].transformer_layer.layer_number == args.num_layers + 1
 
     # Megatron's step: the MTP losses join the gradient through the autoscaler
-    MTPLossLoggingHelper.tracker.clear()
+    logged = MtpLosses(DEPTHS)  # clears the tracker
     lm_loss, _, _ = run(model, data, mtp_gradient_scale=1.0)
     lm_loss.backward()
     tracked = MTPLossLoggingHelper.tracker["values"].clone()
+    # the log's values, as Megatron-LM's track_mtp_metrics takes them (2 micro-batches: halved)
+    assert logged.take(num_microbatches=2) == {f"mtp_{k + 1} loss": value / 2
+                                               for k, value in enumerate(tracked.tolist())}
+    assert not MTPLossLoggingHelper.tracker["values"].any()  # taken: reset
     megatron_grads = {name: p.grad.clone() for name, p in model.named_parameters()
                       if p.grad is not None}
     model.zero_grad()
@@ -155,7 +163,7 @@ def test_mtp_losses_and_gradients_match_the_plain_reference(megatron_world):
 # (layout, pp, --num-layers, --mtp-num-layers): the MTP layers with the last transformer layers,
 # and in a stage of their own (Megatron-Core's mtp_standalone), on the DeepSeek-like model
 # (layer 1 dense, 2-3 MoE)
-STAGE_LAYOUTS = [("Et|t|t|mL", 2, 3, 1), ("Et||ttmm|L", 2, 3, 2), ("Ettt|mL", 2, 3, 1)]
+STAGE_LAYOUTS = [("Et|t|t|mL", 2, 3, 1), ("Et|tt|mm|L", 4, 3, 2), ("Ettt|mL", 2, 3, 1)]
 
 
 @pytest.mark.parametrize("layout,pp,num_layers,mtp_layers", STAGE_LAYOUTS,
@@ -179,7 +187,7 @@ def test_layout_builds_the_stages_megatron_core_places(megatron_world, layout, p
     args = parse_args(["--config", str(REPO / "configs/deepseek_v2_lite_tiny_moe.yaml"),
                        "--mtp-num-layers", str(mtp_layers), "--pipeline-model-parallel-size",
                        str(pp), "--pipeline-model-parallel-layout", layout,
-                       "--global-batch-size", "8"], world_size=pp, reads_data=False)
+                       "--global-batch-size", "16"], world_size=pp, reads_data=False)
     stages = pipeline_layout(layout, pp, num_layers, mtp_layers)
     vpp = len(stages[0])
     assert args.virtual_pipeline_model_parallel_size == (vpp if vpp > 1 else None)

@@ -405,11 +405,16 @@ def test_pipeline_layout_flag():
                       world_size=4).virtual_pipeline_model_parallel_size is None
     deepseek = ["--config", "configs/deepseek_v2_lite_tiny_moe.yaml", "--mtp-num-layers", "1"]
     args = parse_args(deepseek + ["--pipeline-model-parallel-size", "2",
-                                  "--pipeline-model-parallel-layout", "Et||ttm|L",
+                                  "--pipeline-model-parallel-layout", "Et|t|t|mL",
                                   "--global-batch-size", "8"], world_size=2)
     layout = pipeline_layout(args.pipeline_model_parallel_layout, 2, 3, 1)
-    assert layout == [["Et", "ttm"], ["", "L"]] and mtp_stages(layout) == [0]
+    assert layout == [["Et", "t"], ["t", "mL"]] and mtp_stages(layout) == [1]
     assert args.virtual_pipeline_model_parallel_size == 2
+    # Megatron-Core takes it, and then keeps rank 0's second embedding copy out of step
+    message = error(deepseek + ["--pipeline-model-parallel-size", "2",
+                                "--pipeline-model-parallel-layout", "Et||ttm|L",
+                                "--global-batch-size", "8"], world_size=2)
+    assert "first virtual stage" in message and "Et||ttm|L" in message
 
 
 @pytest.mark.parametrize("flags,fragments", [
@@ -419,6 +424,9 @@ def test_pipeline_layout_flag():
       "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
      ["--mtp-num-layers", "--recompute-num-layers 1"]),
     (["--mtp-num-layers", "0"], ["--mtp-num-layers must be a positive integer"]),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope",
+      "--overlap-moe-expert-parallel-comm", "--bf16"],
+     ["--mtp-num-layers with --overlap-moe-expert-parallel-comm is not built here"]),
 ])
 def test_bad_mtp_input_names_the_flags(flags, fragments):
     message = error(TINY_GPT + flags, world_size=1)
