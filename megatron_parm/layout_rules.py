@@ -118,6 +118,29 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
     return router_groups_problem(num_experts, topk, num_groups, group_topk)
 
 
+def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embedding_type: str,
+                recompute_method: Optional[str], recompute_num_layers: Optional[int],
+                overlap_moe_comm: bool = False) -> Optional[str]:
+    """Why --mtp-num-layers cannot run with the other flags (Megatron-LM's and Megatron-Core
+    0.16.1's rules), or None."""
+    if not mtp_num_layers:
+        return None
+    if model_type != "gpt":
+        return (f"{MTP_FLAG}: multi-token prediction is a GPT model's (Megatron-Core 0.16.1 builds "
+                f"it in GPTModel), not BERT's")
+    if position_embedding_type not in ("rope", "none"):
+        return (f"{MTP_FLAG} needs --position-embedding-type rope or none (Megatron-LM refuses "
+                f"{position_embedding_type})")
+    if recompute_method == "uniform" and recompute_num_layers != 1:
+        return (f"{MTP_FLAG} with --recompute-method uniform needs --recompute-num-layers 1 "
+                f"(Megatron-Core 0.16.1 recomputes an MTP layer only so)")
+    if overlap_moe_comm:
+        return (f"{MTP_FLAG} with --overlap-moe-expert-parallel-comm is not built here: the "
+                f"overlapped schedule's multi-token prediction node (Megatron-Core 0.16.1: one "
+                f"MTP layer, pipelined) is not run or tested on this project's schedules")
+    return None
+
+
 def mla_problem(tp: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                 qk_pos_emb_head_dim: int) -> Optional[str]:
     """Why multi-latent attention's down projections do not split over tp ranks, or None:
@@ -415,13 +438,19 @@ ACCOUNT_FLAGS = "--account-for-embedding-in-pipeline-split / --account-for-loss-
 
 def pipeline_stage_layers(num_layers: int, pp: int, vpp: Optional[int] = None,
                           first: Optional[int] = None, last: Optional[int] = None,
-                          account_for_embedding: bool = False, account_for_loss: bool = False):
+                          account_for_embedding: bool = False, account_for_loss: bool = False,
+                          layout: Optional[str] = None, mtp_num_layers: Optional[int] = None):
     """Transformer layers per (stage, virtual stage), [pp][vpp or 1], as Megatron-Core 0.16.1
     builds them; or a str saying why that split is refused (naming the flags).
 
     first / last: --decoder-first/last-pipeline-num-layers (the middle stages share the rest);
     account_for_*: the embedding (and the loss) count as a layer of the first (last) virtual
-    stage, which then builds one transformer layer fewer."""
+    stage, which then builds one transformer layer fewer. layout: --pipeline-model-parallel-
+    layout (its virtual stages per rank are vpp's, if given; mtp_num_layers: its m's), which
+    excludes the other split flags."""
+    if layout is not None:
+        return _layout_stage_layers(layout, num_layers, pp, vpp, first, last,
+                                    account_for_embedding or account_for_loss, mtp_num_layers)
     chunks = vpp or 1
     if pp == 1:
         if vpp is not None:
@@ -467,6 +496,44 @@ def pipeline_stage_layers(num_layers: int, pp: int, vpp: Optional[int] = None,
                 f"layers with {ACCOUNT_FLAGS} at {PIPELINE_FLAG} {pp}: every (virtual) stage "
                 f"needs at least one")
     return layers
+
+
+def _layout_stage_layers(layout: str, num_layers: int, pp: int, vpp: Optional[int], first,
+                         last, account: bool, mtp_num_layers: Optional[int]):
+    """pipeline_stage_layers for a --pipeline-model-parallel-layout."""
+    if first is not None or last is not None or account:
+        return (f"{LAYOUT_FLAG} places every layer itself: it excludes {UNEVEN_FLAGS} and "
+                f"{ACCOUNT_FLAGS} (Megatron-Core 0.16.1 refuses them together)")
+    stages = pipeline_layout(layout, pp, num_layers, mtp_num_layers)
+    if isinstance(stages, str):
+        return stages
+    if pp == 1 and len(stages[0]) > 1:
+        return f"{LAYOUT_FLAG} {layout}: virtual stages (interleaving) need {PIPELINE_FLAG} > 1"
+    if vpp is not None and vpp != len(stages[0]):
+        return (f"{LAYOUT_FLAG} {layout} has {len(stages[0])} virtual stages per pipeline rank, "
+                f"not {vpp}")
+    if len(stages[0]) > 1 and MTP in stages[0][-1]:
+        # Megatron-Core 0.16.1 lets it through, then all-reduces that rank's two embedding
+        # copies at start-up (a hang where the last stage shares them) and its gradients only
+        # for the first chunk's copy
+        return (f"{LAYOUT_FLAG} {layout}: the multi-token prediction layers (m) on the first "
+                f"pipeline rank must be in its first virtual stage, with the embedding "
+                f"(Megatron-Core 0.16.1 keeps the second copy of the word embeddings there out "
+                f"of step): put them on another rank")
+    return [[chunk.count(DECODER) for chunk in chunks] for chunks in stages]
+
+
+def layout_virtual_stages(layout: str, pp: int):
+    """Virtual stages per pipeline rank a --pipeline-model-parallel-layout gives (None: one, the
+    plain 1F1B schedule), as Megatron-LM sets --virtual-pipeline-model-parallel-size from it;
+    or a str saying why not."""
+    stages = expand_pipeline_layout(layout)
+    if isinstance(stages, str):
+        return stages
+    if len(stages) % pp:
+        return (f"{LAYOUT_FLAG} {layout}: its {plural(len(stages), 'stage')} must be a multiple "
+                f"of {PIPELINE_FLAG} ({pp}): pp x virtual stages per rank")
+    return None if len(stages) == pp else len(stages) // pp
 
 
 def virtual_stages(num_layers: int, pp: int, vpp: Optional[int],
@@ -529,3 +596,97 @@ def microbatch_problem(num_microbatches: int, pp: int, vpp: Optional[int],
                 f"{plural(num_microbatches, 'micro-batch')}; interleaving (virtual pipeline "
                 f"stages) needs a multiple of {PIPELINE_FLAG} ({pp})")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# --pipeline-model-parallel-layout: Megatron-LM's string of the layers of every stage
+# ---------------------------------------------------------------------------------------------
+
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+MTP_FLAG = "--mtp-num-layers"
+# Megatron-LM's symbols: the embedding, a transformer (decoder) layer, a multi-token
+# prediction layer, the output layer and loss; '|' ends a (virtual) stage
+EMBEDDING, DECODER, MTP, LOSS = "E", "t", "m", "L"
+STAGE_END = "|"
+
+
+def expand_pipeline_layout(text: str):
+    """A layout string -> its (virtual) stages in order, each a string of E, t, m, L; or a str
+    saying why it does not read. Megatron-LM's notation: commas are cosmetic, 'x*N' repeats a
+    symbol (or '|') N times, '(...)*N' repeats a group without nested parentheses N times:
+    "Et*3|(tt|)*2,m|L" -> ['Ettt', 'tt', 'tt', 'm', 'L']."""
+    text = str(text).replace(",", "")
+    expanded, position = [], 0
+    while position < len(text):
+        char = text[position]
+        if char == "(":
+            close = text.find(")", position)
+            body = text[position + 1:close] if close > 0 else ""
+            if close < 0 or "(" in body or not body:
+                return (f"{LAYOUT_FLAG} {text}: a group '(...)*N' must close and holds no "
+                        f"other group")
+            count, position = _repeat_count(text, close + 1)
+            if count is None:
+                return f"{LAYOUT_FLAG} {text}: the group ({body}) needs its count, ({body})*N"
+            inner = expand_pipeline_layout(body)
+            if isinstance(inner, str):
+                return inner
+            expanded.append(STAGE_END.join(inner) * count)
+            continue
+        if char not in (EMBEDDING, DECODER, MTP, LOSS, STAGE_END):
+            return (f"{LAYOUT_FLAG} {text}: {char!r} is none of E (embedding), t (transformer "
+                    f"layer), m (multi-token prediction layer), L (loss), | (end of a stage)")
+        count, position = _repeat_count(text, position + 1)
+        expanded.append(char * (1 if count is None else count))
+    return "".join(expanded).split(STAGE_END)
+
+
+def _repeat_count(text: str, position: int):
+    """(N, the position after it) where '*N' starts at POSITION; (None, POSITION) otherwise."""
+    if not text.startswith("*", position):
+        return None, position
+    end = position + 1
+    while end < len(text) and text[end].isdigit():
+        end += 1
+    if end == position + 1:
+        return None, position
+    return int(text[position + 1:end]), end
+
+
+def pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: Optional[int] = None):
+    """The layers of each (stage, virtual stage), [pp][vpp] strings of E, t, m, L, as
+    Megatron-Core 0.16.1 places them (rank r's virtual stage v is the (v pp + r)-th stage of
+    the string); or a str naming what Megatron-Core refuses of it."""
+    stages = expand_pipeline_layout(text)
+    if isinstance(stages, str):
+        return stages
+    where = f"{LAYOUT_FLAG} {text}"
+    if len(stages) % pp:
+        return (f"{where}: its {plural(len(stages), 'stage')} must be a multiple of "
+                f"{PIPELINE_FLAG} ({pp}): pp x virtual stages per rank")
+    vpp = len(stages) // pp
+    flat = "".join(stages)
+    counts = {symbol: flat.count(symbol) for symbol in (EMBEDDING, LOSS, DECODER, MTP)}
+    if not flat.startswith(EMBEDDING) or not flat.endswith(LOSS) or counts[EMBEDDING] != 1 \
+            or counts[LOSS] != 1:
+        return f"{where}: E (the embedding) must come once, first, and L (the loss) once, last"
+    if counts[DECODER] != num_layers:
+        return (f"{where} holds {plural(counts[DECODER], 'transformer layer')} (t), "
+                f"--num-layers is {num_layers}")
+    if counts[MTP] != (mtp_num_layers or 0):
+        return (f"{where} holds {plural(counts[MTP], 'multi-token prediction layer')} (m), "
+                f"{MTP_FLAG} is {mtp_num_layers or 0}")
+    if MTP in flat and DECODER in flat[flat.index(MTP):]:
+        return f"{where}: the multi-token prediction layers (m) come after every t"
+    layout = [[stages[chunk * pp + rank] for chunk in range(vpp)] for rank in range(pp)]
+    for rank_stages in layout:
+        if any(MTP in stage for stage in rank_stages[:-1]) or \
+                rank_stages[-1].count(MTP) not in (0, counts[MTP]):
+            return (f"{where}: Megatron-Core 0.16.1 builds every multi-token prediction layer "
+                    f"(m) in one stage, the last virtual stage of its pipeline rank")
+    return layout
+
+
+def mtp_stages(layout) -> list:
+    """The pipeline ranks whose stages hold the multi-token prediction layers."""
+    return [rank for rank, chunks in enumerate(layout) if any(MTP in chunk for chunk in chunks)]

@@ -75,7 +75,8 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                               timeout_minutes: Optional[float] = None, pp: int = 1,
                               vpp: Optional[int] = None,
                               ranks_per_node: Optional[int] = None,
-                              num_distributed_optimizer_instances: int = 1) -> None:
+                              num_distributed_optimizer_instances: int = 1,
+                              get_embedding_ranks=None) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
     each with group_timeout() (timeout_minutes sets it first), destroying the groups the
     previous call made.
@@ -85,7 +86,8 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     makes its node groups when its first layer is built: node_groups). ranks_per_node
     (--parm-ranks-per-node, None for the launcher's) is checked here against the layout;
     num_distributed_optimizer_instances: Megatron-LM's flag (its partial data-parallel
-    groups)."""
+    groups); get_embedding_ranks: the ranks of a pipeline group that hold the word embeddings
+    (Megatron-Core's argument; None: its default, the first and last)."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
@@ -103,6 +105,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        get_embedding_ranks=get_embedding_ranks,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
     _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it

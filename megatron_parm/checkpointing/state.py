@@ -36,7 +36,7 @@ SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size",
                "num_query_groups", "kv_channels", "qk_layernorm", "moe_layer_freq",
                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias",
                "squared_relu", "quick_geglu", "attention_output_gate", "softmax_type",
-               "layernorm_zero_centered_gamma")
+               "layernorm_zero_centered_gamma", "mtp_num_layers")
 # The flags of SHAPE_FLAGS whose name is not their key's (settings is a layer above).
 FLAG_NAMES = {"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 
@@ -69,8 +69,13 @@ def sharded_state_dict(model, optimizer, is_loading: bool, metadata: Optional[di
     and for loading the map from each optimizer entry to the state tensor it fills.
     The distributed optimizer's state is Megatron-Core's, under Megatron-LM's key 'optimizer',
     in METADATA's format (optimizer_state.save_metadata / load_metadata); no targets."""
+    from megatron.core import parallel_state
+
     chunks = model_chunks(model)
-    model_state = {key: chunk.sharded_state_dict()
+    # the data-parallel group the model's replicated tensors are named by (Megatron-LM passes
+    # it; the MTP stage's copy of the word embeddings needs it given)
+    groups = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    model_state = {key: chunk.sharded_state_dict(metadata=dict(groups))
                    for key, chunk in zip(model_keys(len(chunks)), chunks)}
     state = {**model_state, "checkpoint_version": CHECKPOINT_VERSION}
     targets = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import List
 
+from megatron_parm.layout_rules import expand_pipeline_layout
 from megatron_parm.settings import megatron_lm
 from megatron_parm.settings.flag import Flag, positive_int, positive_number
 
@@ -31,6 +32,12 @@ def flags() -> List[Flag]:
         Flag("--num-layers-per-virtual-pipeline-stage", GROUP,
              help="Interleaved schedule, by the layers of one virtual stage (instead of "
                   "--num-virtual-stages-per-pipeline-rank)."),
+        Flag("--pipeline-model-parallel-layout", GROUP, check=_layout_reads,
+             help="Every stage's layers, as Megatron-LM writes them: E the embedding, t a "
+                  "transformer layer, m a multi-token prediction layer, L the loss, | the end "
+                  "of a stage, x*N and (...)*N repeats, commas for the eye; more stages than "
+                  "--pipeline-model-parallel-size are virtual stages (interleaved), e.g. "
+                  "\"Et*2|(tt|)*5t|tmL\" (docs/pretraining.md)."),
         Flag("--decoder-first-pipeline-num-layers", GROUP,
              help="Transformer layers of the first pipeline stage (the others share the rest "
                   "evenly)."),
@@ -60,6 +67,14 @@ def flags() -> List[Flag]:
                   "share one GPU, which NCCL refuses). Without a GPU it is gloo whatever this "
                   "says (NCCL needs GPUs)."),
     ]
+
+
+def _layout_reads(flag: str, value) -> None:
+    """A --pipeline-model-parallel-layout that reads (the layers it places are checked against
+    the model in training/arguments.py)."""
+    problem = expand_pipeline_layout(value)
+    if isinstance(problem, str):
+        raise ValueError(problem)
 
 
 def cluster_flags() -> List[Flag]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from megatron_parm.settings import (
-    checkpoints, data, logging, megatron_lm, model, moe, optimizer, parallel, parm, precision,
-    run_control, surface, training)
+    checkpoints, data, logging, megatron_lm, model, moe, mtp, optimizer, parallel, parm,
+    precision, run_control, surface, training)
 from megatron_parm.settings.flag import DECLARED, Flag
 
 IMPLEMENTED, NO_EFFECT, REFUSED = "implemented", "no effect", "refused"
@@ -29,7 +29,7 @@ CONFIG = Flag("--config", "config", str, help="YAML (or JSON) file of flag value
 
 def _declare() -> List[Flag]:
     """This project's declarations, by concern (the order of --help)."""
-    return [CONFIG, *model.flags(), *moe.flags(), *parm.flags(), *parallel.flags(),
+    return [CONFIG, *model.flags(), *mtp.flags(), *moe.flags(), *parm.flags(), *parallel.flags(),
             *parallel.cluster_flags(), *training.flags(), *optimizer.flags(),
             *checkpoints.flags(), *run_control.flags(), *logging.flags(), *precision.flags(),
             *data.flags(), *data.tokenizer_flags()]
@@ -72,7 +72,7 @@ SURFACE: Dict[str, Flag] = {name: _surface_flag(opt) for name, opt in megatron_l
 # checks their flags against training_parser() before it starts any rank.
 TRAINING_SCRIPTS = {"pretrain_gpt2_moe.py": "gpt", "pretrain_bert_moe.py": "bert"}
 # The groups of training's parser, in --help order.
-TRAINING_GROUPS = (model.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
+TRAINING_GROUPS = (model.GROUP, mtp.GROUP, moe.GROUP, parm.GROUP, parallel.GROUP, training.GROUP,
                    optimizer.GROUP, checkpoints.GROUP, run_control.GROUP, logging.GROUP,
                    precision.GROUP, data.GROUP, data.TOKENIZER)
 # Dests that say one setting in different units: given on the command line, one replaces the

@@ -79,12 +79,8 @@ NEEDS_GPU_FP8 = "FP8 / FP4 training needs Transformer Engine on a Hopper or newe
 CUDA_GRAPHS = ("CUDA graphs need a GPU, and Parm's dispatchers keep host state a graph cannot "
                "replay (docs/design.md)")
 NEEDS_DEEPEP = "needs DeepEP, HybridEP or grouped_gemm kernels on a GPU"
-MTP = "multi-token prediction is not built yet (the next issue: DeepSeek-V3-style features)"
 CONTEXT_PARALLEL = ("context parallelism is not built yet (the next issue: DeepSeek-V3-style "
                     "features)")
-PIPELINE_LAYOUT = ("pipeline layouts are not built yet (the next issue: DeepSeek-V3-style "
-                   "features), --decoder-first-pipeline-num-layers and "
-                   "--decoder-last-pipeline-num-layers split the layers")
 FSDP = ("FSDP (Megatron-FSDP, torch FSDP2) is not built here, --use-distributed-optimizer shards "
         "the optimizer state")
 MAMBA = "Mamba and hybrid models are not built here"
@@ -286,10 +282,6 @@ REFUSED: Dict[str, str] = {
     "--max-seqlen-per-dp-cp-rank": CONTEXT_PARALLEL,
     "--hybrid-context-parallel": CONTEXT_PARALLEL,
     "--tp-comm-overlap": NEEDS_TE,
-    "--mtp-standalone": MTP,
-    "--mtp-num-layers": MTP,
-    "--mtp-loss-scaling-factor": MTP,
-
     "--qk-clip": QK_CLIP,
     "--experimental-attention-variant": NOT_BUILT,
     "--dsa-indexer-n-heads": NOT_BUILT,
@@ -380,7 +372,6 @@ REFUSED: Dict[str, str] = {
     "--ckpt-convert-format": NOT_BUILT,
     "--ckpt-convert-save": NOT_BUILT,
     "--ckpt-convert-update-legacy-dist-opt-format": NOT_BUILT,
-    "--pipeline-model-parallel-layout": PIPELINE_LAYOUT,
     "--model-parallel-size": RENAMED,
     "--lazy-mpu-init": NOT_BUILT,
     "--use-megatron-fsdp": FSDP,

@@ -20,8 +20,8 @@ from megatron_parm import schedules, settings, tuning
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
-    mla_problem, model_problem, moe_overlap_problem, pipeline_stage_layers, recompute_problem,
-    shape_problem, virtual_stages)
+    LAYOUT_FLAG, layout_virtual_stages, mla_problem, model_problem, moe_overlap_problem,
+    mtp_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision, schedule, upcycling, writers
 from megatron_parm.training.implementation import check_implementation, expert_implementation
@@ -209,6 +209,11 @@ def _validate_model(args) -> None:
         score_function=args.moe_router_score_function,
         expert_bias=args.moe_router_enable_expert_bias, num_groups=args.moe_router_num_groups,
         group_topk=args.moe_router_group_topk))
+    _refuse(mtp_problem(args.mtp_num_layers, model_type=args.model_type,
+                        position_embedding_type=args.position_embedding_type,
+                        recompute_method=args.recompute_method,
+                        recompute_num_layers=args.recompute_num_layers,
+                        overlap_moe_comm=args.overlap_moe_expert_parallel_comm))
     _validate_rope_type(args)
 
 
@@ -640,16 +645,24 @@ def _validate_pipeline(args) -> None:
     """The pipeline flags: virtual stages per rank resolved into
     --virtual-pipeline-model-parallel-size (None without interleaving), and a split of the
     layers Megatron-Core 0.16.1 builds."""
-    vpp = virtual_stages(args.num_layers, args.pipeline_model_parallel_size,
-                         args.virtual_pipeline_model_parallel_size,
-                         args.num_layers_per_virtual_pipeline_stage)
+    layout = args.pipeline_model_parallel_layout
+    if layout is not None and (args.virtual_pipeline_model_parallel_size is not None
+                               or args.num_layers_per_virtual_pipeline_stage is not None):
+        raise ValueError(f"{LAYOUT_FLAG} sets the virtual stages itself: it excludes "
+                         f"--num-virtual-stages-per-pipeline-rank and "
+                         f"--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)")
+    vpp = layout_virtual_stages(layout, args.pipeline_model_parallel_size) if layout else \
+        virtual_stages(args.num_layers, args.pipeline_model_parallel_size,
+                       args.virtual_pipeline_model_parallel_size,
+                       args.num_layers_per_virtual_pipeline_stage)
     if isinstance(vpp, str):
         raise ValueError(vpp)
     args.virtual_pipeline_model_parallel_size = vpp
     layers = pipeline_stage_layers(
         args.num_layers, args.pipeline_model_parallel_size, vpp,
         args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-        args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+        args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+        layout=layout, mtp_num_layers=args.mtp_num_layers)
     if isinstance(layers, str):
         raise ValueError(layers)
 

@@ -17,6 +17,8 @@ weight gradients), at 2 FLOPs per multiply-add:
               MoE layer's routed experts at --moe-ffn-hidden-size, k per token, and its shared
               experts at --moe-shared-expert-intermediate-size
   logits      h x V
+  MTP         per --mtp-num-layers: one more layer of the last layer's kind, its projection
+              (2h x h), 3h for its norms (as Megatron-LM counts them), h x V more logits
 Left out, as Megatron-LM leaves them out: the router, normalizations, softmax, activations, the
 embeddings, BERT's LM-head transform and binary head (BERT is counted with the same formula, its
 attention halved too). The count is linear in b: FLOPs so far = samples so far x the count of
@@ -60,8 +62,11 @@ def _attention_term(args) -> float:
 def num_floating_point_operations(args, batch_size: int, padded_vocab_size: int) -> float:
     """One iteration's model FLOPs for batch_size sequences of args.seq_length tokens."""
     pattern = moe_layer_pattern(args)
-    num_moe_layers = sum(pattern)
-    num_dense_layers = args.num_layers - num_moe_layers
+    # the multi-token prediction layers: each one more layer of the last layer's kind, its two
+    # norms and the final one, its projection of [embedding; hidden] (2h -> h), its logits
+    mtp = args.mtp_num_layers or 0
+    num_moe_layers = sum(pattern) + pattern[-1] * mtp
+    num_dense_layers = args.num_layers + mtp - num_moe_layers
     topk = args.moe_router_topk if args.num_experts is not None else 0
     moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     shared_ffn = args.moe_shared_expert_intermediate_size or 0
@@ -69,8 +74,11 @@ def num_floating_point_operations(args, batch_size: int, padded_vocab_size: int)
     mlp = FORWARD_BACKWARD * PER_MULTIPLY_ADD * args.hidden_size * widths * (
         args.ffn_hidden_size * num_dense_layers
         + (moe_ffn * topk + shared_ffn) * num_moe_layers)
-    logits = FORWARD_BACKWARD * PER_MULTIPLY_ADD * args.hidden_size * padded_vocab_size
-    per_token = mlp + _attention_term(args) * args.num_layers + logits
+    logits = FORWARD_BACKWARD * PER_MULTIPLY_ADD * args.hidden_size * padded_vocab_size \
+        * (1 + mtp)
+    mtp_extra = FORWARD_BACKWARD * PER_MULTIPLY_ADD * mtp * (
+        3 * args.hidden_size + 2 * args.hidden_size * args.hidden_size)
+    per_token = mlp + _attention_term(args) * (args.num_layers + mtp) + mtp_extra + logits
     return batch_size * args.seq_length * per_token
 
 

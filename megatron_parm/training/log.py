@@ -7,7 +7,8 @@ read these logs too. TrainingLog is Megatron-LM's training_log and evaluate_and_
     every iteration        the router losses reduced (where a writer is configured)
     every --tensorboard-log-interval   the iteration's values to TensorBoard / W&B (learning-rate,
                            batch-size, each loss, loss-scale, world-size, grad-norm, num-zeros,
-                           params-norm, memory, the router losses and per layer), each also
+                           params-norm, memory, the router losses and per layer, 'mtp_k loss'
+                           with --mtp-num-layers), each also
                            '<tag> vs samples' where Megatron-LM writes that
     every --log-interval   the iteration line (throughput, num zeros, params norm by the flags),
                            the expert load, the memory line (--log-memory-interval), the timers
@@ -23,7 +24,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import settings
@@ -318,6 +319,7 @@ class IterationValues:
     params_norm: Optional[float]       # --log-params-norm
     router: Dict[str, List[float]]     # per tracked router loss, per layer ({} where not taken)
     seconds_per_step: Optional[float]  # the interval's, where the line is due
+    mtp: Dict[str, float] = field(default_factory=dict)  # 'mtp_k loss' ({} where not taken)
 
 
 class TrainingLog:
@@ -328,6 +330,7 @@ class TrainingLog:
     def __init__(self, args, is_rank_0: bool, start_iteration: int, chunk_notation: str,
                  padded_vocab_size: int):
         from megatron_parm.training.moe_log import RouterLosses
+        from megatron_parm.training.mtp import MtpLosses
 
         self.args = args
         self.writers = Writers(args, is_rank_0)
@@ -337,6 +340,7 @@ class TrainingLog:
         self.interval = Interval()
         self.choices = ChoiceLog(args.moe_token_dispatcher_type, chunk_notation)
         self.router_losses = RouterLosses(args)
+        self.mtp_losses = MtpLosses(args.mtp_num_layers)  # taken with the router losses
         self.router_steps = 0  # iterations since the router losses were last taken
         self.router_microbatches = 0  # and their micro-batches (--rampup-batch-size varies them)
         self.flops_per_sample = model_flops.num_floating_point_operations(args, 1,
@@ -361,11 +365,12 @@ class TrainingLog:
         seconds = self.interval.seconds_per_step() if line else None
         self.router_steps += 1
         self.router_microbatches += self.interval.microbatches_last
-        router = {}
+        router, mtp = {}, {}
         if line or self.writers.configured:
             router = self.router_losses.take(self.router_steps, self.router_microbatches)
-            self.interval.add_router({console_name(name): value for name, value in
-                                      self.router_losses.means(router).items()},
+            mtp = self.mtp_losses.take(self.router_microbatches)
+            self.interval.add_router({**{console_name(name): value for name, value in
+                                         self.router_losses.means(router).items()}, **mtp},
                                      self.router_steps)
             self.router_steps = self.router_microbatches = 0
         if not (line or writes):
@@ -375,7 +380,7 @@ class TrainingLog:
             loss_scale=optimizer.get_loss_scale().item(), grad_norm=grad_norm,
             num_zeros=num_zeros if args.log_num_zeros_in_grad else None,
             params_norm=params_norm(model, args.bf16) if args.log_params_norm else None,
-            router=router, seconds_per_step=seconds)
+            router=router, mtp=mtp, seconds_per_step=seconds)
 
     def record(self, iteration: int, consumed_samples: int, values: IterationValues) -> None:
         """The iteration's values to TensorBoard / W&B (every --tensorboard-log-interval)."""
@@ -396,8 +401,9 @@ class TrainingLog:
                 scalars[tag] = value
         self.writers.scalars(scalars, iteration, samples=consumed_samples)
         self.writers.wandb.log({"samples vs steps": consumed_samples}, iteration)
-        self.writers.scalars(self.router_losses.scalars(values.router, args.moe_per_layer_logging),
-                             iteration)
+        self.writers.scalars({**self.router_losses.scalars(values.router,
+                                                           args.moe_per_layer_logging),
+                              **values.mtp}, iteration)
         if args.log_memory_to_tensorboard:
             self.writers.scalars(memory_scalars(), iteration)
 

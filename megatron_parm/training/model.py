@@ -29,7 +29,7 @@ from megatron_parm.layout_rules import pre_softmax_routing
 from megatron_parm import device
 from megatron_parm.specs import gpt_block_spec, layer_spec
 from megatron_parm.training.bert_schedule_plan import ParmBertModel
-from megatron_parm.training import mixed_precision
+from megatron_parm.training import mixed_precision, mtp
 from megatron_parm.training.implementation import expert_implementation
 
 
@@ -77,6 +77,7 @@ def build_config(args) -> ParmTransformerConfig:
         parm_tune_margin=getattr(args, "parm_tune_margin", tuning.DEFAULT_MARGIN),
         parm_tune_candidates=getattr(args, "parm_tune_candidates", tuning.DEFAULT_MAX_CANDIDATES),
         parm_tune_cache=getattr(args, "parm_tune_cache", None),
+        **mtp.config_fields(args),
     )
 
 
@@ -210,6 +211,7 @@ def pipeline_fields(args) -> dict:
         # Megatron-LM's choice: the interleaved schedule overlaps its p2p transfers (separate
         # isend/irecv), the 1F1B one batches them. On gloo batching gains nothing and its
         # batch_p2p_sync is a CUDA synchronize: separate transfers there too.
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         overlap_p2p_comm=vpp is not None,
         batch_p2p_comm=vpp is None and device.is_cuda(),
     )
@@ -254,9 +256,13 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
                          f"(must be divisible by it) or the tokenizer ({vocab_size} tokens)")
     if args.model_type == "gpt":
+        decoder = gpt_block_spec(config, expert_module_name(config), vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=gpt_block_spec(config, expert_module_name(config), vp_stage),
+            transformer_layer_spec=decoder,
+            mtp_block_spec=mtp.block_spec(
+                config, decoder, lambda whole: gpt_block_spec(whole, expert_module_name(config)),
+                vp_stage),
             vocab_size=vocab,
             max_sequence_length=args.max_position_embeddings,
             parallel_output=True,
@@ -267,6 +273,7 @@ def build_model(args, vocab_size: int, padded_vocab: Optional[int] = None,
             rope_scaling=getattr(args, "use_rope_scaling", False),
             **stage,
         )
+        mtp.drop_unused_output_weight(model)
     else:
         model = ParmBertModel(
             config=config,
@@ -374,12 +381,14 @@ def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
     loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model))
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
-                                         batch.get("attention_mask"), labels=batch["labels"])
+                                         batch.get("attention_mask"), labels=batch["labels"],
+                                         loss_mask=batch["loss_mask"])
         return plan, loss_func
     # losses [b, s]: per-token cross entropy (the model computes it from labels). Without an
     # attention mask (--no-create-attention-mask-in-dataloader) attention uses its causal one.
+    # The loss mask is the MTP losses' (Megatron-LM passes it too; nothing else reads it).
     losses_bs = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                      labels=batch["labels"])
+                      labels=batch["labels"], loss_mask=batch["loss_mask"])
     return losses_bs, loss_func
 
 

@@ -20,6 +20,7 @@ from typing import Dict, List
 import torch
 
 from megatron_parm import device
+from megatron_parm.training import mtp
 from megatron_parm.training.flops import moe_layer_pattern
 
 # The router's logged losses per --moe-router-load-balancing-type (Megatron-Core's tracker
@@ -72,8 +73,10 @@ class RouterLosses:
 
     def __init__(self, args):
         self.names = router_loss_names(args)
-        self.num_layers = args.num_layers
-        self.num_moe_layers = max(sum(moe_layer_pattern(args)), 1)
+        # Megatron-Core's routers track the MTP layers' MoE layers after the transformer
+        # layers'; Megatron-LM's mean counts every MTP layer as an MoE layer.
+        self.num_layers = mtp.model_layers(args)
+        self.num_moe_layers = max(sum(moe_layer_pattern(args)) + (args.mtp_num_layers or 0), 1)
 
     def take(self, num_steps: int, num_microbatches: int) -> Dict[str, List[float]]:
         """Each tracked loss per layer, per iteration: its mean over the NUM_MICROBATCHES

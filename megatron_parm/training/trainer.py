@@ -58,7 +58,7 @@ from megatron_parm.training.log import (  # noqa: F401 (describe_choice: the too
     start_lines,
     validation_block,
 )
-from megatron_parm.training import ddp, mixed_precision, run_control, timing, upcycling
+from megatron_parm.training import ddp, mixed_precision, mtp, run_control, timing, upcycling
 from megatron_parm.training.optimizer import build_optimizer
 from megatron_parm.training.progress_log import ProgressLog
 from megatron_parm.training.schedule import BatchSchedule, build_scheduler
@@ -356,7 +356,8 @@ def initialize(args) -> None:
                               vpp=args.virtual_pipeline_model_parallel_size,
                               ranks_per_node=args.parm_ranks_per_node,
                               num_distributed_optimizer_instances=(
-                                  args.num_distributed_optimizer_instances))
+                                  args.num_distributed_optimizer_instances),
+                              get_embedding_ranks=mtp.embedding_ranks(args))
     set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
 
@@ -435,7 +436,7 @@ class Run:
         self.batches = BatchSchedule(args, torch.distributed.get_rank())
         self.batches.update(consumed_samples)  # a resumed run's batch (--rampup-batch-size)
         self.forward_backward = get_forward_backward_func()
-        self.expert_load = ExpertLoad(model, args.num_layers, args.num_experts)
+        self.expert_load = ExpertLoad(model, mtp.model_layers(args), args.num_experts)
         self.log = TrainingLog(args, torch.distributed.get_rank() == 0, iteration, CHUNK_NOTATION,
                                unwrap(model[0]).vocab_size)
         self.timers = Timers.install(args, model, optimizer)  # Megatron-Core's, --timing-log-*

@@ -16,13 +16,16 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
     --microbatch-group-size-per-virtual-pipeline-stage 4, iterations 2-4;
   * pp=2 resumed from its own iteration-5 checkpoint (the same layout);
   * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each;
+  * multi-token prediction (--mtp-num-layers 1, rope) from its own pp=1 start: at pp=1, at
+    pp=2 by --pipeline-model-parallel-layout Et|t|tt|mL with parm, at pp=4 by Et|tt|tm|L (the
+    MTP layer a stage of its own), iterations 2-4;
   * BERT MoE (its tiny config, 2 layers: one a stage) from its own one-iteration pp=1 start,
     at pp=1 and at pp=2 with parm, iterations 2-6.
 8 ranks:
   * pp=2 with tp=2, ep=2 (etp=1), alltoall;
   * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
     iteration each.
-The tests then check that the pipelined losses (GPT's and BERT's) follow the reference (1e-4,
+The tests then check that the pipelined losses (GPT's, BERT's, MTP's) follow the reference (1e-4,
 as the dispatchers follow alltoall in test_pretrain.py), that recompute leaves a dispatcher's
 pipelined losses as they are without it (1e-6; parm, which tunes, 1e-4) while each step routes
 again once per layer and micro-batch, that a same-layout resume repeats them bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
@@ -64,6 +67,12 @@ RECOMPUTE = {"full": ["--recompute-granularity", "full", "--recompute-method", "
                            "core_attn", "layernorm"]}
 RECOMPUTE_DISPATCHERS = ("alltoall", "parm_s2", "parm")
 RECOMPUTE_ITERS = ["--exit-interval", "4"]
+MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]
+LAYOUT = "--pipeline-model-parallel-layout"
+MTP_RUNS = [("pp1", REFERENCE, "alltoall"),
+            ("pp2 Et|t|tt|mL parm", PP2 + [LAYOUT, "Et|t|tt|mL"] + PARM_DECIDES, "parm"),
+            ("pp4 Et|tt|tm|L", ["--pipeline-model-parallel-size", "4", LAYOUT, "Et|tt|tm|L"],
+             "alltoall")]
 
 
 def dispatchers():
@@ -128,6 +137,14 @@ def worker(world: str, run_dir: str) -> None:
         results["at_pp1"] = train(*REFERENCE, "--load", iter5, "--exit-interval", "6")
         results["at_pp4"] = train("--pipeline-model-parallel-size", "4", "--load", iter5,
                                   "--exit-interval", "6")
+        # multi-token prediction (rope positions, as Megatron-LM asks) from its own pp=1 start:
+        # at pp=1; at pp=2 by a layout (2 virtual stages, the MTP layer with the last
+        # transformer layers) with parm; at pp=4 with the MTP layer in a stage of its own
+        mtp_start = str(run / "mtp_start")
+        train(*REFERENCE, *MTP, "--save", mtp_start, "--exit-interval", "1")
+        results["mtp"] = {name: train(*flags, *MTP, "--load", mtp_start, "--exit-interval", "4",
+                                      dispatcher=dispatcher)
+                          for name, flags, dispatcher in MTP_RUNS}
         bert_start = str(run / "bert_start")
         train(*REFERENCE, "--save", bert_start, "--exit-interval", "1", model="bert")
         results["bert_reference"] = train(*REFERENCE, "--load", bert_start, "--exit-interval",
@@ -226,6 +243,16 @@ def test_parm_chooses_per_layer_on_each_stage(runs):
     # Each stage's first rank reports its own layers' choices: all four layers are there.
     for layer in range(1, 5):
         assert f"> MoE layer {layer}: parm chose" in outputs["4"], layer
+
+
+def test_multi_token_prediction_under_pipeline_layouts(runs):
+    """--mtp-num-layers with --pipeline-model-parallel-layout: the MTP layer built with the
+    last transformer layers (parm dispatching in it, tp=2, ep=2) and in a stage of its own
+    (Megatron-Core's mtp_standalone: its copy of the word embeddings, the shapes sent first)
+    load the pp=1 start and train as the pp=1 run does (the MTP loss joins every gradient)."""
+    results = runs[0]["mtp"]
+    for name in ("pp2 Et|t|tt|mL parm", "pp4 Et|tt|tm|L"):
+        _close(results[name]["losses"], results["pp1"]["losses"], CURVE_TOLERANCE)
 
 
 def test_resume_at_the_same_pipeline_layout_is_bitwise(runs):

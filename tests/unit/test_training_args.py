@@ -359,6 +359,84 @@ def test_pipeline_stage_layers_as_megatron_builds_them():
         assert [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)] == expected
 
 
+# Layout strings (pp, --num-layers, --mtp-num-layers): Megatron-LM's examples and its notation's
+# corners; the last ones Megatron-Core 0.16.1 refuses.
+LAYOUTS = [("Et*2|(tt|)*5t|tmL", 4, 16, 1), ("E|(t|)*3,m|m||L", 3, 3, None),
+           ("Ettt|(tt|)*29,m|L", 32, 61, 1), ("Et|tt|t,L", 3, 4, None), ("E(t|)*2tL", 1, 3, None),
+           ("Et*3mL", 1, 3, 1), ("Etttmm|L", 2, 3, 2), ("Et|t|tm|L", 2, 3, 1),
+           ("Et|tm|t|L", 2, 3, 1), ("Et|tL", 2, 3, None), ("tE|tL", 2, 2, None),
+           ("Et|tLm", 2, 2, 1), ("Et|t|L", 2, 2, None), ("Etm|mtL", 2, 2, 2)]
+
+
+@pytest.mark.parametrize("text,pp,num_layers,mtp", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+def test_pipeline_layout_reads_as_megatron_core_reads_it(text, pp, num_layers, mtp):
+    """The stages of --pipeline-model-parallel-layout (layout_rules) are the ones Megatron-Core
+    0.16.1 parses and places, and it refuses exactly the layouts Megatron-Core refuses."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout)
+
+    from megatron_parm.layout_rules import expand_pipeline_layout, pipeline_layout
+
+    symbol = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    parsed = PipelineParallelLayerLayout.parse_str_to_list(text)
+    assert expand_pipeline_layout(text) == ["".join(symbol[t.name] for t in stage)
+                                            for stage in parsed]
+    ours = pipeline_layout(text, pp, num_layers, mtp)
+    try:
+        megatron = PipelineParallelLayerLayout(text, pp)
+        megatron.validate_layer_layout(num_layers, mtp)
+    except (AssertionError, ValueError) as refusal:
+        assert isinstance(ours, str), (ours, refusal)
+        return
+    assert not isinstance(ours, str), ours
+    assert ours == [["".join(symbol[t.name] for t in chunk) for chunk in chunks]
+                    for chunks in megatron.layout]
+
+
+def test_pipeline_layout_flag():
+    """--pipeline-model-parallel-layout sets the virtual stages as Megatron-LM does, and with
+    --mtp-num-layers places the MTP layers where it says."""
+    from megatron_parm.layout_rules import mtp_stages, pipeline_layout
+
+    args = parse_args(PIPELINE + ["--pipeline-model-parallel-layout", "Et|(t|)*2tL"],
+                      world_size=4)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert parse_args(PIPELINE + ["--pipeline-model-parallel-layout", "Ettt|tL"],
+                      world_size=4).virtual_pipeline_model_parallel_size is None
+    deepseek = ["--config", "configs/deepseek_v2_lite_tiny_moe.yaml", "--mtp-num-layers", "1"]
+    args = parse_args(deepseek + ["--pipeline-model-parallel-size", "2",
+                                  "--pipeline-model-parallel-layout", "Et|t|t|mL",
+                                  "--global-batch-size", "8"], world_size=2)
+    layout = pipeline_layout(args.pipeline_model_parallel_layout, 2, 3, 1)
+    assert layout == [["Et", "t"], ["t", "mL"]] and mtp_stages(layout) == [1]
+    assert args.virtual_pipeline_model_parallel_size == 2
+    # Megatron-Core takes it, and then keeps rank 0's second embedding copy out of step
+    message = error(deepseek + ["--pipeline-model-parallel-size", "2",
+                                "--pipeline-model-parallel-layout", "Et||ttm|L",
+                                "--global-batch-size", "8"], world_size=2)
+    assert "first virtual stage" in message and "Et||ttm|L" in message
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    (["--mtp-num-layers", "1"], ["--mtp-num-layers", "--position-embedding-type rope or none",
+                                 "learned_absolute"]),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--recompute-granularity",
+      "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     ["--mtp-num-layers", "--recompute-num-layers 1"]),
+    (["--mtp-num-layers", "0"], ["--mtp-num-layers must be a positive integer"]),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope",
+      "--overlap-moe-expert-parallel-comm", "--bf16"],
+     ["--mtp-num-layers with --overlap-moe-expert-parallel-comm is not built here"]),
+])
+def test_bad_mtp_input_names_the_flags(flags, fragments):
+    message = error(TINY_GPT + flags, world_size=1)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    bert = error(["--config", "configs/bert_tiny_moe.yaml", "--mtp-num-layers", "1"],
+                 world_size=1, model_type="bert")
+    assert "--mtp-num-layers" in bert and "BERT" in bert
+
+
 @pytest.mark.parametrize("flags,fragments", [
     # layers not divisible by the stages, or by the virtual stages
     (["--num-layers", "5"], ["--num-layers (5)", "--pipeline-model-parallel-size (2)"]),
@@ -380,6 +458,19 @@ def test_pipeline_stage_layers_as_megatron_builds_them():
      ["--pipeline-model-parallel-size > 1"]),
     (["--virtual-pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
       "1"], ["exclude each other"]),
+    # --pipeline-model-parallel-layout against the model and the other split flags
+    (["--pipeline-model-parallel-layout", "Ett|tL"], ["--pipeline-model-parallel-layout Ett|tL",
+                                                      "3 transformer layers", "--num-layers is 4"]),
+    (["--pipeline-model-parallel-layout", "Ett|tt|L"], ["3 stages", "multiple of "
+                                                        "--pipeline-model-parallel-size (2)"]),
+    (["--pipeline-model-parallel-layout", "Ett|ttmL"], ["1 multi-token prediction layer (m)",
+                                                        "--mtp-num-layers is 0"]),
+    (["--pipeline-model-parallel-layout", "Ett|tt(L"], ["a group '(...)*N' must close"]),
+    (["--pipeline-model-parallel-layout", "Ett|tx*2L"], ["'x' is none of E"]),
+    (["--pipeline-model-parallel-layout", "Ett|ttL", "--decoder-first-pipeline-num-layers", "2"],
+     ["--pipeline-model-parallel-layout places every layer", "--decoder-first-pipeline-num-layers"]),
+    (["--pipeline-model-parallel-layout", "Et|t|t|tL", "--num-layers-per-virtual-pipeline-stage",
+      "1"], ["--pipeline-model-parallel-layout sets the virtual stages", "excludes"]),
     # the stages' ranks
     (["--pipeline-model-parallel-size", "3"], ["--pipeline-model-parallel-size (3) must divide"]),
     (["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",

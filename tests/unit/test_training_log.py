@@ -57,11 +57,17 @@ MODERN = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
           "--kv-channels", "32", "--moe-ffn-hidden-size", "96", "--normalization", "RMSNorm"]
 
 
-@pytest.mark.parametrize("flags", [[], MODERN], ids=["gpt2_tiny", "swiglu_gqa_shared_dense"])
+MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "2"]
+
+
+@pytest.mark.parametrize("flags", [[], MODERN, MTP], ids=["gpt2_tiny", "swiglu_gqa_shared_dense",
+                                                          "mtp"])
 def test_flops_are_megatron_lm_s_count_of_the_model_s_gemms(megatron_world, flags):
     """torch's FLOP counter over one forward and backward of the model the trainer builds
     (every GEMM, 2 per multiply-add) minus what Megatron-LM's count leaves out: the routers'
-    GEMMs and the masked half of QK^T and of its product with V."""
+    GEMMs and the masked half of QK^T and of its product with V; plus what it counts that is
+    no GEMM: 3h per token for each multi-token prediction layer's norms."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_parm.training import flops
@@ -75,14 +81,19 @@ def test_flops_are_megatron_lm_s_count_of_the_model_s_gemms(megatron_world, flag
     tokens = torch.randint(0, VOCAB, (batch, seq))
     positions = torch.arange(seq).expand(batch, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).expand(batch, 1, seq, seq)
+    # the routers' loss tracker is sized by the first model that logs to it (MTP adds layers)
+    get_moe_layer_wise_logging_tracker().clear()
     with FlopCounterMode(display=False) as counter:
         model(tokens, positions, mask, labels=tokens).sum().backward()
-    num_moe_layers = sum(flops.moe_layer_pattern(args))
+    mtp = args.mtp_num_layers or 0
+    pattern = flops.moe_layer_pattern(args)
+    num_moe_layers = sum(pattern) + pattern[-1] * mtp
     router = 3 * 2 * batch * seq * args.hidden_size * args.num_experts * num_moe_layers
     query = (args.kv_channels or args.hidden_size // args.num_attention_heads) \
         * args.num_attention_heads
-    masked_half = 3 * 2 * batch * seq * seq * query * args.num_layers
-    expected = counter.get_total_flops() - router - masked_half
+    masked_half = 3 * 2 * batch * seq * seq * query * (args.num_layers + mtp)
+    mtp_norms = 3 * 2 * batch * seq * mtp * 3 * args.hidden_size
+    expected = counter.get_total_flops() - router - masked_half + mtp_norms
     assert flops.num_floating_point_operations(args, batch, model.vocab_size) == expected
     # linear in the batch: one sample's count times the samples
     assert flops.num_floating_point_operations(args, 1, model.vocab_size) * batch == expected
