@@ -307,8 +307,8 @@ def test_rotary_flags(megatron_world):
     scaled = build(args).rotary_pos_emb
     plain = build(parse(SCALED_ROPE)).rotary_pos_emb
     assert scaled.inv_freq.tolist() != plain.inv_freq.tolist()  # Llama-3.1's low frequencies
-    assert "--rope-type yarn: Megatron-LM takes yarn only with --multi-latent-attention" in \
-        refusal(["--rope-type", "yarn", *ROPE])
+    assert "--rope-type yarn needs --multi-latent-attention (standard attention takes rope " \
+        "only, as in Megatron-LM)" in refusal(["--rope-type", "yarn", *ROPE])
 
 
 def test_initialization_flags(megatron_world, monkeypatch):
@@ -417,7 +417,7 @@ def test_encoder_num_layers_is_num_layers():
 
 
 def test_several_load_balancing_losses_reach_the_router_and_the_log():
-    from megatron_parm.training.trainer import router_loss_names
+    from megatron_parm.training.moe_log import router_loss_names
 
     args = parse(["--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
                   "--moe-aux-loss-coeff", "0.1", "0.01", "--moe-z-loss-coeff", "0.001"])
