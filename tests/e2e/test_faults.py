@@ -248,7 +248,7 @@ def test_restarts_continue_from_the_last_checkpoint_with_the_same_losses(runs):
     assert sorted(expected) == list(range(1, TRAIN_ITERS + 1))
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), got  # iteration 10 ran, unsaved
     assert got == expected
-    loaded = re.findall(r"> loaded checkpoint \S+ at iteration (\d+)", faulty["output"])
+    loaded = re.findall(r"> loaded \w+ checkpoint \S+ at iteration (\d+)", faulty["output"])
     assert loaded == ["2", "4", "4", "6", "8"], loaded
     assert (run / "faults/latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert not (run / "faults/iter_0000010").exists()

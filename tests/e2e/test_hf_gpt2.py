@@ -78,7 +78,7 @@ def worker(run_dir: str) -> None:
         initialize_model_parallel(tp, args.expert_model_parallel_size,
                                   args.expert_tensor_parallel_size, args.num_experts, dispatcher)
         set_seed(args.seed)
-        folder, _ = find_checkpoint(args.load)
+        folder = find_checkpoint(args.load).path
         padded = read_checkpoint_info(folder)["model_info"]["padded_vocab_size"]
         model = build_model(args, HF_CONFIG["vocab_size"], padded)
         load_checkpoint(folder, model, None, None, args)

@@ -73,7 +73,7 @@ def model_logits(args, tokens) -> list:
                               args.expert_tensor_parallel_size, args.num_experts,
                               args.moe_token_dispatcher_type)
     set_seed(args.seed)
-    folder, _ = find_checkpoint(args.load)
+    folder = find_checkpoint(args.load).path
     padded = read_checkpoint_info(folder)["model_info"]["padded_vocab_size"]
     model = build_model(args, 8000, padded)
     load_checkpoint(folder, model, None, None, args)

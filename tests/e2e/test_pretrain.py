@@ -411,6 +411,8 @@ def test_parm_tuning_skips_failures_and_logs_once_then_caches(run):
         "injected: out of memory gathering the group's tokens)",
         "parm: candidate parm_hier failed while tuning and is skipped (ValueError: injected: "
         "parm_hier refuses this input)",
+        "parm: candidate parm_hier_s2(c=2) failed while tuning and is skipped (ValueError: "
+        "injected: parm_hier refuses this input)",
         "parm: candidate parm_s2(c=2) failed while tuning and is skipped (OutOfMemoryError: "
         "injected: out of memory at 2 chunks)"], results["tune_fail_warnings"]
     cache = run_dir / "tune.json"

@@ -123,7 +123,7 @@ def test_requeued_job_resumes_from_its_latest_checkpoint(local_slurm, tmp_path):
     log = wait_for_job(env, tmp_path, job_id)
     assert "(start 1)" in log and "(start 2)" in log, log[-3000:]
     assert "tp=1 ep=2 pp=2, dispatcher" in log and "pp=2, dp=2" in log, log[-3000:]
-    resumed = re.findall(r"> loaded checkpoint .* at iteration (\d+)", log)
+    resumed = re.findall(r"> loaded \w+ checkpoint .* at iteration (\d+)", log)
     assert resumed and int(resumed[-1]) >= 5, log[-3000:]
     assert (run_dir / "checkpoints" / "iter_0000060").is_dir()
     assert re.search(r"^ iteration +60/ +60 \|", log, re.M), log[-3000:]
@@ -189,7 +189,7 @@ def test_job_requeued_after_a_rank_dies_resumes_with_the_same_losses(local_slurm
     assert "Traceback" not in log, log[-6000:]
     assert len((run_dir / "requeues.log").read_text().splitlines()) == 1
 
-    loaded = re.findall(r"> loaded checkpoint .* at iteration (\d+)", second)
+    loaded = re.findall(r"> loaded \w+ checkpoint .* at iteration (\d+)", second)
     assert loaded == [str(checkpoint)], second[-3000:]
     before, after = printed_losses(first), printed_losses(second)
     rerun = sorted(set(before) & set(after))
