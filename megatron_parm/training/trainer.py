@@ -29,7 +29,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_layer_wise_logging_tracker,
+)
 
 from megatron_parm import device, faults, mcore_compat
 from megatron_parm.tuning import CHUNK_NOTATION
@@ -345,8 +348,10 @@ def train(run: "Run", args) -> None:
 
 
 def initialize(args) -> None:
-    """Process groups (the job's, then Megatron's for the layout), seeds, and a clean MoE
-    logging tracker (a previous pretrain() in this process leaves its values there)."""
+    """Process groups (the job's, then Megatron's for the layout), seeds, a clean MoE logging
+    tracker and no aux-loss scale (a previous pretrain() in this process leaves its values
+    there; its scale, a tensor of another shape with --calculate-per-token-loss, would refuse
+    this run's)."""
     initialize_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     setup_logging(args.logging_level)
     initialize_model_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size,
@@ -360,6 +365,7 @@ def initialize(args) -> None:
                               get_embedding_ranks=mtp.embedding_ranks(args))
     set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def checkpoint_to_resume(args):
