@@ -795,6 +795,15 @@ REDIRECTS: Dict[str, Redirect] = {
             "process without --ddp-reduce-scatter-with-fp32-accumulation puts Megatron-Core's "
             "own function back before its DDP is built."
         )),
+    "aux_loss_scale_reset": Redirect(
+        None, applied_by="megatron_parm.training.trainer",
+        target="megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale",
+        why=(
+            "Megatron-Core keeps the MoE aux-loss scale of the last step in a class attribute "
+            "and copies each later scale into it: a second pretrain() in one process whose "
+            "scale has another shape (--calculate-per-token-loss) fails in that copy. Each "
+            "run starts with none, as a fresh process does."
+        )),
     "grouped_gemm_check": Redirect(
         None, applied_by="megatron_parm.experts",
         target="megatron.core.transformer.moe.experts.gg.assert_grouped_gemm_is_available",
