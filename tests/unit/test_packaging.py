@@ -49,3 +49,16 @@ def test_a_checkpoint_manifest_records_the_package_version():
     manifest = manifest_from_metadata(SimpleNamespace(state_dict_metadata={}), {"iteration": 3})
     assert manifest["megatron_parm_version"] == megatron_parm.__version__
     assert manifest["iteration"] == 3
+
+
+def test_test_files_have_distinct_names():
+    """tests/ has no __init__.py files, so pytest imports each test file by its bare name: two
+    files named alike in different folders stop the collection of the whole suite."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        rel = str(path.relative_to(REPO))
+        if path.name in seen:
+            clashes.append(f"{seen[path.name]} and {rel}")
+        seen.setdefault(path.name, rel)
+    assert not clashes, "test files share a name: " + "; ".join(clashes)
