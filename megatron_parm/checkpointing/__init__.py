@@ -11,8 +11,8 @@
       non_persistent/                       --non-persistent-ckpt-type global: the latest only
 
     save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_samples, args)
-    find_checkpoint(load, save, ...) -> Found(folder, iteration, pretrained) or None (fresh
-                                  start: see paths.resolve_load)
+    find_checkpoint(load, ...)    -> Found(folder, iteration, pretrained) or None (fresh
+                                  start: see paths.resolve_load, said by fresh_start_line)
     read_checkpoint_info(folder)  -> the saved flags and padded vocabulary, before building a model
     load_checkpoint(folder, model, optimizer, scheduler, args) -> {'iteration', ...}
 
@@ -62,6 +62,7 @@ from megatron_parm.checkpointing.paths import TRACKER_FILE, checkpoint_dir
 from megatron_parm.checkpointing.save_load import (
     check_save_format,
     find_checkpoint,
+    fresh_start_line,
     load_checkpoint,
     read_checkpoint_info,
     read_latest_iteration,
@@ -72,6 +73,6 @@ from megatron_parm.checkpointing.state import CHECKPOINT_VERSION, SHAPE_FLAGS, c
 __all__ = [
     "TRACKER_FILE", "CheckpointError", "check_save_format", "CheckpointingContext", "LoadOptions", "SaveOptions",
     "checkpoint_dir", "read_latest_iteration",
-    "save_checkpoint", "find_checkpoint", "read_checkpoint_info", "load_checkpoint",
+    "save_checkpoint", "find_checkpoint", "fresh_start_line", "read_checkpoint_info", "load_checkpoint",
     "SHAPE_FLAGS", "CHECKPOINT_VERSION", "check_model_flags", "set_fault_hook",
 ]

@@ -89,7 +89,7 @@ def apply_checkpoint_args(args) -> Optional[Tuple[Optional[str], Dict[str, objec
 
     if not args.use_checkpoint_args or not args.load:
         return None
-    found = find_checkpoint(args.load, args.save, args.ckpt_step)
+    found = find_checkpoint(args.load, args.ckpt_step)
     if found is None:
         return None, {}
     saved = read_checkpoint_info(found.path).get("args") or {}

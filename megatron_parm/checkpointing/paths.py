@@ -9,7 +9,7 @@
 Pure file-system logic, no process groups; the collective save/load is in save_load.py.
 An iteration's folder holds either format (formats.py).
 
-    resolve_load(load, save, step)      which checkpoint --load (and --ckpt-step) means
+    resolve_load(load, step)            which checkpoint --load (and --ckpt-step) means
     publish(root, iteration)            a staged save made the tracked one
     retention_victim(previous, saved, retain_interval)
                                         the save --save-retain-interval deletes (Megatron-LM's rule)
@@ -84,20 +84,21 @@ def missing_files(path: str) -> List[str]:
     return [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
 
 
-def resolve_load(load: str, save: Optional[str] = None, step: Optional[int] = None,
-                 flag: str = "--load") -> Optional[Tuple[str, int]]:
+def resolve_load(load: str, step: Optional[int] = None, flag: str = "--load",
+                 may_be_empty: bool = False) -> Optional[Tuple[str, int]]:
     """Which checkpoint `--load LOAD` means: (folder, iteration), or None for a fresh start.
 
-    A fresh start is only allowed in the documented auto-resume case: LOAD is also the --save
-    folder and holds no published checkpoint yet (the first run of a job that resumes itself).
-    Everything else that finds no usable checkpoint raises CheckpointError.
+    MAY_BE_EMPTY (--load of a training run): a LOAD that does not exist, or holds nothing but
+    unfinished saves, is a fresh start, as in Megatron-LM (the first run of a job, or of a
+    config whose --load is a new folder). Everything else that finds no usable checkpoint raises
+    CheckpointError: a tracker naming a missing folder, an incomplete iter_NNNNNNN folder.
     LOAD may also name one checkpoint folder (iter_NNNNNNN) directly. STEP (--ckpt-step): that
     iteration's folder of LOAD, whatever the tracker names. FLAG: the flag that named LOAD, for
     the messages.
     """
-    auto_resume = save is not None and os.path.abspath(load) == os.path.abspath(save)
+    may_be_empty = may_be_empty and step is None
     if not os.path.exists(load):
-        if auto_resume and step is None:
+        if may_be_empty:
             return None
         raise CheckpointError(f"{flag} {load}: no such directory")
     if not os.path.isdir(load):
@@ -121,7 +122,7 @@ def resolve_load(load: str, save: Optional[str] = None, step: Optional[int] = No
         return published[-1][1], published[-1][0]
     partial = list_partial(load)
     unfinished = [os.path.basename(p) for _, p in list_checkpoints(load)]
-    if auto_resume and not unfinished:
+    if may_be_empty and not unfinished:
         return None
     detail = ""
     if unfinished:

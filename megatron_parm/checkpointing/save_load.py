@@ -4,7 +4,8 @@ per-rank files: torch_format.py), as the checkpoint flags say (options.py).
 
     save_checkpoint(root, iteration, model, optimizer, scheduler, consumed_samples, args, ...)
     check_save_format(args)       a --ckpt-format torch save this layout cannot write, refused early
-    find_checkpoint(load, save, step, pretrained, exit_on_missing) -> Found or None
+    find_checkpoint(load, step, pretrained, exit_on_missing) -> Found or None
+    fresh_start_line(load, save)    what a run says when --load holds nothing yet
     read_checkpoint_info(folder)  -> the saved flags and padded vocabulary, before building a model
     load_checkpoint(folder, model, optimizer, scheduler, args) -> {'iteration', ...}
     read_latest_iteration(root)
@@ -220,31 +221,41 @@ class Found(NamedTuple):
     pretrained: bool  # --pretrained-checkpoint's: loaded as with --finetune
 
 
-def find_checkpoint(load: Optional[str], save: Optional[str] = None, step: Optional[int] = None,
+def find_checkpoint(load: Optional[str], step: Optional[int] = None,
                     pretrained: Optional[str] = None, exit_on_missing: bool = False,
                     non_persistent: Optional[str] = None):
     """The checkpoint to start from: Found(folder, iteration, pretrained) or None (no --load, or
-    the documented first run of an auto-resuming job: --load equal to --save and nothing saved
-    yet). With PRETRAINED (--pretrained-checkpoint), a --load that is missing or holds nothing
-    yet is no error: PRETRAINED's checkpoint is used. STEP: --ckpt-step. EXIT_ON_MISSING
+    a --load that is missing or holds nothing yet: a fresh start, as in Megatron-LM; the caller
+    says so with fresh_start_line). With PRETRAINED (--pretrained-checkpoint), such a --load
+    means PRETRAINED's checkpoint. STEP: --ckpt-step. EXIT_ON_MISSING
     (--exit-on-missing-checkpoint): an error instead of a fresh start. NON_PERSISTENT: the
     folder of global non-persistent checkpoints, whose latest wins when it is at least as new.
     Raises CheckpointError."""
     found = None
     if load:
-        found = resolve_load(load, load if pretrained else save, step)
+        found = resolve_load(load, step, may_be_empty=True)
     newer = _tracked(non_persistent) if non_persistent and step is None else None
     if newer is not None and (found is None or newer >= found[1]):
-        found = resolve_load(non_persistent, None, None, "--non-persistent-global-ckpt-dir")
+        found = resolve_load(non_persistent, None, "--non-persistent-global-ckpt-dir")
     if found is not None:
         return Found(*found, pretrained=False)
     if pretrained:
-        return Found(*resolve_load(pretrained, None, step, "--pretrained-checkpoint"),
+        return Found(*resolve_load(pretrained, step, "--pretrained-checkpoint"),
                      pretrained=True)
     if load and exit_on_missing:
         raise CheckpointError(f"--exit-on-missing-checkpoint: --load {load} holds no "
                               f"checkpoint yet")
     return None
+
+
+def fresh_start_line(load: str, save: Optional[str]) -> str:
+    """What a run whose --load holds no checkpoint says before it starts from scratch."""
+    if save and os.path.abspath(load) == os.path.abspath(save):
+        return (f"> no checkpoint in {load} yet (it is also --save): starting from scratch, "
+                f"later runs resume from it")
+    where = "no such directory" if not os.path.exists(load) else "no checkpoint there yet"
+    return (f"warning: --load {load}: {where}: starting from scratch, as Megatron-LM does "
+            f"(--exit-on-missing-checkpoint stops instead)")
 
 
 def read_checkpoint_info(path: str) -> dict:

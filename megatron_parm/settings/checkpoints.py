@@ -146,8 +146,8 @@ def _which_flags() -> List[Flag]:
         Flag("--ckpt-step", GROUP, check=positive_int,
              help="Load this iteration of --load (instead of the one its tracker names)."),
         Flag("--exit-on-missing-checkpoint", GROUP,
-             help="Stop, with an error, where --load holds no checkpoint yet instead of "
-                  "starting from scratch (the first run of a job that resumes itself)."),
+             help="Stop, with an error, where --load does not exist or holds no checkpoint "
+                  "yet, instead of starting from scratch."),
         Flag("--use-checkpoint-args", GROUP,
              help="Take the model's flags from the --load checkpoint (Megatron-LM's list: "
                   "layers, sizes, heads, positions, experts, ...) over the command line's."),

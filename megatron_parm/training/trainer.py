@@ -44,6 +44,7 @@ from megatron_parm.checkpointing import (
     check_model_flags,
     check_save_format,
     find_checkpoint,
+    fresh_start_line,
     load_checkpoint,
     read_checkpoint_info,
     save_checkpoint,
@@ -376,13 +377,12 @@ def checkpoint_to_resume(args):
         return upcycling.source(args)  # the dense checkpoint: its model is not this run's
     if getattr(args, "checkpoint_args_note", None):  # --use-checkpoint-args
         print_rank_0(f"> {args.checkpoint_args_note}")
-    checkpoint = find_checkpoint(args.load, args.save, args.ckpt_step, args.pretrained_checkpoint,
+    checkpoint = find_checkpoint(args.load, args.ckpt_step, args.pretrained_checkpoint,
                                  args.exit_on_missing_checkpoint,
                                  non_persistent_root(args, args.load))
     if checkpoint is None:
         if args.load:
-            print_rank_0(f"> no checkpoint in {args.load} yet (it is also --save): starting "
-                         f"from scratch, later runs resume from it")
+            print_rank_0(fresh_start_line(args.load, args.save))
         return None, None
     if checkpoint.pretrained:
         print_rank_0(f"> no checkpoint in --load {args.load} yet: finetuning from "

@@ -110,16 +110,16 @@ def dense_args(args) -> argparse.Namespace:
 def source(args):
     """(the dense checkpoint (folder, iteration) in --load, its padded vocabulary); refuses a
     --save that already holds a checkpoint (upcycling is for the first run only)."""
-    from megatron_parm.checkpointing import find_checkpoint, read_checkpoint_info
+    from megatron_parm.checkpointing import read_checkpoint_info
     from megatron_parm.checkpointing.errors import CheckpointError
-    from megatron_parm.checkpointing.paths import list_checkpoints, read_tracker
+    from megatron_parm.checkpointing.paths import list_checkpoints, read_tracker, resolve_load
 
     if os.path.isdir(args.save) and (read_tracker(args.save) is not None
                                      or list_checkpoints(args.save)):
         raise CheckpointError(f"--moe-use-upcycling: --save {args.save} already holds a "
                               f"checkpoint; upcycling is for the first run only (resume without "
                               f"--moe-use-upcycling)")
-    checkpoint = find_checkpoint(args.load)
+    checkpoint = resolve_load(args.load)  # no fresh start: the dense model is the start
     info = read_checkpoint_info(checkpoint[0])
     if (info.get("args") or {}).get("num_experts"):
         raise CheckpointError(f"--moe-use-upcycling: {checkpoint[0]} already has experts "

@@ -333,7 +333,7 @@ def worker(mode: str, run_dir: str) -> None:
             data_file = sorted(Path(f"{run}/truncated/iter_0000010").glob("*.distcp"))[-1]
             os.truncate(data_file, data_file.stat().st_size // 2)
         torch.distributed.barrier()
-        for name, flags in (("nowhere", ["--load", f"{run}/does-not-exist"]),
+        for name, flags in (("nowhere", ["--load", f"{run}/does-not-exist", "--ckpt-step", "5"]),
                             ("other_shape", ["--load", f"{run}/ref", "--ffn-hidden-size", "128"]),
                             ("truncated", ["--load", f"{run}/truncated"]),
                             ("no_checkpoint", ["--load", f"{run}/ref/../empty_dir_that_exists"]),
@@ -345,7 +345,8 @@ def worker(mode: str, run_dir: str) -> None:
                             ("exit_on_missing", ["--load", f"{run}/fresh", "--save",
                                                  f"{run}/fresh", "--exit-on-missing-checkpoint"])):
             if name == "no_checkpoint" and rank == 0:
-                os.makedirs(f"{run}/empty_dir_that_exists", exist_ok=True)
+                # no tracker, only an incomplete folder: an error (an empty one is a fresh start)
+                os.makedirs(f"{run}/empty_dir_that_exists/iter_0000003", exist_ok=True)
             torch.distributed.barrier()
             try:
                 train(*L222, *flags)
@@ -619,10 +620,11 @@ def test_eval_loss_identical_in_every_layout(runs):
 def test_clear_errors_never_a_silent_fresh_start(runs):
     run, results, _, _ = runs
     errors = results["main"]["errors"]
-    assert "no such directory" in errors["nowhere"], errors
+    assert f"--load {run}/does-not-exist: no such directory" in errors["nowhere"], errors
     assert "--ffn-hidden-size" in errors["other_shape"], errors
     assert "truncated" in errors["truncated"] and ".weight" in errors["truncated"], errors
-    assert "no checkpoint found" in errors["no_checkpoint"], errors
+    assert "no checkpoint found" in errors["no_checkpoint"] and \
+        "incomplete checkpoint folders: iter_0000003" in errors["no_checkpoint"], errors
     assert f"--ckpt-format torch: {run}/ref/iter_0000010 holds a torch_dist checkpoint; give " \
            f"--auto-detect-ckpt-format" in errors["torch_needs_detect"], errors
     assert f"--ckpt-format torch: {run}/stop/iter_0000005 loads only at the layout it was saved " \

@@ -40,6 +40,7 @@ def launch(name: str, run: Path) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", "4", "--master-addr",
          "127.0.0.1", "--master-port", str(free_port()), SCRIPTS[name],
          "--config", f"configs/megatron_lm/{name}.yaml", "--save", str(run / "checkpoints"),
+         "--load", str(run / "load"),  # a new folder, as Megatron-LM's functional tests pass
          "--tensorboard-dir", str(run / "tensorboard")],
         cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
@@ -78,6 +79,15 @@ def test_flags_without_effect_are_said_once(runs, name, expected):
     notes = [line for line in output.splitlines() if "note: no effect here:" in line]
     assert len(notes) == 1, notes
     assert all(flag in notes[0] for flag in expected), notes[0]
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_a_load_folder_with_nothing_yet_starts_from_scratch_with_a_warning(runs, name):
+    run, output = runs[name]
+    warning = (f"warning: --load {run}/load: no such directory: starting from scratch, as "
+               f"Megatron-LM does (--exit-on-missing-checkpoint stops instead)")
+    assert output.count(warning) == 1, output[-4000:]
+    assert not (run / "load").exists()  # nothing written there: it is not --save
 
 
 def test_the_logging_flags_show_in_the_iteration_lines(runs):

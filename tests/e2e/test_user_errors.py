@@ -282,8 +282,9 @@ def launch(*args, timeout=300, marker: str = "") -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("flags,message", [
     (["--moe-token-dispatcher-type", "foo"],                   # before any process group
      "error: argument --moe-token-dispatcher-type: invalid choice: 'foo'"),
-    (["--load", "/nonexistent/checkpoints"],                   # after the process groups exist
-     "error: --load /nonexistent/checkpoints: no such directory"),
+    (["--load", "/nonexistent/checkpoints", "--exit-on-missing-checkpoint"],  # after the
+     "error: --exit-on-missing-checkpoint: --load /nonexistent/checkpoints holds no "  # process
+     "checkpoint yet"),                                                         # groups exist
 ])
 def test_launch_reports_a_mistake_once_with_status_2(flags, message, prepared_data):
     proc = launch(*TINY, *flags)

@@ -23,20 +23,24 @@ def fake_checkpoint(path):
         open(os.path.join(path, name), "w").close()
 
 
-def test_missing_load_is_an_error_unless_it_is_the_save_folder(tmp_path):
-    with pytest.raises(CheckpointError, match="no such directory"):
-        resolve_load(str(tmp_path / "nowhere"))
-    with pytest.raises(CheckpointError, match="no such directory"):
-        resolve_load(str(tmp_path / "nowhere"), save=str(tmp_path / "elsewhere"))
-    # The documented auto-resume case: --load == --save, nothing saved yet.
-    assert resolve_load(str(tmp_path / "run"), save=str(tmp_path / "run")) is None
-    os.makedirs(tmp_path / "run")
-    assert resolve_load(str(tmp_path / "run"), save=str(tmp_path / "run")) is None
+def test_a_load_with_nothing_yet_is_a_fresh_start_as_in_megatron_lm(tmp_path):
+    from megatron_parm.checkpointing.save_load import fresh_start_line
 
-
-def test_empty_folder_is_an_error_without_auto_resume(tmp_path):
+    # A training run's --load (may_be_empty): missing or empty means starting from scratch.
+    for folder in (tmp_path / "nowhere", tmp_path):
+        assert resolve_load(str(folder), may_be_empty=True) is None
+    # Where a checkpoint must be there (a tool's input, --pretrained-checkpoint): an error.
+    with pytest.raises(CheckpointError, match="nowhere: no such directory"):
+        resolve_load(str(tmp_path / "nowhere"), flag="--pretrained-checkpoint")
     with pytest.raises(CheckpointError, match="no checkpoint found"):
         resolve_load(str(tmp_path))
+    # What the run says: the auto-resume case (--load is --save) is the expected first start.
+    assert fresh_start_line(str(tmp_path), str(tmp_path)).startswith(
+        f"> no checkpoint in {tmp_path} yet (it is also --save): starting from scratch")
+    assert fresh_start_line(str(tmp_path / "nowhere"), None) == (
+        f"warning: --load {tmp_path}/nowhere: no such directory: starting from scratch, as "
+        f"Megatron-LM does (--exit-on-missing-checkpoint stops instead)")
+    assert ": no checkpoint there yet: " in fresh_start_line(str(tmp_path), str(tmp_path / "s"))
 
 
 def test_tracker_names_the_checkpoint(tmp_path):
@@ -50,22 +54,22 @@ def test_tracker_names_the_checkpoint(tmp_path):
 def test_corrupted_tracker_or_missing_folder_is_an_error(tmp_path):
     (tmp_path / TRACKER_FILE).write_text("garbage")
     with pytest.raises(CheckpointError, match="corrupted tracker"):
-        resolve_load(str(tmp_path), save=str(tmp_path))
+        resolve_load(str(tmp_path), may_be_empty=True)
     (tmp_path / TRACKER_FILE).write_text("7")
     with pytest.raises(CheckpointError, match="iter_0000007 does not exist"):
-        resolve_load(str(tmp_path), save=str(tmp_path))
+        resolve_load(str(tmp_path), may_be_empty=True)
 
 
 def test_partial_saves_are_never_loaded(tmp_path):
     fake_checkpoint(partial_dir(str(tmp_path), 4))
-    # Only an unfinished save: with auto-resume a fresh start, otherwise an error naming it.
-    assert resolve_load(str(tmp_path), save=str(tmp_path)) is None
+    # Only an unfinished save: a training run starts fresh, a tool's input is an error naming it.
+    assert resolve_load(str(tmp_path), may_be_empty=True) is None
     with pytest.raises(CheckpointError, match=r"iter_0000004\.partial"):
         resolve_load(str(tmp_path))
-    # A folder without its index files is incomplete: an error, even with auto-resume.
+    # A folder without its index files is incomplete: an error, even for a training run.
     os.makedirs(checkpoint_dir(str(tmp_path), 2))
     with pytest.raises(CheckpointError, match="incomplete checkpoint folders: iter_0000002"):
-        resolve_load(str(tmp_path), save=str(tmp_path))
+        resolve_load(str(tmp_path), may_be_empty=True)
 
 
 def test_published_checkpoint_without_tracker_is_found(tmp_path):
@@ -159,7 +163,7 @@ def test_ckpt_step_loads_that_iteration_or_names_what_there_is(tmp_path):
     with pytest.raises(CheckpointError, match="--ckpt-step 5: --load .* names one checkpoint"):
         resolve_load(checkpoint_dir(root, 10), step=5)
     with pytest.raises(CheckpointError, match="no such directory"):  # not a fresh start
-        resolve_load(str(tmp_path / "run"), save=str(tmp_path / "run"), step=5)
+        resolve_load(str(tmp_path / "run"), step=5, may_be_empty=True)
 
 
 def test_retention_keeps_every_nth_and_the_latest():
@@ -196,26 +200,26 @@ def test_which_checkpoint_pretrained_non_persistent_and_missing(tmp_path):
     run, base, fresh = str(tmp_path / "run"), str(tmp_path / "base"), str(tmp_path / "fresh")
     fake_checkpoint(checkpoint_dir(base, 8))
     # --pretrained-checkpoint: used while --load holds nothing (missing or empty), as finetuning
-    assert find_checkpoint(run, run, pretrained=base) == (checkpoint_dir(base, 8), 8, True)
-    assert find_checkpoint(None, None, pretrained=base).pretrained
+    assert find_checkpoint(run, pretrained=base) == (checkpoint_dir(base, 8), 8, True)
+    assert find_checkpoint(None, pretrained=base).pretrained
     fake_checkpoint(checkpoint_dir(run, 2))
-    assert find_checkpoint(run, run, pretrained=base) == (checkpoint_dir(run, 2), 2, False)
+    assert find_checkpoint(run, pretrained=base) == (checkpoint_dir(run, 2), 2, False)
     with pytest.raises(CheckpointError, match="--pretrained-checkpoint .*nowhere: no such"):
-        find_checkpoint(fresh, fresh, pretrained=str(tmp_path / "nowhere"))
-    # --exit-on-missing-checkpoint: the auto-resume's fresh start becomes an error
-    assert find_checkpoint(fresh, fresh) is None
+        find_checkpoint(fresh, pretrained=str(tmp_path / "nowhere"))
+    # --exit-on-missing-checkpoint: the fresh start becomes an error
+    assert find_checkpoint(fresh) is None
     with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint: --load .*fresh "
                                               "holds no checkpoint yet"):
-        find_checkpoint(fresh, fresh, exit_on_missing=True)
+        find_checkpoint(fresh, exit_on_missing=True)
     # a non-persistent folder's latest wins when it is at least as new (not with --ckpt-step)
     spare = os.path.join(run, "non_persistent")
     fake_checkpoint(checkpoint_dir(spare, 3))
     (tmp_path / "run" / "non_persistent" / TRACKER_FILE).write_text("3")
-    assert find_checkpoint(run, run, non_persistent=spare) == (checkpoint_dir(spare, 3), 3, False)
-    assert find_checkpoint(run, run, step=2, non_persistent=spare)[1] == 2
+    assert find_checkpoint(run, non_persistent=spare) == (checkpoint_dir(spare, 3), 3, False)
+    assert find_checkpoint(run, step=2, non_persistent=spare)[1] == 2
     fake_checkpoint(checkpoint_dir(run, 4))
-    assert find_checkpoint(run, run, non_persistent=spare)[1] == 4
-    assert find_checkpoint(fresh, fresh, non_persistent=spare)[1] == 3
+    assert find_checkpoint(run, non_persistent=spare)[1] == 4
+    assert find_checkpoint(fresh, non_persistent=spare)[1] == 3
 
 
 def test_save_intervals_and_the_non_persistent_folder():
