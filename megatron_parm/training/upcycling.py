@@ -113,16 +113,18 @@ def source(args):
     from megatron_parm.checkpointing import read_checkpoint_info
     from megatron_parm.checkpointing.errors import CheckpointError
     from megatron_parm.checkpointing.paths import list_checkpoints, read_tracker, resolve_load
+    from megatron_parm.checkpointing.save_load import Found
 
     if os.path.isdir(args.save) and (read_tracker(args.save) is not None
                                      or list_checkpoints(args.save)):
         raise CheckpointError(f"--moe-use-upcycling: --save {args.save} already holds a "
                               f"checkpoint; upcycling is for the first run only (resume without "
                               f"--moe-use-upcycling)")
-    checkpoint = resolve_load(args.load)  # no fresh start: the dense model is the start
-    info = read_checkpoint_info(checkpoint[0])
+    # no fresh start: the dense model is where the run starts
+    checkpoint = Found(*resolve_load(args.load), pretrained=False)
+    info = read_checkpoint_info(checkpoint.path)
     if (info.get("args") or {}).get("num_experts"):
-        raise CheckpointError(f"--moe-use-upcycling: {checkpoint[0]} already has experts "
+        raise CheckpointError(f"--moe-use-upcycling: {checkpoint.path} already has experts "
                               f"(--num-experts {info['args']['num_experts']}); upcycling starts "
                               f"from a dense checkpoint")
     return checkpoint, (info.get("model_info") or {}).get("padded_vocab_size")
@@ -144,7 +146,7 @@ def upcycle(checkpoint, model, optimizer, scheduler, args):
     first = model_chunks(model)[0]
     dense_flags = dense_args(args)
     dense = build_model_chunks(dense_flags, first.tokenizer_vocab_size, first.vocab_size)
-    load_checkpoint(checkpoint[0], dense, None, None, dense_flags)
+    load_checkpoint(checkpoint.path, dense, None, None, dense_flags)
     for chunk, dense_chunk in zip(model_chunks(model), model_chunks(dense)):
         chunk.load_state_dict(upcycle_state_dict([chunk], [dense_chunk])["model"])
     del dense

@@ -160,7 +160,11 @@ DIST = ["--use-distributed-optimizer"]
 FULLY = DIST + ["--dist-ckpt-optim-fully-reshardable"]
 # Every run: iterations 1-4, dropout on, a checkpoint every 2.
 DIST_RUN = ["--train-iters", "4", "--save-interval", "2", "--eval-iters", "0"]
-DISPATCHERS = ("alltoall", "parm_s1", "parm_s2", "parm_hier", "parm")
+# Each dispatcher resumes once, at (2,2,2) dp-reshardable or at (1,4,1) fully reshardable;
+# the pp=2 runs of the 8-rank launch take parm_s2 and parm to the other layout.
+DP_RESHARDABLE, FULLY_RESHARDABLE = ((2, 2, 2), DIST), ((1, 4, 1), FULLY)
+DISPATCHERS = {"alltoall": DP_RESHARDABLE, "parm_s1": FULLY_RESHARDABLE,
+               "parm_s2": FULLY_RESHARDABLE, "parm_hier": DP_RESHARDABLE, "parm": DP_RESHARDABLE}
 MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
 # alltoall at (2,2,2) saves Megatron-LM's per-rank files, distrib_optim.pt included
 TORCH_FORMAT = ["--ckpt-format", "torch"]
@@ -196,16 +200,14 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
     """The distributed optimizer's runs (see test_distopt_*); returns the results."""
     results = {}
     if mode == "distopt":  # 4 ranks
-        for dispatcher in DISPATCHERS:  # dp-reshardable at (2,2,2), fully reshardable (1,4,1)
-            for (tp, ep, etp), optim in (((2, 2, 2), DIST), ((1, 4, 1), FULLY)):
-                flags = [*layout_flags(tp, ep, etp, dispatcher), *dispatcher_flags(dispatcher),
-                         *optim, *DIST_RUN, *(TORCH_FORMAT if (dispatcher, optim) ==
-                                              ("alltoall", DIST) else [])]
-                name = f"{tp},{ep},{etp} {dispatcher}"
-                saved = f"{run}/dist {name.replace(' ', '_')}"
-                results[f"{name} reference"] = train(*flags, "--save", saved)["losses"]
-                results[f"{name} resumed"] = train(*flags, "--load", f"{saved}/iter_0000002",
-                                                   "--save", f"{saved}-resumed")["losses"]
+        for dispatcher, ((tp, ep, etp), optim) in DISPATCHERS.items():
+            flags = [*layout_flags(tp, ep, etp, dispatcher), *dispatcher_flags(dispatcher),
+                     *optim, *DIST_RUN, *(TORCH_FORMAT if dispatcher == "alltoall" else [])]
+            name = f"{tp},{ep},{etp} {dispatcher}"
+            saved = f"{run}/dist {name.replace(' ', '_')}"
+            results[f"{name} reference"] = train(*flags, "--save", saved)["losses"]
+            results[f"{name} resumed"] = train(*flags, "--load", f"{saved}/iter_0000002",
+                                               "--save", f"{saved}-resumed")["losses"]
         # dp=2 (2,1,2), saved dp-reshardable, for the narrow and wide launches; and fully
         # reshardable, resumed at (4,1,4) and at (1,4,1) without the distributed optimizer
         # (without dropout: these compare losses across layouts)
@@ -877,12 +879,12 @@ def _snapshot(folder: Path) -> dict:
 
 
 def test_distopt_resume_is_bitwise_for_every_dispatcher(distopt_runs):
-    """Each dispatcher at (2,2,2) (dp-reshardable) and (1,4,1) (fully reshardable), and with
+    """Each dispatcher at (2,2,2) (dp-reshardable) or (1,4,1) (fully reshardable), and with
     pp=2 on 8 ranks: the resumed iterations 3-4 print the uninterrupted run's losses."""
     _, results, _, _ = distopt_runs
     runs = {**results["distopt"], **results["distopt_wide"]}
     names = [key[:-len(" reference")] for key in runs if key.endswith(" reference")]
-    assert len(names) == 2 * len(DISPATCHERS) + 2, names
+    assert len(names) == len(DISPATCHERS) + 2, names
     for name in names:
         reference = runs[f"{name} reference"]
         assert len(reference) == 4 and runs[f"{name} resumed"] == reference[2:], (name, runs)
@@ -900,7 +902,7 @@ def test_finished_runs_leave_no_threads_behind(distopt_runs):
     midway through this launch). parm_hier's node groups are kept on purpose."""
     _, results, _, _ = distopt_runs
     threads = results["distopt"]["threads"]
-    assert len(threads) > 20 and max(threads) - threads[0] < 30, threads
+    assert len(threads) > 12 and max(threads) - threads[0] < 30, threads
 
 
 def test_distopt_loads_at_another_data_parallel_size_and_layout(distopt_runs):
