@@ -124,19 +124,31 @@ def _int(pairs: Dict[str, object], flag: str, default: Optional[int] = None) -> 
 
 def _layout(pairs: Dict[str, object]) -> Dict[str, int]:
     """The parallel sizes, cut down to at most MAX_RANKS ranks: tp, pp, cp <= 2, ep <= 8 and
-    at most what the world allows; the data-parallel size the smallest that holds ep x etp."""
+    at most what the world allows; the data-parallel size the smallest that holds ep x etp
+    and whose dense and expert data-parallel sizes --num-distributed-optimizer-instances
+    divides (as Megatron-Core requires)."""
     tp = min(_int(pairs, "--tensor-model-parallel-size", 1), 2)
     pp = min(_int(pairs, "--pipeline-model-parallel-size", 1), 2)
     cp = min(_int(pairs, "--context-parallel-size", 1), 2)
     etp = pairs.get("--expert-tensor-parallel-size")
     etp = tp if etp is None else min(int(etp), tp)
     ep = _int(pairs, "--expert-model-parallel-size", 1)
+    instances = _int(pairs, "--num-distributed-optimizer-instances", 1)
+
+    def fits(dp: int) -> bool:
+        dense = tp * cp * dp
+        return dense % (ep * etp) == 0 and dp % instances == 0 and \
+            (dense // (ep * etp)) % instances == 0
+
     while True:
         dp = 1
-        while (tp * cp * dp) % (ep * etp) and tp * cp * dp * pp * 2 <= MAX_RANKS:
+        while not fits(dp) and tp * cp * dp * pp * 2 <= MAX_RANKS:
             dp *= 2
-        if (tp * cp * dp) % (ep * etp) == 0 and tp * cp * dp * pp <= MAX_RANKS:
+        if fits(dp) and tp * cp * dp * pp <= MAX_RANKS:
             return dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, world=tp * cp * dp * pp)
+        if ep == 1:
+            raise ValueError(f"no layout of at most {MAX_RANKS} ranks fits "
+                             f"--num-distributed-optimizer-instances {instances}")
         ep //= 2
 
 

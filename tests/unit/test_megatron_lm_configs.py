@@ -130,3 +130,14 @@ def test_the_refusal_line_and_the_loss_comparison(tool):
     assert tool.compare([1.0, 2.0], [1.0, 2.001], bf16=False)[1] is False
     assert tool.compare([1.0], [1.0, 2.0], bf16=False)[1] is False
     assert tool.compare([10.0], [10.05], bf16=True)[1] is True
+
+
+def test_the_layout_leaves_every_optimizer_instance_a_data_parallel_group(tool):
+    """Megatron-Core splits the dense and the expert data-parallel groups into
+    --num-distributed-optimizer-instances parts: at tp 2, ep 2 that takes 8 ranks, not 4."""
+    flags = {"--tensor-model-parallel-size": "2", "--expert-model-parallel-size": "2"}
+    assert tool._layout(flags)["world"] == 4
+    layout = tool._layout({**flags, "--num-distributed-optimizer-instances": "2"})
+    assert (layout["world"], layout["dp"]) == (8, 4)
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances 16"):
+        tool._layout({**flags, "--num-distributed-optimizer-instances": "16"})
