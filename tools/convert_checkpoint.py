@@ -112,12 +112,12 @@ def main(argv=None) -> int:
     if len(modes) != 1:
         raise ValueError(f"give exactly one of --to-single-file, --from-single-file, --from-hf, "
                          f"--to-hf, --upcycle, --target-*-size (got {', '.join(modes) or 'none'})")
+    if args.mtp_num_layers and not args.from_hf:
+        raise ValueError("--mtp-num-layers goes with --from-hf (a DeepSeek-V3 model's MTP layers)")
     if args.to_single_file:
         return to_single_file(resolve_source(args.load), args.to_single_file)
     if args.to_hf:
         return to_hf(resolve_source(args.load), args)
-    if args.mtp_num_layers and not args.from_hf:
-        raise ValueError("--mtp-num-layers goes with --from-hf (a DeepSeek-V3 model's MTP layers)")
     if not args.save:
         raise ValueError("--save is required")
     if args.from_single_file:
