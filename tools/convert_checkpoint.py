@@ -15,9 +15,10 @@ Upcycle a dense GPT checkpoint (this trainer without --num-experts) to MoE:
 
 From and to Hugging Face (a local directory: config.json and model.safetensors, its shards
 with model.safetensors.index.json, or pytorch_model.bin; nothing is downloaded). --from-hf
-imports Mixtral, Qwen2-MoE, Qwen3-MoE, dense Llama or GPT-2 (in the --target-* layout when
-given) and writes the model's flags as CKPT/config.yaml, for training with --config; --to-hf
-exports a Mixtral-, Qwen2-MoE- or Qwen3-MoE-shaped checkpoint (saved in any layout):
+imports Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3 (its MTP layers with
+--mtp-num-layers), dense Llama or GPT-2 (in the --target-* layout when given) and writes the
+model's flags as CKPT/config.yaml, for training with --config; --to-hf exports a Mixtral-,
+Qwen2-MoE-, Qwen3-MoE- or DeepSeek-shaped checkpoint (saved in any layout):
     python tools/convert_checkpoint.py --from-hf ~/models/Qwen3-30B-A3B --save runs/q3/ckpt
     python tools/convert_checkpoint.py --to-hf runs/q3/hf --load runs/q3/ckpt
 --load also takes a dense Hugging Face directory (GPT-2, Llama) in place of a checkpoint for
