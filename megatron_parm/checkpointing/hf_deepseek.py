@@ -76,11 +76,15 @@ from megatron_parm.checkpointing.hf_llama import (
     FAMILIES,
     HFTensors,
     _rope_theta,
+    config_keys,
     export_vocab,
     family_of,
     imported_common,
+    outer_tensors,
     padded_rows,
     padded_vocab,
+    require_flags,
+    tokenizer_flags,
     write_hf,
 )
 from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -211,7 +215,7 @@ def hf_flags(config: dict, family, path: str, mtp_num_layers: Optional[int] = No
     """The trainer's flags of the DeepSeek model CONFIG describes (refusing what it cannot
     compute); MTP_NUM_LAYERS: the MTP layers to import with it (--mtp-num-layers)."""
     where = os.path.join(path, "config.json")
-    try:
+    with config_keys(where, family.architecture):
         _refuse_unsupported(config, where)
         layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace") or 0
         shared = config.get("n_shared_experts") or 0
@@ -249,24 +253,16 @@ def hf_flags(config: dict, family, path: str, mtp_num_layers: Optional[int] = No
                                       f"(first_k_dense_replace={dense}), which the MTP "
                                       f"layer's kind follows")
             flags["mtp_num_layers"] = mtp_num_layers
-    except KeyError as err:
-        raise CheckpointError(f"{where}: {err.args[0]} missing (a {family.architecture} "
-                              f"config needs it)") from None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(path))
-    return flags
+    return {**flags, **tokenizer_flags(path)}
 
 
 def export_architecture(flags: dict) -> str:
     """V3 or V2, the architecture whose model FLAGS (an MLA checkpoint's) describe."""
-    required = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-                "disable_bias_linear": True, "rotary_percent": 1.0, "model_type": "gpt",
-                "qk_layernorm": True, "rotary_interleaved": False, "add_qkv_bias": False,
-                "moe_shared_expert_gate": False}
-    for key, wanted in required.items():
-        if flags.get(key, wanted) != wanted:
-            raise CheckpointError(f"--to-hf: the checkpoint has --{key.replace('_', '-')} "
-                                  f"{flags.get(key)!r}; DeepSeek-V2/V3 need {wanted!r}")
+    require_flags(flags, {
+        "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+        "disable_bias_linear": True, "rotary_percent": 1.0, "model_type": "gpt",
+        "qk_layernorm": True, "rotary_interleaved": False, "add_qkv_bias": False,
+        "moe_shared_expert_gate": False}, "DeepSeek-V2/V3")
     if not flags.get("num_experts"):
         raise CheckpointError("--to-hf: the checkpoint has multi-latent attention and no "
                               "--num-experts; DeepSeek-V2/V3 are MoE models")
@@ -452,11 +448,7 @@ def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DI
     hf = HFTensors(path, _shapes(flags, vocab), f"{layers} layers of {family.architecture}"
                    + (f" and {mtp_num_layers} MTP layers" if mtp_num_layers else ""))
     padded = padded_vocab(flags, vocab, make_vocab_size_divisible_by)
-    tensors = {"embedding.word_embeddings.weight": padded_rows(hf.take("embed_tokens.weight"),
-                                                               padded),
-               "decoder.final_layernorm.weight": hf.take("norm.weight")}
-    if flags["untie_embeddings_and_output_weights"]:
-        tensors["output_layer.weight"] = padded_rows(hf.take("lm_head.weight"), padded)
+    tensors = outer_tensors(hf, flags, padded)
     for prefix, layer, moe in _layers(flags):
         stacked: Dict[str, list] = {}
         for ours, names, expert in layer_table(flags, moe):

@@ -40,6 +40,7 @@ only with norm_topk_prob, otherwise they are Megatron's --moe-router-pre-softmax
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -135,7 +136,7 @@ def hf_flags(config: dict, family: Family, path: str) -> dict:
     """The trainer's flags of the model CONFIG describes (refusing what it cannot compute)."""
     where = os.path.join(path, "config.json")
     _refuse_unsupported(config, family, where)
-    try:
+    with config_keys(where, family.architecture):
         heads, hidden = config["num_attention_heads"], config["hidden_size"]
         groups = config.get("num_key_value_heads") or heads
         flags = dict(
@@ -168,26 +169,42 @@ def hf_flags(config: dict, family: Family, path: str) -> dict:
             if family.shared_expert:
                 flags.update(moe_shared_expert_intermediate_size=config[
                     "shared_expert_intermediate_size"], moe_shared_expert_gate=True)
+    return {**flags, **tokenizer_flags(path)}
+
+
+@contextlib.contextmanager
+def config_keys(where: str, architecture: str):
+    """A config.json key missing in the block is one CheckpointError naming it."""
+    try:
+        yield
     except KeyError as err:
-        raise CheckpointError(f"{where}: {err.args[0]} missing (a {family.architecture} "
-                              f"config needs it)") from None
+        raise CheckpointError(f"{where}: {err.args[0]} missing (a {architecture} config needs "
+                              f"it)") from None
+
+
+def tokenizer_flags(path: str) -> dict:
+    """The tokenizer flags of a directory with a tokenizer.json (none without)."""
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(path))
-    return flags
+        return dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(path))
+    return {}
+
+
+def require_flags(flags: dict, required: dict, families: str) -> None:
+    """One CheckpointError for the first flag of REQUIRED ({key: value}) FLAGS set otherwise."""
+    for key, wanted in required.items():
+        if flags.get(key, wanted) != wanted:
+            raise CheckpointError(f"--to-hf: the checkpoint has --{key.replace('_', '-')} "
+                                  f"{flags.get(key)!r}; {families} need {wanted!r}")
 
 
 def export_family(flags: dict) -> Family:
     """The exportable family whose architecture FLAGS (a checkpoint's) describe."""
-    required = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-                "disable_bias_linear": True, "rotary_percent": 1.0, "moe_layer_freq": 1,
-                "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-                "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
-                "model_type": "gpt"}
-    for key, wanted in required.items():
-        if flags.get(key, wanted) != wanted:
-            raise CheckpointError(f"--to-hf: the checkpoint has --{key.replace('_', '-')} "
-                                  f"{flags.get(key)!r}; Mixtral, Qwen2-MoE and Qwen3-MoE need "
-                                  f"{wanted!r}")
+    require_flags(flags, {
+        "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+        "disable_bias_linear": True, "rotary_percent": 1.0, "moe_layer_freq": 1,
+        "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+        "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
+        "model_type": "gpt"}, "Mixtral, Qwen2-MoE and Qwen3-MoE")
     if not flags.get("num_experts"):
         raise CheckpointError("--to-hf: the checkpoint is dense (no --num-experts); it exports "
                               "Mixtral, Qwen2-MoE and Qwen3-MoE models")
@@ -398,6 +415,16 @@ def padded_rows(tensor: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], tensor.shape[1])])
 
 
+def outer_tensors(hf: HFTensors, flags: dict, padded: int) -> Dict[str, torch.Tensor]:
+    """The embedding, the final norm and (untied) the output layer, their vocabulary PADDED."""
+    tensors = {"embedding.word_embeddings.weight": padded_rows(hf.take("embed_tokens.weight"),
+                                                               padded),
+               "decoder.final_layernorm.weight": hf.take("norm.weight")}
+    if flags["untie_embeddings_and_output_weights"]:
+        tensors["output_layer.weight"] = padded_rows(hf.take("lm_head.weight"), padded)
+    return tensors
+
+
 def imported_common(flags: dict, padded: int, vocab: int, path: str, architecture: str) -> dict:
     """The common state of a checkpoint imported from the Hugging Face directory PATH."""
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
@@ -418,11 +445,7 @@ def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DI
     hf = HFTensors(path, _shapes(flags, family, vocab), f"{layers} layers of "
                    f"{family.architecture}")
     padded = padded_vocab(flags, vocab, make_vocab_size_divisible_by)
-    tensors = {"embedding.word_embeddings.weight": padded_rows(hf.take("embed_tokens.weight"),
-                                                               padded),
-               "decoder.final_layernorm.weight": hf.take("norm.weight")}
-    if flags["untie_embeddings_and_output_weights"]:
-        tensors["output_layer.weight"] = padded_rows(hf.take("lm_head.weight"), padded)
+    tensors = outer_tensors(hf, flags, padded)
     per_layer: Dict[str, list] = {}
     for layer in range(layers):
         for key, names, expert in _layer_table(family, flags):
