@@ -349,6 +349,7 @@ def _first_shard(folder: Path) -> Path:
     ("shape", "has shape (8, 64); config.json gives (6, 64)"),
     ("layout", "--target-expert-parallel-size"),
     ("rope scaling", "rope_type={'rope_type': 'yarn'"),
+    ("mtp layers", "--mtp-num-layers: MixtralForCausalLM has no MTP layers to import"),
 ])
 def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected):
     folder = _copy(hf_models["mixtral"], tmp_path / "hf")
@@ -365,6 +366,8 @@ def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected)
     elif case == "rope scaling":
         _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                               "rope_theta": 1e6})
+    elif case == "mtp layers":
+        extra = ["--mtp-num-layers", "1"]
     else:
         extra = ["--target-expert-parallel-size", "3", "--target-tensor-parallel-size", "1"]
     proc = convert("--from-hf", folder, "--save", tmp_path / "out", *extra)

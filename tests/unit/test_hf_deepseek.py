@@ -1,8 +1,11 @@
 """DeepSeek-V2/V3 config.json <-> the trainer's flags (checkpointing/hf_deepseek.py), in one
 process: the mapping both ways, and each config Megatron-Core would compute differently refused
-in one message naming the field. The weights and logits: tests/e2e/test_hf_moe.py."""
+in one message naming the field; the MTP layer imported only when asked for. The logits and
+the round trips: tests/e2e/test_hf_moe.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +105,46 @@ def test_export_of_a_model_deepseek_cannot_hold_is_refused(change, expected):
     flags = {**flags_of(V3), "rotary_interleaved": False, **change}
     with pytest.raises(CheckpointError, match=f"--to-hf: the checkpoint('s| has) {expected}"):
         hf_deepseek.export_architecture(flags)
+
+
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory):
+    """tools/tiny_hf_model.py's DeepSeek-V3, with its MTP layer (model.layers.3)."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from launch import REPO
+
+    spec = importlib.util.spec_from_file_location("tiny_hf_model",
+                                                  REPO / "tools" / "tiny_hf_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.write("deepseek_v3", str(tmp_path_factory.mktemp("hf") / "deepseek_v3"))
+
+
+def test_the_mtp_layer_is_left_out_unless_asked_for(tiny_v3):
+    without = hf_deepseek.hf_to_full(tiny_v3)
+    assert without.common["converted_from"]["mtp_layers_left_out"] == 1
+    assert not any(key.startswith("mtp.") for key in without.tensors)
+    assert "mtp_num_layers" not in without.common["args"]
+    with_mtp = hf_deepseek.hf_to_full(tiny_v3, mtp_num_layers=1)
+    assert "mtp_layers_left_out" not in with_mtp.common["converted_from"]
+    mtp = {key for key in with_mtp.tensors if key.startswith("mtp.layers.0.")}
+    assert set(with_mtp.tensors) - mtp == set(without.tensors)
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.mlp.router.expert_bias"} <= mtp
+    assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in with_mtp.objects
+
+
+def test_an_mtp_layer_with_its_own_embedding_is_refused(tiny_v3, tmp_path):
+    from megatron_parm.checkpointing import hf_files
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text((Path(tiny_v3) / "config.json").read_text())
+    weights = hf_files.read_weights(tiny_v3)
+    weights["model.layers.3.embed_tokens.weight"] = weights["model.layers.3.embed_tokens.weight"] * 2
+    hf_files.write_weights(str(folder), weights, 1 << 30)
+    with pytest.raises(CheckpointError, match="model.layers.3.embed_tokens.weight differs from "
+                                              "the model's own"):
+        hf_deepseek.hf_to_full(str(folder), mtp_num_layers=1)
