@@ -230,6 +230,11 @@ def tensor_checksums(tensors: Dict[str, torch.Tensor],
     return sums
 
 
+def slice_name(key: str, layer: int, expert: int) -> str:
+    """How an error or a listing names one [layer, expert] slice of the expert tensor KEY."""
+    return f"expert {expert}" if _ONE_LAYER.search(key) else f"layer {layer} expert {expert}"
+
+
 def count_experts(sums: Dict[str, dict]) -> int:
     """Number of [layer, expert] slices over all expert tensors."""
     return sum(len(row) for info in sums.values() for row in info.get("experts", []))
@@ -251,7 +256,7 @@ def compare_checksums(expected: Dict[str, dict], actual: Dict[str, dict],
                             f"{want['dtype']}{tuple(want['shape'])} (truncated or reshaped)")
             continue
         if got["crc32"] != want["crc32"]:
-            bad = [f"layer {l} expert {e}" for l, row in enumerate(want.get("experts", []))
+            bad = [slice_name(key, l, e) for l, row in enumerate(want.get("experts", []))
                    for e, value in enumerate(row) if got["experts"][l][e] != value]
             problems.append(f"{key}: checksum differs" + (f" ({', '.join(bad[:6])})" if bad else ""))
     for key in actual:

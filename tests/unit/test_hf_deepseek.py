@@ -148,3 +148,18 @@ def test_an_mtp_layer_with_its_own_embedding_is_refused(tiny_v3, tmp_path):
     with pytest.raises(CheckpointError, match="model.layers.3.embed_tokens.weight differs from "
                                               "the model's own"):
         hf_deepseek.hf_to_full(str(folder), mtp_num_layers=1)
+
+
+def test_an_expert_tensor_saved_per_layer_is_checked_expert_by_expert():
+    """A model whose layers differ (an import's --moe-layer-freq list) saves each layer's experts
+    as one [E, ...] tensor: the conversions' checksums take its first axis as the experts."""
+    from megatron_parm.checkpointing.verify import compare_checksums, count_experts, tensor_checksums
+
+    key = "decoder.layers.2.mlp.experts.experts.linear_fc1.weight"
+    experts = torch.randn(4, 6, 5)
+    sums = tensor_checksums({key: experts})
+    assert count_experts(sums) == 4
+    changed = experts.clone()
+    changed[3, 0, 0] += 1
+    assert compare_checksums(sums, tensor_checksums({key: changed})) == [
+        f"{key}: checksum differs (expert 3)"]
