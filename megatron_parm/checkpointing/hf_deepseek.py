@@ -43,7 +43,9 @@ fc1 is [gate; up] as in hf_llama. Rotary positions: DeepSeek rotates the qk_rope
 channels in interleaved pairs (2i, 2i+1) at frequency i (V2's complex product; V3 with
 rope_interleave true); Megatron-Core's MLA takes the even channels, then the odd ones, and
 rotates the halves: the same pairs, so the weights carry over unchanged and
---rotary-interleaved stays off. YaRN (rope_type yarn): factor -> --rotary-scaling-factor,
+--rotary-interleaved stays off. A V3 with rope_interleave false rotates channel i with
+i + d/2: its rotary rows of q_b_proj (q_proj) and kv_a_proj_with_mqa are interleaved at import
+(interleaved_rope_rows), and the export is rope_interleave true. YaRN (rope_type yarn): factor -> --rotary-scaling-factor,
 mscale and mscale_all_dim -> --mscale, --mscale-all-dim (both scale the cosines and sines by
 their ratio; mscale_all_dim also the softmax), original_max_position_embeddings, beta_fast and
 beta_slow must be Megatron-Core's fixed 4096, 32 and 1 (no Megatron-LM flag sets them).
@@ -201,9 +203,6 @@ def _refuse_unsupported(config: dict, where: str) -> None:
          f"multi-latent attention has a key and value per head ({heads})"),
         ("moe_layer_freq", config.get("moe_layer_freq", 1) != 1,
          "transformers makes every layer from first_k_dense_replace on MoE"),
-        ("rope_interleave", config.get("rope_interleave", True) is not True,
-         "Megatron-Core's multi-latent attention rotates interleaved pairs; non-interleaved "
-         "rotary channels are not converted"),
         ("n_routed_experts", not config.get("n_routed_experts"), "a DeepSeek model here is MoE"),
     )
     for key, bad, why in problems:
@@ -410,6 +409,26 @@ def _shapes(flags: dict, vocab: int) -> Dict[str, tuple]:
     return shapes
 
 
+# The projections whose output rows hold rotary channels: per query head, after the
+# qk_head_dim others; of the key, after the kv_lora_rank latent
+ROTARY_ROWS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
+               "self_attn.kv_a_proj_with_mqa.weight")
+
+
+def interleaved_rope_rows(weight: torch.Tensor, name: str, flags: dict) -> torch.Tensor:
+    """WEIGHT (the projection NAME of ROTARY_ROWS) with its rotary rows reordered from
+    DeepSeek-V3's rope_interleave false layout, which rotates channel i with channel i + d/2, to
+    the interleaved one Megatron-Core's multi-latent attention rotates (2i with 2i + 1)."""
+    rope = flags["qk_pos_emb_head_dim"]
+    if name == "self_attn.kv_a_proj_with_mqa.weight":
+        rows = weight.view(1, -1, weight.shape[-1])
+    else:
+        rows = weight.view(flags["num_attention_heads"], -1, weight.shape[-1])
+    halves = rows[:, -rope:].reshape(rows.shape[0], 2, rope // 2, -1)
+    rotary = halves.transpose(1, 2).reshape(rows.shape[0], rope, -1)
+    return torch.cat([rows[:, :-rope], rotary], dim=1).reshape(weight.shape)
+
+
 def _layers(flags: dict):
     """(our prefix, HF layer index, MoE or not) of every transformer layer, MTP's last."""
     layers = flags["num_layers"]
@@ -449,10 +468,13 @@ def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DI
                    + (f" and {mtp_num_layers} MTP layers" if mtp_num_layers else ""))
     padded = padded_vocab(flags, vocab, make_vocab_size_divisible_by)
     tensors = outer_tensors(hf, flags, padded)
+    interleave = config.get("rope_interleave", True) is False  # V3's halves
     for prefix, layer, moe in _layers(flags):
         stacked: Dict[str, list] = {}
         for ours, names, expert in layer_table(flags, moe):
             parts = [hf.take(f"layers.{layer}.{name}") for name in names]
+            if interleave and names[0] in ROTARY_ROWS:
+                parts = [interleaved_rope_rows(parts[0], names[0], flags)]
             stacked.setdefault(ours, []).append(torch.cat(parts) if len(parts) > 1 else parts[0])
         tensors.update({prefix + ours: torch.stack(values) if ".experts.experts." in ours
                         else values[0] for ours, values in stacked.items()})
