@@ -15,9 +15,10 @@ Upcycle a dense GPT checkpoint (this trainer without --num-experts) to MoE:
 
 From and to Hugging Face (a local directory: config.json and model.safetensors, its shards
 with model.safetensors.index.json, or pytorch_model.bin; nothing is downloaded). --from-hf
-imports Mixtral, Qwen2-MoE, Qwen3-MoE, dense Llama or GPT-2 (in the --target-* layout when
-given) and writes the model's flags as CKPT/config.yaml, for training with --config; --to-hf
-exports a Mixtral-, Qwen2-MoE- or Qwen3-MoE-shaped checkpoint (saved in any layout):
+imports Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3 (its MTP layers with
+--mtp-num-layers), dense Llama or GPT-2 (in the --target-* layout when given) and writes the
+model's flags as CKPT/config.yaml, for training with --config; --to-hf exports a Mixtral-,
+Qwen2-MoE-, Qwen3-MoE- or DeepSeek-shaped checkpoint (saved in any layout):
     python tools/convert_checkpoint.py --from-hf ~/models/Qwen3-30B-A3B --save runs/q3/ckpt
     python tools/convert_checkpoint.py --to-hf runs/q3/hf --load runs/q3/ckpt
 --load also takes a dense Hugging Face directory (GPT-2, Llama) in place of a checkpoint for
@@ -78,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-single-file", metavar="FILE")
     parser.add_argument("--from-hf", metavar="DIR",
                         help="Import a Hugging Face model directory (Mixtral, Qwen2-MoE, "
-                             "Qwen3-MoE, Llama, GPT-2).")
+                             "Qwen3-MoE, DeepSeek-V2, DeepSeek-V3, Llama, GPT-2).")
     parser.add_argument("--to-hf", metavar="DIR",
                         help="Export --load as a Hugging Face directory (Mixtral, Qwen2-MoE, "
-                             "Qwen3-MoE).")
+                             "Qwen3-MoE, DeepSeek-V2, DeepSeek-V3).")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="With --to-hf: the largest safetensors shard (default %(default)s).")
     parser.add_argument("--upcycle", action="store_true")
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-init-std", type=float, default=0.01,
                         help="With --upcycle: std of the random router (0: all-zero router).")
     settings.add_flags(parser, ["--seed"])
+    settings.add_flags(parser, ["--mtp-num-layers"], helps={
+        "mtp_num_layers": "With --from-hf of DeepSeek-V3: import this many of its MTP layers "
+                          "(default: none, left out)."})
     settings.add_flags(parser, ["--make-vocab-size-divisible-by"], helps={
         "make_vocab_size_divisible_by": "With --from-hf: pad the vocabulary to a multiple of "
                                         "this (default %(default)s, Megatron-LM's)."})
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
     if len(modes) != 1:
         raise ValueError(f"give exactly one of --to-single-file, --from-single-file, --from-hf, "
                          f"--to-hf, --upcycle, --target-*-size (got {', '.join(modes) or 'none'})")
+    if args.mtp_num_layers and not args.from_hf:
+        raise ValueError("--mtp-num-layers goes with --from-hf (a DeepSeek-V3 model's MTP layers)")
     if args.to_single_file:
         return to_single_file(resolve_source(args.load), args.to_single_file)
     if args.to_hf:
@@ -200,28 +206,42 @@ def from_single_file(args) -> int:
                           "--from-single-file", f"from {args.from_single_file}")
 
 
-def read_hf(path: str, make_vocab_size_divisible_by: int):
-    """(FullCheckpoint, description) of the Hugging Face directory PATH: GPT-2 or a
-    Llama-style family (checkpointing.hf_llama.FAMILIES), its vocabulary padded to a multiple
-    of MAKE_VOCAB_SIZE_DIVISIBLE_BY."""
+def read_hf(path: str, make_vocab_size_divisible_by: int, mtp_num_layers=None):
+    """(FullCheckpoint, description) of the Hugging Face directory PATH: GPT-2, a Llama-style
+    or a DeepSeek family (checkpointing.hf_llama.FAMILIES; DeepSeek's with its first
+    MTP_NUM_LAYERS MTP layers), its vocabulary padded to a multiple of
+    MAKE_VOCAB_SIZE_DIVISIBLE_BY."""
+    from functools import partial
+
+    from megatron_parm.checkpointing import hf_deepseek, hf_llama
     from megatron_parm.checkpointing.hf_files import read_config
     from megatron_parm.checkpointing.hf_gpt2 import hf_gpt2_to_full
-    from megatron_parm.checkpointing.hf_llama import family_of, hf_to_full
     from megatron_parm.training.log import stage
 
     config = read_config(path)
     if config.get("model_type") == "gpt2":
-        convert, name = hf_gpt2_to_full, "GPT-2"
+        convert, name, mla = hf_gpt2_to_full, "GPT-2", False
     else:
-        convert, name = hf_to_full, family_of(config, path).architecture
+        family = hf_llama.family_of(config, path)
+        name, mla = family.architecture, family.mla
+        convert = partial(hf_deepseek.hf_to_full, mtp_num_layers=mtp_num_layers) if mla \
+            else hf_llama.hf_to_full
+    if mtp_num_layers and not mla:
+        raise ValueError(f"--mtp-num-layers: {name} has no MTP layers to import (DeepSeek-V3 "
+                         f"has)")
     with stage(f"reading Hugging Face {name} {path}"):
-        return convert(path, make_vocab_size_divisible_by), f"Hugging Face {name} {path}"
+        full = convert(path, make_vocab_size_divisible_by)
+    left_out = full.common["converted_from"].get("mtp_layers_left_out")
+    if left_out:
+        print(f"note: {path} has {plural(left_out, 'MTP layer')}, left out: import "
+              f"{'it' if left_out == 1 else 'them'} with --mtp-num-layers")
+    return full, f"Hugging Face {name} {path}"
 
 
 def from_hf(args, relayout_too: bool) -> int:
     import tempfile
 
-    full, origin = read_hf(args.from_hf, args.make_vocab_size_divisible_by)
+    full, origin = read_hf(args.from_hf, args.make_vocab_size_divisible_by, args.mtp_num_layers)
     if not relayout_too:
         code = write_verified(full, args.save, 0, "--from-hf", f"from {origin}")
     else:  # written whole, then resharded as the target layout's ranks save it
@@ -250,19 +270,20 @@ def write_flags(flags: dict, save: str) -> None:
 def to_hf(source, args) -> int:
     import shutil
 
+    from megatron_parm.checkpointing import hf_deepseek, hf_llama
     from megatron_parm.checkpointing.hf_files import parse_size, read_weights
-    from megatron_parm.checkpointing.hf_llama import TOKENIZER_FILES, full_to_hf
     from megatron_parm.checkpointing.verify import compare_checksums, tensor_checksums
     from megatron_parm.training.log import stage
 
     max_shard = parse_size(args.max_shard_size)
     full = read_checkpoint(source[0])
     flags = saved_flags(full.common.get("args") or {})
+    convert = hf_deepseek if flags.get("multi_latent_attention") else hf_llama
     with stage(f"writing {args.to_hf}"):
-        config, tensors = full_to_hf(full, flags, args.to_hf, max_shard)
+        config, tensors = convert.full_to_hf(full, flags, args.to_hf, max_shard)
     tokenizer = flags.get("tokenizer_model")
     if flags.get("tokenizer_type") == "HuggingFaceTokenizer" and tokenizer:
-        for name in TOKENIZER_FILES:
+        for name in hf_llama.TOKENIZER_FILES:
             if os.path.isfile(os.path.join(tokenizer, name)):
                 shutil.copy(os.path.join(tokenizer, name), os.path.join(args.to_hf, name))
     with stage(f"reading {args.to_hf} back and comparing every checksum"):

@@ -7,8 +7,9 @@
     export_family(flags)                the Family a checkpoint's flags fit, or why none does
 
 Families: Mixtral, Qwen2-MoE (a shared expert with its sigmoid gate, q/k/v biases), Qwen3-MoE
-(q/k norms, no renormalised top-k by default) in and out; Llama (dense, for --upcycle) in.
-Every one is rotary positions, RMSNorm and SwiGLU, and maps onto Megatron-Core's GPT as:
+(q/k norms, no renormalised top-k by default) in and out; Llama (dense, for --upcycle) in;
+DeepSeek-V2 and -V3 (multi-latent attention: their mapping is hf_deepseek.py's, with the
+helpers below). Every one here is rotary positions, RMSNorm and SwiGLU, and maps onto Megatron-Core's GPT as:
 
     embed_tokens [V, H]               -> embedding.word_embeddings.weight [Vp, H]   zero rows
     lm_head [V, H] (untied)           -> output_layer.weight [Vp, H]                up to Vp
@@ -39,6 +40,7 @@ only with norm_topk_prob, otherwise they are Megatron's --moe-router-pre-softmax
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -70,6 +72,7 @@ class Family:
     qkv_bias_key: Optional[str] = None   # config key saying q/k/v have biases
     qkv_bias_default: bool = False
     always_renormalizes: bool = False    # top-k probabilities renormalised whatever the config
+    mla: bool = False          # multi-latent attention: the DeepSeek families (hf_deepseek.py)
 
 
 FAMILIES = {family.architecture: family for family in (
@@ -82,6 +85,10 @@ FAMILIES = {family.architecture: family for family in (
            ("num_experts", "num_local_experts"), qk_norm=True, qkv_bias_key="attention_bias"),
     Family("LlamaForCausalLM", "llama", None, ("gate_proj", "up_proj", "down_proj"),
            qkv_bias_key="attention_bias"),
+    Family("DeepseekV2ForCausalLM", "deepseek_v2", "mlp", ("gate_proj", "up_proj", "down_proj"),
+           ("n_routed_experts",), shared_expert=True, mla=True),
+    Family("DeepseekV3ForCausalLM", "deepseek_v3", "mlp", ("gate_proj", "up_proj", "down_proj"),
+           ("n_routed_experts",), shared_expert=True, mla=True),
 )}
 
 
@@ -129,7 +136,7 @@ def hf_flags(config: dict, family: Family, path: str) -> dict:
     """The trainer's flags of the model CONFIG describes (refusing what it cannot compute)."""
     where = os.path.join(path, "config.json")
     _refuse_unsupported(config, family, where)
-    try:
+    with config_keys(where, family.architecture):
         heads, hidden = config["num_attention_heads"], config["hidden_size"]
         groups = config.get("num_key_value_heads") or heads
         flags = dict(
@@ -162,26 +169,42 @@ def hf_flags(config: dict, family: Family, path: str) -> dict:
             if family.shared_expert:
                 flags.update(moe_shared_expert_intermediate_size=config[
                     "shared_expert_intermediate_size"], moe_shared_expert_gate=True)
+    return {**flags, **tokenizer_flags(path)}
+
+
+@contextlib.contextmanager
+def config_keys(where: str, architecture: str):
+    """A config.json key missing in the block is one CheckpointError naming it."""
+    try:
+        yield
     except KeyError as err:
-        raise CheckpointError(f"{where}: {err.args[0]} missing (a {family.architecture} "
-                              f"config needs it)") from None
+        raise CheckpointError(f"{where}: {err.args[0]} missing (a {architecture} config needs "
+                              f"it)") from None
+
+
+def tokenizer_flags(path: str) -> dict:
+    """The tokenizer flags of a directory with a tokenizer.json (none without)."""
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(path))
-    return flags
+        return dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(path))
+    return {}
+
+
+def require_flags(flags: dict, required: dict, families: str) -> None:
+    """One CheckpointError for the first flag of REQUIRED ({key: value}) FLAGS set otherwise."""
+    for key, wanted in required.items():
+        if flags.get(key, wanted) != wanted:
+            raise CheckpointError(f"--to-hf: the checkpoint has --{key.replace('_', '-')} "
+                                  f"{flags.get(key)!r}; {families} need {wanted!r}")
 
 
 def export_family(flags: dict) -> Family:
     """The exportable family whose architecture FLAGS (a checkpoint's) describe."""
-    required = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-                "disable_bias_linear": True, "rotary_percent": 1.0, "moe_layer_freq": 1,
-                "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-                "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
-                "model_type": "gpt"}
-    for key, wanted in required.items():
-        if flags.get(key, wanted) != wanted:
-            raise CheckpointError(f"--to-hf: the checkpoint has --{key.replace('_', '-')} "
-                                  f"{flags.get(key)!r}; Mixtral, Qwen2-MoE and Qwen3-MoE need "
-                                  f"{wanted!r}")
+    require_flags(flags, {
+        "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+        "disable_bias_linear": True, "rotary_percent": 1.0, "moe_layer_freq": 1,
+        "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+        "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
+        "model_type": "gpt"}, "Mixtral, Qwen2-MoE and Qwen3-MoE")
     if not flags.get("num_experts"):
         raise CheckpointError("--to-hf: the checkpoint is dense (no --num-experts); it exports "
                               "Mixtral, Qwen2-MoE and Qwen3-MoE models")
@@ -349,6 +372,68 @@ def _objects(flags: dict) -> Dict[str, list]:
 # import and export
 # ---------------------------------------------------------------------------------------------
 
+class HFTensors:
+    """The tensors of a Hugging Face directory (names without 'model.'), each taken once as
+    float32 with its shape checked against SHAPES (keyed by the name within a layer for a
+    layer's tensors); DESCRIBED says what config.json declares, for the errors."""
+
+    def __init__(self, path: str, shapes: Dict[str, tuple], described: str):
+        self.path, self.shapes, self.described = path, shapes, described
+        self.weights = {(key[len("model."):] if key.startswith("model.") else key): value
+                        for key, value in read_weights(path).items()}
+        self.used = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        short = name.split(".", 2)[2] if name.startswith("layers.") else name
+        if name not in self.weights:
+            raise CheckpointError(f"{self.path}: tensor {name} missing (config.json says "
+                                  f"{self.described})")
+        tensor = self.weights[name]
+        if tuple(tensor.shape) != self.shapes[short]:
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {tuple(tensor.shape)}; "
+                                  f"config.json gives {self.shapes[short]}")
+        self.used.add(name)
+        return tensor.to(torch.float32)
+
+    def check_all_used(self, left_out=lambda name: False) -> None:
+        """Every tensor was taken, but lm_head (tied), rotary caches and those LEFT_OUT."""
+        unused = sorted(name for name in set(self.weights) - self.used - {"lm_head.weight"}
+                        if not name.endswith("rotary_emb.inv_freq") and not left_out(name))
+        if unused:
+            raise CheckpointError(f"{self.path}: tensor {unused[0]} does not belong to the model "
+                                  f"config.json describes ({len(unused)} such)")
+
+
+def padded_vocab(flags: dict, vocab: int, make_vocab_size_divisible_by: int) -> int:
+    """The padded vocabulary of an import (it loads under any TP that divides it:
+    data/vocab.py), recorded with the flags as a trained checkpoint's."""
+    flags["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    return padded_vocab_size(vocab, 1, make_vocab_size_divisible_by)
+
+
+def padded_rows(tensor: torch.Tensor, padded: int) -> torch.Tensor:
+    return torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], tensor.shape[1])])
+
+
+def outer_tensors(hf: HFTensors, flags: dict, padded: int) -> Dict[str, torch.Tensor]:
+    """The embedding, the final norm and (untied) the output layer, their vocabulary PADDED."""
+    tensors = {"embedding.word_embeddings.weight": padded_rows(hf.take("embed_tokens.weight"),
+                                                               padded),
+               "decoder.final_layernorm.weight": hf.take("norm.weight")}
+    if flags["untie_embeddings_and_output_weights"]:
+        tensors["output_layer.weight"] = padded_rows(hf.take("lm_head.weight"), padded)
+    return tensors
+
+
+def imported_common(flags: dict, padded: int, vocab: int, path: str, architecture: str) -> dict:
+    """The common state of a checkpoint imported from the Hugging Face directory PATH."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
+            "args": flags, "model_info": {"padded_vocab_size": padded, "vocab_size": vocab},
+            "layout": None, "converted_from": {"huggingface": os.path.abspath(path),
+                                               "architecture": architecture,
+                                               "vocab_size": vocab}}
+
+
 def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
                ) -> FullCheckpoint:
     """The checkpoint (model only, iteration 0; its flags in common['args']) of the Hugging
@@ -356,55 +441,23 @@ def hf_to_full(path: str, make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DI
     config = read_config(path)
     family = family_of(config, path)
     flags = hf_flags(config, family, path)
-    weights = {(key[len("model."):] if key.startswith("model.") else key): value
-               for key, value in read_weights(path).items()}
     vocab, layers = config["vocab_size"], flags["num_layers"]
-    shapes = _shapes(flags, family, vocab)
-    used = set()
-
-    def take(name: str) -> torch.Tensor:
-        short = name.split(".", 2)[2] if name.startswith("layers.") else name
-        if name not in weights:
-            raise CheckpointError(f"{path}: tensor {name} missing (config.json says "
-                                  f"{layers} layers of {family.architecture})")
-        tensor = weights[name]
-        if tuple(tensor.shape) != shapes[short]:
-            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}; "
-                                  f"config.json gives {shapes[short]}")
-        used.add(name)
-        return tensor.to(torch.float32)
-
-    padded = padded_vocab_size(vocab, 1, make_vocab_size_divisible_by)  # loads under any TP
-    # that divides it (data/vocab.py); recorded with the flags, as a trained checkpoint's
-    flags["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
-
-    def padded_rows(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat([tensor, tensor.new_zeros(padded - vocab, tensor.shape[1])])
-
-    tensors = {"embedding.word_embeddings.weight": padded_rows(take("embed_tokens.weight")),
-               "decoder.final_layernorm.weight": take("norm.weight")}
-    if flags["untie_embeddings_and_output_weights"]:
-        tensors["output_layer.weight"] = padded_rows(take("lm_head.weight"))
+    hf = HFTensors(path, _shapes(flags, family, vocab), f"{layers} layers of "
+                   f"{family.architecture}")
+    padded = padded_vocab(flags, vocab, make_vocab_size_divisible_by)
+    tensors = outer_tensors(hf, flags, padded)
     per_layer: Dict[str, list] = {}
     for layer in range(layers):
         for key, names, expert in _layer_table(family, flags):
-            fused = _fuse([take(f"layers.{layer}.{name}") for name in names], flags)
+            fused = _fuse([hf.take(f"layers.{layer}.{name}") for name in names], flags)
             per_layer.setdefault(key, []).append(fused)
     experts = flags.get("num_experts") or 0
     for key, values in per_layer.items():
         if ".experts.experts." in key:  # [L * E] in layer-major order -> [L, E, ...]
             values = [torch.stack(values[i * experts:(i + 1) * experts]) for i in range(layers)]
         tensors[key] = torch.stack(values).contiguous()
-    unused = sorted(set(weights) - used - {"lm_head.weight"})
-    unused = [name for name in unused if not name.endswith("rotary_emb.inv_freq")]
-    if unused:
-        raise CheckpointError(f"{path}: tensor {unused[0]} does not belong to the model "
-                              f"config.json describes ({len(unused)} such)")
-    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
-              "args": flags, "model_info": {"padded_vocab_size": padded, "vocab_size": vocab},
-              "layout": None, "converted_from": {"huggingface": os.path.abspath(path),
-                                                 "architecture": family.architecture,
-                                                 "vocab_size": vocab}}
+    hf.check_all_used()
+    common = imported_common(flags, padded, vocab, path, family.architecture)
     return FullCheckpoint(tensors, _objects(flags), common)
 
 
@@ -434,9 +487,15 @@ def full_to_hf(full: FullCheckpoint, flags: dict, path: str, max_shard_bytes: in
     tensors["model.norm.weight"] = full.tensors["decoder.final_layernorm.weight"]
     if flags.get("untie_embeddings_and_output_weights"):
         tensors["lm_head.weight"] = full.tensors["output_layer.weight"][:vocab]
+    return config, write_hf(path, config, tensors, max_shard_bytes)
+
+
+def write_hf(path: str, config: dict, tensors: Dict[str, torch.Tensor],
+             max_shard_bytes: int) -> Dict[str, torch.Tensor]:
+    """config.json and the safetensors of TENSORS in PATH; returns the tensors written."""
     os.makedirs(path, exist_ok=True)
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     write_weights(path, tensors, max_shard_bytes)
     with open(os.path.join(path, "config.json"), "w") as handle:
         json.dump(config, handle, indent=2)
-    return config, tensors
+    return tensors

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -25,6 +26,8 @@ from megatron_parm.checkpointing.formats import TORCH, detect_format
 from megatron_parm.checkpointing.paths import missing_files
 
 MANIFEST_FILE = "parm_manifest.json"
+# An expert tensor saved per layer (a model whose layers differ, an MTP layer): [E, ...]
+_ONE_LAYER = re.compile(r"layers\.\d+\.")
 _SHOWN = 8  # problems listed in one error message before "... and N more"
 
 
@@ -210,19 +213,26 @@ def crc32(tensor: torch.Tensor) -> int:
 
 def tensor_checksums(tensors: Dict[str, torch.Tensor],
                      on_tensor: Optional[Callable[[int], None]] = None) -> Dict[str, dict]:
-    """key -> {'shape', 'dtype', 'crc32'} and, for expert tensors, one crc32 per [layer, expert].
+    """key -> {'shape', 'dtype', 'crc32'} and, for expert tensors, one crc32 per [layer, expert]
+    (one layer where the key names it).
     on_tensor(n) is called after each tensor with the number done (a progress bar)."""
     sums = {}
     for key, tensor in tensors.items():
         info = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                 "crc32": crc32(tensor)}
         if is_expert_key(key) and tensor.dim() >= 3:
-            info["experts"] = [[crc32(tensor[l, e]) for e in range(tensor.shape[1])]
-                               for l in range(tensor.shape[0])]
+            layers = tensor.unsqueeze(0) if _ONE_LAYER.search(key) else tensor
+            info["experts"] = [[crc32(layers[l, e]) for e in range(layers.shape[1])]
+                               for l in range(layers.shape[0])]
         sums[key] = info
         if on_tensor is not None:
             on_tensor(len(sums))
     return sums
+
+
+def slice_name(key: str, layer: int, expert: int) -> str:
+    """How an error or a listing names one [layer, expert] slice of the expert tensor KEY."""
+    return f"expert {expert}" if _ONE_LAYER.search(key) else f"layer {layer} expert {expert}"
 
 
 def count_experts(sums: Dict[str, dict]) -> int:
@@ -246,7 +256,7 @@ def compare_checksums(expected: Dict[str, dict], actual: Dict[str, dict],
                             f"{want['dtype']}{tuple(want['shape'])} (truncated or reshaped)")
             continue
         if got["crc32"] != want["crc32"]:
-            bad = [f"layer {l} expert {e}" for l, row in enumerate(want.get("experts", []))
+            bad = [slice_name(key, l, e) for l, row in enumerate(want.get("experts", []))
                    for e, value in enumerate(row) if got["experts"][l][e] != value]
             problems.append(f"{key}: checksum differs" + (f" ({', '.join(bad[:6])})" if bad else ""))
     for key in actual:

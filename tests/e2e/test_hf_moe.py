@@ -1,8 +1,11 @@
-"""Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE in and out, checked against `transformers`.
+"""Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and DeepSeek-V2 in and out, checked
+against `transformers`.
 
 `transformers` (a test dependency) builds a tiny random model of each family, and a dense
-Llama (tools/tiny_hf_model.py), and saves them in shards with their index. tools/convert_checkpoint.py imports each
-(--from-hf) and upcycles the Llama (--upcycle --load DIR). One 4-rank launch (this file as a
+Llama (tools/tiny_hf_model.py), and saves them in shards with their index (DeepSeek-V3's with
+its MTP layer, which transformers neither builds nor runs). tools/convert_checkpoint.py imports
+each (--from-hf; DeepSeek-V3 with --mtp-num-layers 1) and upcycles the Llama (--upcycle --load
+DIR). One 4-rank launch (this file as a
 script) then loads every import into Megatron's GPT at (tp, ep, etp) = (1, 1, 1) and (2, 2, 2)
 and records the logits of one fixed batch, and trains the Qwen3-MoE 20 iterations with `parm`
 at (2, 2, 2), recording each rank's first batch. The tests compare the logits with those of
@@ -27,7 +30,8 @@ from launch import convert_checkpoint as convert, torchrun  # noqa: E402
 from tiny_hf_model import FAMILIES, write as write_hf_model  # noqa: E402  (vocabulary 8064)
 
 SEQ, BATCH = 32, 2
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+IMPORT_FLAGS = {"deepseek_v3": ("--mtp-num-layers", 1)}  # its MTP layer too
 LAYOUTS = {"1,1,1": (1, 1, 1, "alltoall"), "2,2,2": (2, 2, 2, "parm")}
 TRAIN_ITERS = 20
 DATA = ["--data-path", "data/cache/gpt_text_document", "--tokenizer-type",
@@ -56,12 +60,58 @@ def flags(checkpoint: Path, layout, *extra) -> list:
              *DATA] + (["--sequence-parallel"] if tp > 1 else []) + list(extra))
 
 
+def mtp_reference_logits(folder, tokens) -> torch.Tensor:
+    """DeepSeek-V3's first MTP depth as DeepSeek defines it, h_1 = shared_head.norm(layer(
+    eh_proj([enorm(embed(the next tokens)); hnorm(h_0)]))), logits = shared_head.head(h_1), h_0
+    the model's last hidden state: transformers' own modules, with the weights of
+    model.layers.N (which transformers neither builds nor loads). The last position sees token 0
+    as the next one, as Megatron-Core's MTP."""
+    import transformers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    from megatron_parm.checkpointing.hf_files import read_weights
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    config = model.config
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    weights = {name[len(prefix):]: tensor for name, tensor in read_weights(str(folder)).items()
+               if name.startswith(prefix)}
+    layer = deepseek.DeepseekV3DecoderLayer(config, config.num_hidden_layers).eval()
+    state = {name: tensor for name, tensor in weights.items() if name in layer.state_dict()}
+    experts = range(config.n_routed_experts)
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+        [weights[f"mlp.experts.{e}.gate_proj.weight"], weights[f"mlp.experts.{e}.up_proj.weight"]])
+        for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([weights[f"mlp.experts.{e}.down_proj.weight"]
+                                                  for e in experts])
+    layer.load_state_dict(state)
+
+    def norm(name, hidden):
+        module = deepseek.DeepseekV3RMSNorm(hidden.shape[-1], eps=config.rms_norm_eps)
+        module.weight.data.copy_(weights[name])
+        return module(hidden)
+
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state
+        following = torch.roll(tokens, -1, dims=1)
+        following[:, -1] = 0
+        hidden = torch.cat([norm("enorm.weight", model.model.embed_tokens(following)),
+                            norm("hnorm.weight", hidden)], dim=-1) @ weights["eh_proj.weight"].T
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        causal = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
+        hidden = layer(hidden, attention_mask=causal, position_ids=positions,
+                       position_embeddings=model.model.rotary_emb(hidden, positions))
+        return norm("shared_head.norm.weight", hidden) @ weights["shared_head.head.weight"].T
+
+
 # ---------------------------------------------------------------------------------------------
 # the 4-rank worker
 # ---------------------------------------------------------------------------------------------
 
-def model_logits(args, tokens) -> list:
-    """The logits of TOKENS of the checkpoint args.load in args' layout, gathered over TP."""
+def model_logits(args, tokens, mtp_logits=None) -> list:
+    """The logits of TOKENS of the checkpoint args.load in args' layout, gathered over TP (and
+    with MTP layers, their logits appended to the list MTP_LOGITS, depth 1 first)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_parm.checkpointing import find_checkpoint, load_checkpoint, read_checkpoint_info
@@ -79,8 +129,22 @@ def model_logits(args, tokens) -> list:
     load_checkpoint(folder, model, None, None, args)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     masked = ~torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    masked = masked.expand(BATCH, 1, SEQ, SEQ)
     with torch.no_grad():
-        logits = model.eval()(tokens, positions, masked.expand(BATCH, 1, SEQ, SEQ))
+        if not args.mtp_num_layers:
+            logits = model.eval()(tokens, positions, masked)
+        else:  # with MTP layers GPTModel needs labels and returns the loss: the logits are
+            # its output layer's last call's ([s, b, V / tp]; the MTP depths' come first), copied
+            # before the loss overwrites them
+            calls = []
+            hook = model.output_layer.register_forward_hook(
+                lambda module, inputs, output: calls.append(output[0].clone()))
+            model.eval()(tokens, positions, masked, labels=tokens)
+            hook.remove()
+            logits = calls[-1].transpose(0, 1)
+            if mtp_logits is not None:
+                mtp_logits += [gather_from_tensor_model_parallel_region(depth.transpose(0, 1))
+                               .tolist() for depth in calls[:-1]]
         return gather_from_tensor_model_parallel_region(logits).tolist()
 
 
@@ -113,11 +177,12 @@ def worker(out_path: str, run_dir: str) -> None:
 
     initialize_distributed()
     run, tokens = Path(run_dir), fixed_tokens()
-    results = {"logits": {}}
+    results = {"logits": {}, "mtp_logits": {}}
     for name in (*MOE, "llama_moe"):
         for layout_name, layout in LAYOUTS.items():
             args = parse_args(flags(run / f"ckpt_{name}", layout))
-            results["logits"][f"{name} {layout_name}"] = model_logits(args, tokens)
+            mtp = results["mtp_logits"].setdefault(f"{name} {layout_name}", [])
+            results["logits"][f"{name} {layout_name}"] = model_logits(args, tokens, mtp)
     trained = run / "trained_qwen3_moe"
     with first_batches() as recorded:
         summary = pretrain(parse_args(flags(run / "ckpt_qwen3_moe", LAYOUTS["2,2,2"],
@@ -150,7 +215,8 @@ def hf_models(tmp_path_factory):
 def run(tmp_path_factory, hf_models, prepared_data):
     run = tmp_path_factory.mktemp("hf_moe")
     conversions = {family: convert("--from-hf", hf_models[family], "--save",
-                                   run / f"ckpt_{family}") for family in MOE}
+                                   run / f"ckpt_{family}", *IMPORT_FLAGS.get(family, ()))
+                   for family in MOE}
     conversions["llama_moe"] = convert("--upcycle", "--load", hf_models["llama"], "--save",
                                        run / "ckpt_llama_moe", "--num-experts", 4,
                                        "--moe-router-topk", 2)
@@ -191,6 +257,16 @@ def test_imported_model_computes_the_transformers_logits(run, references, family
     torch.testing.assert_close(ours, references[family], rtol=0, atol=1e-5)
     assert (folder / f"ckpt_{family}" / "config.yaml").is_file()
     assert "train with --config" in conversions[family].stdout
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_imported_deepseek_v3_mtp_layer_computes_deepseeks_mtp(run, hf_models, layout):
+    """Its MTP layer, imported as Megatron-Core's MTP block (--mtp-num-layers 1), gives the
+    logits DeepSeek's definition gives with transformers' modules."""
+    results, _, _ = run
+    (ours,) = results["mtp_logits"][f"deepseek_v3 {layout}"]
+    theirs = mtp_reference_logits(hf_models["deepseek_v3"], fixed_tokens())
+    torch.testing.assert_close(torch.tensor(ours), theirs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -273,6 +349,7 @@ def _first_shard(folder: Path) -> Path:
     ("shape", "has shape (8, 64); config.json gives (6, 64)"),
     ("layout", "--target-expert-parallel-size"),
     ("rope scaling", "rope_type={'rope_type': 'yarn'"),
+    ("mtp layers", "--mtp-num-layers: MixtralForCausalLM has no MTP layers to import"),
 ])
 def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected):
     folder = _copy(hf_models["mixtral"], tmp_path / "hf")
@@ -289,6 +366,8 @@ def test_bad_hugging_face_input_is_one_line(tmp_path, hf_models, case, expected)
     elif case == "rope scaling":
         _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                               "rope_theta": 1e6})
+    elif case == "mtp layers":
+        extra = ["--mtp-num-layers", "1"]
     else:
         extra = ["--target-expert-parallel-size", "3", "--target-tensor-parallel-size", "1"]
     proc = convert("--from-hf", folder, "--save", tmp_path / "out", *extra)

@@ -104,6 +104,47 @@ def test_real_size_configs_count_exactly_what_megatron_builds(megatron_world, co
     assert planner_parameters(argv, vocab_size) == megatron == hugging_face
 
 
+# DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite), as transformers reads it
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+    hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+    routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+    num_experts_per_tok=6, first_k_dense_replace=1, norm_topk_prob=False, hidden_act="silu",
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    aux_loss_alpha=0.001, seq_aux=True, rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))
+
+
+def test_deepseek_v2_lite_config_is_the_hugging_face_model():
+    """configs/deepseek_v2_lite.yaml has the flags --from-hf gives DeepSeek-V2-Lite's
+    config.json, and the HF model (built by transformers on the meta device) has the parameters
+    the table above says Megatron-Core builds from the config."""
+    transformers = pytest.importorskip("transformers")
+    import yaml
+
+    from megatron_parm.checkpointing import hf_deepseek
+    from megatron_parm.checkpointing.hf_llama import FAMILIES
+    from megatron_parm.settings import layer_pattern
+
+    flags = hf_deepseek.hf_flags(DEEPSEEK_V2_LITE, FAMILIES["DeepseekV2ForCausalLM"], "hf")
+    with open("configs/deepseek_v2_lite.yaml") as handle:
+        ours = yaml.safe_load(handle)
+    ours["moe_layer_freq"] = layer_pattern(ours["moe_layer_freq"])
+    differ = {key: (value, ours[key]) for key, value in flags.items()
+              if key in ours and ours[key] != value}
+    assert not differ and len(set(flags) & set(ours)) >= 30, differ
+    config = transformers.DeepseekV2Config(**{key: value for key, value in DEEPSEEK_V2_LITE.items()
+                                              if key not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config)
+    counted = sum(parameter.numel() for parameter in model.parameters())
+    (megatron,) = [case[2] for case in REAL_SIZE if case[0] == "configs/deepseek_v2_lite.yaml"]
+    assert counted == megatron
+
+
 @pytest.mark.parametrize("flags", VARIANTS, ids=[" ".join(flags) or "gpt2" for flags in VARIANTS])
 def test_every_architecture_flag_counts_exactly(megatron_world, tmp_path, flags):
     config = TINY
