@@ -224,7 +224,7 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
             value = f"{global_batch // 2} {global_batch // 2} {samples // 4}"
         argv.append(flag)
         if value is not True:
-            argv.extend(str(value).split() if flag == "--rampup-batch-size" else [str(value)])
+            argv.extend(str(value).split() if flag == "--rampup-batch-size" else _words(value))
     for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size", "--num-layers",
                  "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
                  "--global-batch-size", "--log-interval"):
@@ -245,6 +245,15 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         if flag not in done:
             raise ValueError(f"{name}: no {flag}")
     return argv, layout["world"]
+
+
+def _words(value: object) -> List[str]:
+    """A config value as the words Megatron-LM's functional-test runner passes: a value in
+    [ ] is its space-separated words (a list flag's values), any other value one word."""
+    text = str(value).strip()
+    if re.fullmatch(r"\[[^]]+\]", text):
+        return text[1:-1].split()
+    return [text]
 
 
 def _replace(argv: List[str], flag: str, value: str) -> List[str]:

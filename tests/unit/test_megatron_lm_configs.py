@@ -141,3 +141,10 @@ def test_the_layout_leaves_every_optimizer_instance_a_data_parallel_group(tool):
     assert (layout["world"], layout["dp"]) == (8, 4)
     with pytest.raises(ValueError, match="--num-distributed-optimizer-instances 16"):
         tool._layout({**flags, "--num-distributed-optimizer-instances": "16"})
+
+
+def test_a_bracketed_value_is_its_words_as_megatron_lm_s_runner_passes_it(tool):
+    assert tool._words("[layernorm mla_up_proj mlp moe_act]") == [
+        "layernorm", "mla_up_proj", "mlp", "moe_act"]
+    assert tool._words("([0]*1+[1]*15)") == ["([0]*1+[1]*15)"]  # one word, as the runner quotes
+    assert tool._words("0.5 0.5") == ["0.5 0.5"] and tool._words(3) == ["3"]
