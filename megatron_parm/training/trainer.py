@@ -202,7 +202,10 @@ def reduce_losses(totals: dict) -> dict:
     names = sorted(totals)
     stacked = torch.tensor([totals[name] for name in names], dtype=torch.float64,
                            device=device.current())
-    torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+    # Over data x context parallel ranks, as Megatron-LM: each CP rank reports its micro-batch's
+    # whole-sequence mean, or its part's [summed loss, tokens].
+    torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group(
+        with_context_parallel=True))
     return {name: (total / max(count, 1e-30)) for name, (total, count)
             in zip(names, stacked.tolist())}
 
@@ -362,7 +365,8 @@ def initialize(args) -> None:
                               ranks_per_node=args.parm_ranks_per_node,
                               num_distributed_optimizer_instances=(
                                   args.num_distributed_optimizer_instances),
-                              get_embedding_ranks=mtp.embedding_ranks(args))
+                              get_embedding_ranks=mtp.embedding_ranks(args),
+                              cp=args.context_parallel_size)
     set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
