@@ -240,21 +240,17 @@ CP_COMM_LOCAL = ("all_gather", "a2a")
 def context_parallel_problem(cp: int, *, model_type: str, seq_length: int, tp: int,
                              sequence_parallel: bool, moe: bool, comm_types, num_layers: int,
                              transformer_impl: str, num_attention_heads: int,
-                             num_query_groups: Optional[int], mtp_num_layers: Optional[int]
-                             ) -> Optional[str]:
+                             num_query_groups: Optional[int]) -> Optional[str]:
     """Why the model cannot split its sequences over cp context-parallel ranks, or None.
 
     Megatron-LM's rules (a sequence in 2 x cp chunks), the local attention's
     (megatron_parm.attention: all_gather and a2a; a2a splits the heads of a TP rank over the
-    CP ranks), and what is not built here (BERT, multi-token prediction)."""
+    CP ranks), and what is not built here (BERT)."""
     if cp == 1:
         return None
     if model_type != "gpt":
         return (f"{CP_FLAG} {cp} with BERT is not built here (its bidirectional attention "
                 f"and padding masks): GPT models take it")
-    if mtp_num_layers:
-        return (f"{CP_FLAG} {cp} with --mtp-num-layers is not built here (the MTP layers roll "
-                f"the sequence across the context-parallel ranks)")
     if seq_length % (2 * cp):
         return (f"--seq-length ({seq_length}) must be a multiple of 2 x {CP_FLAG} ({2 * cp}): "
                 f"each sequence splits into 2 x {cp} chunks")

@@ -301,8 +301,7 @@ def _validate_layout(args, world_size: int) -> None:
         num_layers=args.num_layers, transformer_impl=getattr(args, "transformer_impl", "local"),
         num_attention_heads=args.num_attention_heads,
         num_query_groups=(args.num_query_groups if args.group_query_attention
-                          and not args.multi_latent_attention else None),
-        mtp_num_layers=getattr(args, "mtp_num_layers", None)))
+                          and not args.multi_latent_attention else None)))
     _refuse(model_problem(
         tp, ep, args.expert_tensor_parallel_size, num_attention_heads=args.num_attention_heads,
         seq_length=args.seq_length, sequence_parallel=args.sequence_parallel,
