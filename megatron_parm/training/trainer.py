@@ -453,7 +453,8 @@ class Run:
         self.progress_log = ProgressLog(args, self.log.flops_per_sample)
         self.progress_log.start(consumed_samples)
         self.num_zeros, self.last_losses = None, {}
-        self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
+        self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": [],
+                        "grad_norms": []}
         for chunk in model:
             chunk.train()
         config = unwrap(model[0]).config
@@ -510,6 +511,7 @@ class Run:
         losses = from_last_stage(reduce_losses(add_losses(losses_reduced))
                                  if parallel_state.is_pipeline_last_stage() else None)
         self.summary["losses"].append(losses["lm loss"])
+        self.summary["grad_norms"].append(None if grad_norm is None else float(grad_norm))
         self.timer.step_end(self.iteration, losses)
         self.log.interval.add(losses, update_successful, batches.running,
                               batches.num_microbatches)
