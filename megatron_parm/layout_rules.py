@@ -261,6 +261,10 @@ def context_parallel_problem(cp: int, *, model_type: str, seq_length: int, tp: i
     if len(comm_types) not in (1, num_layers):
         return (f"{CP_COMM_FLAG}: one value for every layer or one per layer ({num_layers}), "
                 f"got {len(comm_types)}")
+    if len(set(comm_types)) > 1:
+        return (f"{CP_COMM_FLAG} {' '.join(comm_types)}: a type per layer fails in Megatron-Core "
+                f"0.16.1 (its layer l takes the list's entry l, numbering from 1: the last layer "
+                f"has none): give one value")
     if transformer_impl != "transformer_engine":
         refused = [value for value in comm_types if value not in CP_COMM_LOCAL]
         if refused:

@@ -25,8 +25,9 @@ def flags() -> List[Flag]:
         Flag("--cp-comm-type", GROUP, check=_cp_comm_types,
              help="How attention exchanges the sequence over the context-parallel ranks: "
                   "all_gather (the keys and values) or a2a (Ulysses: the heads), one value for "
-                  "every layer or one per layer. p2p (Megatron-LM's default) and a2a+p2p need "
-                  "Transformer Engine's attention (--transformer-impl transformer_engine)."),
+                  "every layer (a different one per layer fails in Megatron-Core 0.16.1). p2p "
+                  "(Megatron-LM's default) and a2a+p2p need Transformer Engine's attention "
+                  "(--transformer-impl transformer_engine)."),
         Flag("--expert-model-parallel-size", GROUP, check=positive_int),
         Flag("--expert-tensor-parallel-size", GROUP, help="Default: "
              "--tensor-model-parallel-size.", check=positive_int),

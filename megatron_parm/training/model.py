@@ -197,13 +197,12 @@ def recompute_fields(args) -> dict:
 
 
 def context_parallel_fields(args) -> dict:
-    """The config's context-parallel fields (none without it), as Megatron-LM sets them: one
-    --cp-comm-type for every layer as a string, one per layer as a list."""
+    """The config's context-parallel fields (none without it), as Megatron-LM sets them: the
+    --cp-comm-type of every layer as a string (the same value per layer: the same type)."""
     cp = getattr(args, "context_parallel_size", 1)
     if cp == 1:
         return {}
-    types = list(args.cp_comm_type)
-    return dict(context_parallel_size=cp, cp_comm_type=types[0] if len(types) == 1 else types)
+    return dict(context_parallel_size=cp, cp_comm_type=args.cp_comm_type[0])
 
 
 def pipeline_fields(args) -> dict:

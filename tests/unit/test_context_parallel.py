@@ -160,6 +160,8 @@ def test_context_parallel_sizes_the_data_parallel_group(in_repo):
      "size (4)"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "a2a", "a2a"], 4,
      "--cp-comm-type: one value for every layer or one per layer"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "all_gather"], 4,
+     "--cp-comm-type a2a all_gather: a type per layer fails in Megatron-Core 0.16.1"),
     (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 4,
      "--cp-comm-type: 'ring' is none of p2p, all_gather, a2a, a2a+p2p"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2"], 4,
