@@ -19,9 +19,10 @@ from typing import List, Optional
 from megatron_parm import schedules, settings, tuning
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, context_parallel_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
-    LAYOUT_FLAG, layout_virtual_stages, mla_problem, model_problem, moe_overlap_problem,
-    mtp_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
+    architecture_problem, batch_problem, context_parallel_problem, ddp_problem,
+    default_ffn_hidden_size, microbatch_problem, LAYOUT_FLAG, layout_virtual_stages, mla_problem,
+    model_problem, moe_overlap_problem, mtp_problem, pipeline_stage_layers, recompute_problem,
+    shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision, schedule, upcycling, writers
 from megatron_parm.training.implementation import check_implementation, expert_implementation
