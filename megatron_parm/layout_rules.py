@@ -199,13 +199,15 @@ def precision_problem(bf16: bool, fp16: bool) -> Optional[str]:
 
 
 def layout_problem(world_size: int, tp: int, ep: int, etp: int,
-                   num_experts: Optional[int] = None, pp: int = 1) -> Optional[str]:
-    """Why (tp, ep, etp, pp) cannot lay out world_size ranks (or split num_experts), or None.
+                   num_experts: Optional[int] = None, pp: int = 1, cp: int = 1) -> Optional[str]:
+    """Why (tp, ep, etp, pp, cp) cannot lay out world_size ranks (or split num_experts), or None.
 
     Megatron puts the pipeline stages outermost: each stage has world_size / pp ranks, laid
-    out by (tp, ep, etp) as a whole world would be."""
+    out by (tp, ep, etp) as a whole world would be. Its attention ranks are tp x cp x dp
+    (world = tp x cp x pp x dp), and its expert ranks etp x ep x expert-dp over the same
+    tp x cp x dp ranks of a stage, so etp x ep divides tp x cp x dp."""
     for flag, value in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep),
-                        ("--expert-tensor-parallel-size", etp)):
+                        ("--expert-tensor-parallel-size", etp), (CP_FLAG, cp)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     problem = size_problem("--pipeline-model-parallel-size", pp, world_size)
@@ -217,12 +219,67 @@ def layout_problem(world_size: int, tp: int, ep: int, etp: int,
              f"{pp} = {stage})")
     if stage % tp != 0:
         return f"--tensor-model-parallel-size ({tp}) must divide {where}"
+    if stage % (tp * cp) != 0:
+        return (f"--tensor-model-parallel-size x {CP_FLAG} ({tp} x {cp}) must divide {where}")
     if stage % etp != 0:
         return f"--expert-tensor-parallel-size ({etp}) must divide {where}"
     if stage % (etp * ep) != 0:
         return (f"--expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}) "
                 f"must divide {where}")
     return experts_problem(num_experts, ep)
+
+
+CP_FLAG = "--context-parallel-size"
+CP_COMM_FLAG = "--cp-comm-type"
+# The values of --cp-comm-type that Megatron-Core's attention knows (Transformer Engine's), and
+# those megatron_parm.attention runs without Transformer Engine.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+CP_COMM_LOCAL = ("all_gather", "a2a")
+
+
+def context_parallel_problem(cp: int, *, model_type: str, seq_length: int, tp: int,
+                             sequence_parallel: bool, moe: bool, comm_types, num_layers: int,
+                             transformer_impl: str, num_attention_heads: int,
+                             num_query_groups: Optional[int]) -> Optional[str]:
+    """Why the model cannot split its sequences over cp context-parallel ranks, or None.
+
+    Megatron-LM's rules (a sequence in 2 x cp chunks), the local attention's
+    (megatron_parm.attention: all_gather and a2a; a2a splits the heads of a TP rank over the
+    CP ranks), and what is not built here (BERT)."""
+    if cp == 1:
+        return None
+    if model_type != "gpt":
+        return (f"{CP_FLAG} {cp} with BERT is not built here (its bidirectional attention "
+                f"and padding masks): GPT models take it")
+    if seq_length % (2 * cp):
+        return (f"--seq-length ({seq_length}) must be a multiple of 2 x {CP_FLAG} ({2 * cp}): "
+                f"each sequence splits into 2 x {cp} chunks")
+    if (sequence_parallel or moe) and (seq_length // cp) % tp:
+        return (f"--seq-length / {CP_FLAG} ({seq_length} / {cp}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}): each rank's part of a sequence splits "
+                f"over TP")
+    if len(comm_types) not in (1, num_layers):
+        return (f"{CP_COMM_FLAG}: one value for every layer or one per layer ({num_layers}), "
+                f"got {len(comm_types)}")
+    if len(set(comm_types)) > 1:
+        return (f"{CP_COMM_FLAG} {' '.join(comm_types)}: a type per layer fails in Megatron-Core "
+                f"0.16.1 (its layer l takes the list's entry l, numbering from 1: the last layer "
+                f"has none): give one value")
+    if transformer_impl != "transformer_engine":
+        refused = [value for value in comm_types if value not in CP_COMM_LOCAL]
+        if refused:
+            return (f"{CP_COMM_FLAG} {refused[0]}: only {' and '.join(CP_COMM_LOCAL)} run "
+                    f"without Transformer Engine (--transformer-impl local): give "
+                    f"{CP_COMM_FLAG} all_gather")
+    if "a2a" in comm_types:
+        groups = num_query_groups or num_attention_heads
+        for what, count in (("--num-attention-heads", num_attention_heads),
+                            ("--num-query-groups", groups)):
+            if count % tp or (count // tp) % cp:
+                return (f"{CP_COMM_FLAG} a2a splits the heads of a TP rank over the CP ranks: "
+                        f"{what} / --tensor-model-parallel-size ({count} / {tp}) must be "
+                        f"divisible by {CP_FLAG} ({cp})")
+    return None
 
 
 def size_problem(flag: str, value: int, world_size: int) -> Optional[str]:

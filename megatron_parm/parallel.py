@@ -2,10 +2,11 @@
 
 A layout is (t, e, s) = (--tensor-model-parallel-size, --expert-model-parallel-size,
 --expert-tensor-parallel-size) on a world of W ranks, split into p pipeline stages
-(--pipeline-model-parallel-size; context parallelism 1). Megatron lays attention ranks out
-as [pp][dp][tp] and expert ranks as [pp][edp][ep][etp], TP and ETP innermost, so TP/ETP
-groups are consecutive ranks (inside a node), EP groups stride across nodes, and every
-group but the pipeline's and the embedding's stays inside one stage's W / p ranks.
+(--pipeline-model-parallel-size), each sequence over c context-parallel ranks
+(--context-parallel-size). Megatron lays attention ranks out as [pp][dp][cp][tp] and expert
+ranks as [pp][edp][ep][etp], TP and ETP innermost, so TP/ETP groups are consecutive ranks
+(inside a node), EP groups stride across nodes (over the CP ranks too), and every group but
+the pipeline's and the embedding's stays inside one stage's W / p ranks.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ def update_group_timeout(seconds: float) -> timedelta:
 
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
                     dispatcher: Optional[str] = None, sequence_parallel: bool = True,
-                    pp: int = 1) -> None:
+                    pp: int = 1, cp: int = 1) -> None:
     """Raise ValueError naming the flag for any layout Megatron or a dispatcher cannot run.
 
     The rules are layout_rules.layout_problem's; the dispatcher's own are its schedule catalog
     entry's (megatron_parm/schedules.py).
     """
     etp = tp if etp is None else etp
-    problem = layout_problem(world_size, tp, ep, etp, num_experts, pp)
+    problem = layout_problem(world_size, tp, ep, etp, num_experts, pp, cp)
     if problem:
         raise ValueError(problem)
     if dispatcher is not None:
@@ -76,7 +77,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                               vpp: Optional[int] = None,
                               ranks_per_node: Optional[int] = None,
                               num_distributed_optimizer_instances: int = 1,
-                              get_embedding_ranks=None) -> None:
+                              get_embedding_ranks=None, cp: int = 1) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
     each with group_timeout() (timeout_minutes sets it first), destroying the groups the
     previous call made.
@@ -87,12 +88,14 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     (--parm-ranks-per-node, None for the launcher's) is checked here against the layout;
     num_distributed_optimizer_instances: Megatron-LM's flag (its partial data-parallel
     groups); get_embedding_ranks: the ranks of a pipeline group that hold the word embeddings
-    (Megatron-Core's argument; None: its default, the first and last)."""
+    (Megatron-Core's argument; None: its default, the first and last); cp:
+    --context-parallel-size (Megatron-Core's CP, TP x CP and DP x CP groups, and its expert
+    groups over the TP x CP x DP ranks)."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
-                    pp=pp)
+                    pp=pp, cp=cp)
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
     if ranks_per_node is not None:
@@ -104,6 +107,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
         get_embedding_ranks=get_embedding_ranks,
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)

@@ -48,7 +48,8 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "n
 # Sizes that restrict the search; the command line's only (a config's are the planner's to
 # choose, listed in the note).
 LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-                "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
+                "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size",
+                "cp": "--context-parallel-size"}
 # The flags of the launch line that are each candidate's (or the planner's own), not copied
 # from the command line.
 CANDIDATE_KEYS = {"vocab_size", "micro_batch_size", "global_batch_size", "bf16", "fp16",

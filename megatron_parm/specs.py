@@ -76,20 +76,29 @@ def with_parm_moe(spec: ModuleSpec, expert_impl: Optional[str] = None) -> Module
     return dataclasses.replace(spec, submodules=submodules)
 
 
-def with_mla_core_attention(spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a transformer-layer spec whose multi-latent attention has
-    megatron_parm.attention.MLADotProductAttention in place of the local DotProductAttention
-    (which cannot take MLA's key and value widths); any other spec unchanged."""
+def with_core_attention(spec: ModuleSpec, context_parallel: bool = False) -> ModuleSpec:
+    """A copy of a transformer-layer spec with the project's core attention in place of the
+    local DotProductAttention: megatron_parm.attention.MLADotProductAttention in multi-latent
+    attention (the local one cannot take MLA's key and value widths), and
+    ParmDotProductAttention in the others where CONTEXT_PARALLEL (the local one refuses
+    --context-parallel-size > 1); any other spec (Transformer Engine's) unchanged."""
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from megatron_parm.attention import MLADotProductAttention
+    from megatron_parm.attention import MLADotProductAttention, ParmDotProductAttention
 
     attention = spec.submodules.self_attention
-    if not isinstance(attention, ModuleSpec) or attention.module is not MLASelfAttention \
+    if not isinstance(attention, ModuleSpec) \
             or attention.submodules.core_attention is not DotProductAttention:
         return spec
-    submodules = dataclasses.replace(attention.submodules, core_attention=MLADotProductAttention)
+    if attention.module is MLASelfAttention:
+        core = MLADotProductAttention
+    elif context_parallel and issubclass(attention.module, SelfAttention):
+        core = ParmDotProductAttention
+    else:
+        return spec
+    submodules = dataclasses.replace(attention.submodules, core_attention=core)
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, self_attention=dataclasses.replace(attention, submodules=submodules)))
 
@@ -100,7 +109,7 @@ def get_gpt_layer_parm_spec(*args, expert_impl: Optional[str] = None, **kwargs) 
     if expert_impl == "TorchGroupedMLP":
         # Its experts replace the spec's: skip the legacy GroupedMLP spec and its warning.
         kwargs["moe_grouped_gemm"] = False
-    return with_parm_moe(with_mla_core_attention(get_gpt_layer_local_spec(*args, **kwargs)),
+    return with_parm_moe(with_core_attention(get_gpt_layer_local_spec(*args, **kwargs)),
                          expert_impl)
 
 
@@ -134,7 +143,8 @@ def gpt_block_spec(config, expert_impl: Optional[str] = None, vp_stage: Optional
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                        normalization=config.normalization,
                                        qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
-    block.layer_specs = [with_parm_moe(with_mla_core_attention(spec), expert_impl)
+    context_parallel = config.context_parallel_size > 1
+    block.layer_specs = [with_parm_moe(with_core_attention(spec, context_parallel), expert_impl)
                          for spec in block.layer_specs]
     return block
 

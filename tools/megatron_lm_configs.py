@@ -173,7 +173,8 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
       samples, intervals and evaluation scaled to them), as many layers as a --moe-layer-freq
       pattern names or at most 2 per pipeline stage (and virtual stage), the parallel sizes
       cut to 8 ranks (_layout), a --pipeline-model-parallel-layout left as written;
-    - --moe-token-dispatcher-type parm."""
+    - --moe-token-dispatcher-type parm; with context parallelism --cp-comm-type all_gather (the
+      attention without Transformer Engine)."""
     given = dict(pairs)
     layout = _layout(given)
     vpp = min(_int(given, "--num-virtual-stages-per-pipeline-rank", 1), 2) if layout["pp"] > 1 \
@@ -241,6 +242,8 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         argv += ["--data-path", DATA_PATH]
     if "--moe-token-dispatcher-type" not in done:
         argv += ["--moe-token-dispatcher-type", "parm"]
+    if layout["cp"] > 1:  # p2p, Megatron-LM's default, needs Transformer Engine's attention
+        argv = _replace(argv, "--cp-comm-type", "all_gather")
     for flag in ("--lr", "--num-experts"):
         if flag not in done:
             raise ValueError(f"{name}: no {flag}")

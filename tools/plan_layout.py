@@ -130,7 +130,8 @@ def render(result, spec, cluster, profile, precision, args):
             f"{candidate.vpp or '-':>3} {candidate.dp:>3}  "
             f"{candidate.schedule_label():<{width}}{m:>3} {step.step_s * 1e3:>10.1f} "
             f"{step.tokens_per_s:>10.0f} {m * step.moe_s * 1e3:>9.1f} "
-            f"{m * step.dense_compute_s * 1e3:>9.1f} {m * step.tp_comm_s * 1e3:>8.1f} "
+            f"{m * step.dense_compute_s * 1e3:>9.1f} "
+            f"{m * (step.tp_comm_s + step.cp_comm_s) * 1e3:>8.1f} "
             f"{step.bubble_share:>7.0%} "
             f"{step.grad_reduce_s * 1e3:>8.1f} {_size(candidate.memory.total):>12}  {fits}")
     if len(shown) < len(result.candidates):
@@ -143,6 +144,11 @@ def render(result, spec, cluster, profile, precision, args):
                  "gradient reduction; recompute (+ ms): the forward work activation "
                  "recomputation runs again (all micro-batches; with pp, the slowest stage's, "
                  "which also lengthens the bubble), included in step ms")
+    cp = result.candidates[0].layout.cp if result.candidates else 1
+    if cp > 1:
+        lines.append(f"cp: every layout runs --context-parallel-size {cp} (--cp-comm-type "
+                     f"all_gather); dp is the data-parallel size that splits the batch, and TP "
+                     f"ms includes the gathers of the keys and values over the CP ranks")
     script = f"pretrain_scripts/pretrain_{'gpt2' if spec.model_type == 'gpt' else 'bert'}_moe.py"
     for index, candidate in enumerate(result.fitting[:args.show_flags], start=1):
         memory = candidate.memory

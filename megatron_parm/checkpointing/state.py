@@ -106,6 +106,8 @@ def sharded_tensors(state):
 
 # A layout's pipeline entries as checkpoints without them (saved before pipelining) had them.
 NO_PIPELINE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
+# What a layout recorded before a size existed had: no pipelining, no context parallelism.
+LAYOUT_DEFAULTS = {**NO_PIPELINE, "context_parallel_size": 1}
 
 
 def layout_of(args) -> dict:
@@ -115,22 +117,24 @@ def layout_of(args) -> dict:
             "expert_tensor_parallel_size": getattr(args, "expert_tensor_parallel_size", None),
             "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1),
             "virtual_pipeline_model_parallel_size": getattr(
-                args, "virtual_pipeline_model_parallel_size", None)}
+                args, "virtual_pipeline_model_parallel_size", None),
+            "context_parallel_size": getattr(args, "context_parallel_size", 1)}
 
 
 def same_layout(saved: Optional[dict], layout: dict) -> bool:
     """Whether a checkpoint's recorded layout is LAYOUT (one without pipeline entries was saved
     without pipelining); only then do its ranks' RNG states belong to this run's ranks."""
-    return saved is not None and {**NO_PIPELINE, **saved} == {**NO_PIPELINE, **layout}
+    return saved is not None and {**LAYOUT_DEFAULTS, **saved} == {**LAYOUT_DEFAULTS, **layout}
 
 
 def describe_layout(layout: Optional[dict]) -> str:
     if not layout:
         return "unknown"
-    layout = {**NO_PIPELINE, **layout}
-    pipeline = ""
+    layout = {**LAYOUT_DEFAULTS, **layout}
+    pipeline = f" cp={layout['context_parallel_size']}" if layout["context_parallel_size"] > 1 \
+        else ""
     if layout["pipeline_model_parallel_size"] != 1:
-        pipeline = f" pp={layout['pipeline_model_parallel_size']}"
+        pipeline += f" pp={layout['pipeline_model_parallel_size']}"
         if layout["virtual_pipeline_model_parallel_size"]:
             pipeline += f" vpp={layout['virtual_pipeline_model_parallel_size']}"
     return (f"{plural(layout['world_size'], 'rank')}, tp={layout['tensor_model_parallel_size']} "

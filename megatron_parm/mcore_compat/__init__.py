@@ -351,6 +351,27 @@ def _patch_host_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
+def _patch_cp_rotary_chunks() -> None:
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1,
+                              *pos_emb.shape[seq_dim + 1:])
+        index = torch.tensor([rank, 2 * size - 1 - rank], device=pos_emb.device)
+        chunks = chunks.index_select(seq_dim, index)
+        return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
 # ----------------------------------------------------------------------------------------
 # Transformer Engine absent
 # ----------------------------------------------------------------------------------------
@@ -706,6 +727,15 @@ REDIRECTS: Dict[str, Redirect] = {
             'The alltoall dispatcher turns its split sizes into numpy arrays only when they live '
             'on the GPU (maybe_move_tensor_to_cpu); on CPU they stay tensors, which '
             'torch.distributed.all_to_all_single rejects as split sizes.'
+        )),
+    "cp_rotary_chunks": Redirect(
+        _patch_cp_rotary_chunks, with_cuda=False,
+        why=(
+            'With --context-parallel-size > 1 the rotary embeddings (RotaryEmbedding, '
+            "YarnRotaryEmbedding) keep this CP rank's chunks r and 2c - 1 - r of the sequence's "
+            'positions (get_pos_emb_on_this_cp_rank), through an index in pinned memory moved '
+            "with .cuda(). On CPU the same chunks are selected with an index on the embedding's "
+            'device.'
         )),
     "missing_te": Redirect(
         _patch_missing_te, with_cuda=True,

@@ -6,15 +6,19 @@ Notation (as in docs/design.md):
     s = etp  expert-tensor-parallel size (Megatron ETP, the paper's ESP)
 
     p = pp   pipeline-parallel size (stages);  S = W / p  ranks of one stage
+    c = cp   context-parallel size (each sequence split over c ranks)
 
 Rank order follows Megatron-Core's default ("tp-cp-ep-dp-pp": pipeline outermost):
     stage:         global rank = pp_idx * S + stage rank          (a stage is S consecutive ranks)
-    dense layout:  stage rank = dp_idx * t + tp_idx               (TP groups are consecutive ranks)
+    dense layout:  stage rank = (dp_idx * c + cp_idx) * t + tp_idx (TP groups are consecutive ranks)
     expert layout: stage rank = edp_idx * e * s + ep_idx * s + etp_idx
 so TP and ETP groups are consecutive ranks and EP groups stride across ranks by s; the ESP x
 EP group "tp_ep" (Megatron's allgather gathers over it) is e * s consecutive ranks. The
 data-parallel groups that reduce gradients stride too, inside their stage: "dp" (dense
-parameters, S / t ranks) by t, "expt_dp" (expert parameters, S / (e * s) ranks) by e * s. The
+parameters, S / t ranks: Megatron's data x context parallel group, which its DDP reduces
+over) by t, "expt_dp" (expert parameters, S / (e * s) ranks) by e * s; the context-parallel
+group "cp" (attention's gather of the keys and values) is c ranks striding by t, and the
+data-parallel size that splits the global batch is S / (t c) (Layout.data_parallel_size). The
 pipeline group "pp" (the p2p sends between neighbouring stages) strides by S: rank r's next
 stage is r + S.
 A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node). E.g. 2 nodes x 2
@@ -33,9 +37,11 @@ from typing import List, Sequence, Tuple
 HIERARCHY_GROUPS = ("ep_inter", "ep_intra")  # parm_hier's EP groups split by node
 # the groups a dispatcher communicates over; "tp_ep": Megatron's ESP x EP group (allgather's)
 GROUP_NAMES = ("tp", "ep", "expt_tp", "tp_ep") + HIERARCHY_GROUPS
+CONTEXT_PARALLEL_GROUP_NAME = "cp"  # attention's gather of the keys and values
 DATA_PARALLEL_GROUP_NAMES = ("dp", "expt_dp")  # the groups gradients are reduced over
 PIPELINE_GROUP_NAME = "pp"  # one rank per stage: the p2p sends of the pipeline schedules
-_ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES + (PIPELINE_GROUP_NAME,)
+_ALL_GROUP_NAMES = GROUP_NAMES + DATA_PARALLEL_GROUP_NAMES + (PIPELINE_GROUP_NAME,
+                                                               CONTEXT_PARALLEL_GROUP_NAME)
 
 
 def _by_node(ranks: Sequence[int], ranks_per_node: int) -> List[List[int]]:
@@ -112,9 +118,10 @@ class Layout:
     nodes: int
     ranks_per_node: int
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "ep", "etp", "nodes", "ranks_per_node", "pp"):
+        for name in ("tp", "ep", "etp", "nodes", "ranks_per_node", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
@@ -127,6 +134,11 @@ class Layout:
             raise ValueError(
                 f"Layout: stage size {self.stage_size} (world / pp) is not divisible by "
                 f"tp={self.tp}"
+            )
+        if self.stage_size % (self.tp * self.cp) != 0:
+            raise ValueError(
+                f"Layout: stage size {self.stage_size} (world / pp) is not divisible by "
+                f"tp * cp = {self.tp} * {self.cp}"
             )
         if self.stage_size % (self.ep * self.etp) != 0:
             raise ValueError(
@@ -142,6 +154,12 @@ class Layout:
     def stage_size(self) -> int:
         """S: ranks of one pipeline stage (the world without pipelining)."""
         return self.world_size // self.pp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """d: the ranks that split the global batch, S / (t c) (the gradients are reduced over
+        the d x c ranks of "dp")."""
+        return self.stage_size // (self.tp * self.cp)
 
     def stage_of(self, rank: int) -> int:
         return rank // self.stage_size
@@ -162,6 +180,8 @@ class Layout:
             return self.stage_size // (self.ep * self.etp)
         if group_name == PIPELINE_GROUP_NAME:
             return self.pp
+        if group_name == CONTEXT_PARALLEL_GROUP_NAME:
+            return self.cp
         if group_name in HIERARCHY_GROUPS:
             return _largest_group(self, group_name)
         raise ValueError(f"unknown group name {group_name!r}; expected one of {_ALL_GROUP_NAMES}")
@@ -191,6 +211,10 @@ class Layout:
             return list(range(base + rank % stride, base + self.stage_size, stride))
         if group_name == PIPELINE_GROUP_NAME:
             return list(range(rank % self.stage_size, self.world_size, self.stage_size))
+        if group_name == CONTEXT_PARALLEL_GROUP_NAME:
+            block = self.tp * self.cp
+            start = rank - rank % block + rank % self.tp
+            return list(range(start, start + block, self.tp))
         if group_name in HIERARCHY_GROUPS:
             block = self.ep * self.etp
             blocks = _ep_blocks(self, rank - rank % block)[rank % self.etp]

@@ -130,7 +130,8 @@ from megatron_parm.perf_model.recompute import NONE, Recompute
 from megatron_parm.perf_model.shape import LayerShape
 from megatron_parm.perf_model.shape import layer_shape as shape_of_layer
 from megatron_parm.perf_model.transformer import (ModelSpec, ParameterCounts,
-                                                  layer_parameter_counts, parameter_counts)
+                                                  layer_parameter_counts, parameter_counts,
+                                                  per_rank_spec)
 from megatron_parm.perf_model.volumes import build_plan
 from megatron_parm.schedules import COMPUTE, EXPERTS, FORWARD
 
@@ -268,7 +269,7 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     n = shape.num_tokens
     width, heads = spec.attention_width, spec.num_attention_heads
-    scores = b * (heads // t) * s * s
+    scores = b * (heads // t) * s * s * layout.cp  # a CP rank's queries see every key
     softmax_bytes = 4 + (2 if precision.mixed else 0)
     statistics = 8 if spec.normalization == "LayerNorm" else 4  # y: fp32 mean and rstd / rstd
 
@@ -278,6 +279,8 @@ def _activation_terms(spec: ModelSpec, layout: Layout, micro_batch_size: int,
         attention = n * h * p + _mla_bytes(spec, t, n, p, statistics, unfused_rms) + n * width * p
     else:
         attention = n * h * p + _qkv_bytes(spec, t, n, p) + n * width * p
+    if layout.cp > 1:  # the other CP ranks' keys and values, gathered and kept for backward
+        attention += (layout.cp - 1) * b * s * spec.key_value_width // t * p
     if spec.has_rotary:
         attention += 4 * s * spec.rotary_channels * p
     if spec.qk_layernorm and not spec.multi_latent_attention:
@@ -520,6 +523,7 @@ def memory_per_rank(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     """Weights, gradients, optimizer state and activations of one rank; with pipelining, of
     the stage that needs the most (num_microbatches per step, vpp virtual stages), with
     activation recomputation `recompute` (recompute.py)."""
+    spec = per_rank_spec(spec, layout.cp)  # one rank's s / c tokens of each sequence
     estimates = [_stage_memory(spec, layout, micro_batch_size, precision, distributed_optimizer,
                                dispatcher, num_microbatches, vpp, stage, sum(chunks), recompute)
                  for stage, chunks in enumerate(stage_layers(spec, layout.pp, vpp))]

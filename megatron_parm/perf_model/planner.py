@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_parm import schedules
-from megatron_parm.layout_rules import (batch_problem, experts_problem, microbatch_problem,
+from megatron_parm.layout_rules import (batch_problem, context_parallel_problem,
+                                        experts_problem, microbatch_problem,
                                         pipeline_stage_layers, shared_expert_recompute_problem,
                                         size_problem)
 from megatron_parm.perf_model.layout import Layout
@@ -109,7 +110,7 @@ class Candidate:
 
     @property
     def dp(self) -> int:
-        return self.layout.group_size("dp")
+        return self.layout.data_parallel_size
 
     @property
     def vpp(self) -> Optional[int]:
@@ -138,6 +139,7 @@ class Candidate:
         """`tp=1 ep=4 etp=1`, with ` pp=2` and ` vpp=3` where pipelined and interleaved."""
         layout = self.layout
         return (f"tp={layout.tp} ep={layout.ep} etp={layout.etp}"
+                + (f" cp={layout.cp}" if layout.cp > 1 else "")
                 + (f" pp={layout.pp}" if layout.pp > 1 else "")
                 + (f" vpp={self.vpp}" if self.vpp else ""))
 
@@ -154,6 +156,8 @@ class Candidate:
         flags = ["--tensor-model-parallel-size", str(layout.tp),
                  "--expert-model-parallel-size", str(layout.ep),
                  "--expert-tensor-parallel-size", str(layout.etp)]
+        if layout.cp > 1:
+            flags += ["--context-parallel-size", str(layout.cp), "--cp-comm-type", "all_gather"]
         if layout.pp > 1:
             flags += ["--pipeline-model-parallel-size", str(layout.pp)]
         if self.layers_per_virtual_stage:
@@ -176,7 +180,7 @@ class Candidate:
 
     def as_dict(self) -> dict:
         return {"tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp,
-                "pp": self.layout.pp, "vpp": self.vpp,
+                "pp": self.layout.pp, "cp": self.layout.cp, "vpp": self.vpp,
                 "num_layers_per_virtual_pipeline_stage": self.layers_per_virtual_stage,
                 "dp": self.dp, "dispatcher": self.dispatcher, "num_chunks": self.num_chunks,
                 "equivalent_dispatchers": list(self.equivalents), "label": self.describe(),
@@ -205,13 +209,14 @@ def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
                       ) -> Tuple[List[Layout], Dict[Tuple[int, int, int, int], str]]:
     """Layouts that run `spec`, and {(tp, ep, etp, pp): why not} for the others.
 
-    fixed: {"tp": .., "ep": .., "etp": .., "pp": ..} sizes the user fixed (checked against
-    the world).
+    fixed: {"tp": .., "ep": .., "etp": .., "pp": .., "cp": ..} sizes the user fixed (checked
+    against the world); the context-parallel size is not searched: the one given, else 1.
     """
     world = cluster.world_size
     fixed = {key: value for key, value in (fixed or {}).items() if value is not None}
     flags = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
-             "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size"}
+             "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size",
+             "cp": "--context-parallel-size"}
     for key, value in fixed.items():
         problem = size_problem(flags[key], value, world)
         if problem:
@@ -219,16 +224,24 @@ def enumerate_layouts(spec: ModelSpec, cluster: Cluster, micro_batch_size: int,
     if "ep" in fixed and experts_problem(spec.num_experts, fixed["ep"]):
         raise PlanError(experts_problem(spec.num_experts, fixed["ep"]))
     layouts, skipped = [], {}
+    cp = fixed.pop("cp", 1)
+    problem = context_parallel_problem(
+        cp, model_type=spec.model_type, seq_length=spec.seq_length, tp=1,
+        sequence_parallel=False, moe=False, comm_types=["all_gather"],
+        num_layers=spec.num_layers, transformer_impl="local",
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups)
+    if problem:
+        raise PlanError(problem)
     for pp in _divisors(world):
         stage = world // pp
-        for tp in _divisors(stage):
+        for tp in (d for d in _divisors(stage) if stage % (d * cp) == 0):
             for ep in _divisors(stage):
                 for etp in _divisors(stage // ep):
                     sizes = {"tp": tp, "ep": ep, "etp": etp, "pp": pp}
                     if any(sizes[key] != value for key, value in fixed.items()):
                         continue
                     layout = Layout(tp=tp, ep=ep, etp=etp, nodes=cluster.nodes,
-                                    ranks_per_node=cluster.ranks_per_node, pp=pp)
+                                    ranks_per_node=cluster.ranks_per_node, pp=pp, cp=cp)
                     reason = _layout_problem(spec, layout, micro_batch_size, global_batch_size)
                     if reason is None:
                         layouts.append(layout)
@@ -251,7 +264,10 @@ def _layout_problem(spec: ModelSpec, layout: Layout, micro_batch_size: int,
     if reason is None and layout.pp > 1:
         layers = pipeline_stage_layers(spec.num_layers, layout.pp)
         reason = layers if isinstance(layers, str) else None
-    data_parallel = layout.group_size("dp")
+    if reason is None and layout.cp > 1 and (spec.seq_length // layout.cp) % layout.tp:
+        reason = (f"--seq-length / --context-parallel-size ({spec.seq_length} / {layout.cp}) "
+                  f"must be divisible by --tensor-model-parallel-size ({layout.tp})")
+    data_parallel = layout.data_parallel_size
     if reason is None:
         reason = batch_problem(global_batch_size, micro_batch_size, data_parallel)
     if reason is None:
@@ -365,8 +381,8 @@ def _planned_candidates(spec, layout, schedule, profile, cluster, micro_batch_si
                         global_batch_size, precision, distributed_optimizer,
                         chunk_candidates, recompute=None) -> List[Candidate]:
     """_schedule_candidates for the model as `spec` has it."""
-    tokens_per_rank = spec.seq_length * micro_batch_size // layout.tp
-    num_microbatches = global_batch_size // (micro_batch_size * layout.group_size("dp"))
+    tokens_per_rank = spec.seq_length * micro_batch_size // (layout.tp * layout.cp)
+    num_microbatches = global_batch_size // (micro_batch_size * layout.data_parallel_size)
     counts = schedule.chunk_candidates if chunk_candidates is None else chunk_candidates
     chunk_counts = (sorted({count for count in counts if count <= tokens_per_rank})
                     if schedule.chunked else [None])

@@ -101,7 +101,8 @@ from megatron_parm.perf_model.memory import (Precision, layer_shape, stage_layer
 from megatron_parm.perf_model.predict import Prediction, stage_time, predict
 from megatron_parm.perf_model.profile import Profile
 from megatron_parm.perf_model.recompute import NONE, Recompute
-from megatron_parm.perf_model.transformer import ModelSpec, parameter_counts, replicated_over_tp
+from megatron_parm.perf_model.transformer import (ModelSpec, parameter_counts, per_rank_spec,
+                                                  replicated_over_tp)
 from megatron_parm.perf_model.volumes import place_stage
 from megatron_parm.schedules import FORWARD, Stage
 
@@ -131,11 +132,12 @@ class StepTime:
     p2p_bytes: float = 0.0  # one send (one rank, one micro-batch, one way)
     # activation recomputation's forward work, run again in the backward pass (one micro-batch)
     recompute_s: float = 0.0
+    cp_comm_s: float = 0.0  # context parallelism's gathers of the keys and values
 
     @property
     def microbatch_s(self) -> float:
-        return (self.moe_s + self.dense_compute_s + self.tp_comm_s + self.framework_s
-                + self.recompute_s + self.shared_overlap_s)
+        return (self.moe_s + self.dense_compute_s + self.tp_comm_s + self.cp_comm_s
+                + self.framework_s + self.recompute_s + self.shared_overlap_s)
 
     @property
     def pipeline_s(self) -> float:
@@ -157,7 +159,8 @@ class StepTime:
 
     def as_dict(self) -> Dict[str, float]:
         return {"moe_s": self.moe_s, "dense_compute_s": self.dense_compute_s,
-                "tp_comm_s": self.tp_comm_s, "framework_s": self.framework_s,
+                "tp_comm_s": self.tp_comm_s, "cp_comm_s": self.cp_comm_s,
+                "framework_s": self.framework_s,
                 "recompute_s": self.recompute_s, "microbatch_s": self.microbatch_s,
                 "num_microbatches": self.num_microbatches, "grad_reduce_s": self.grad_reduce_s,
                 "pp": self.pp, "vpp": self.vpp, "p2p_s": self.p2p_s,
@@ -197,14 +200,15 @@ def layer_gemm_flops(spec: ModelSpec, layout: Layout, micro_batch_size: int
     projection; mlp (a dense layer's fc1, fc2); router; shared_experts (fc1, fc2, their gate)."""
     t, h, s = layout.tp, spec.hidden_size, spec.seq_length
     tokens = s * micro_batch_size  # the whole sequence: attention GEMMs see it all under SP
+    keys = s * layout.cp  # with context parallelism (spec: per_rank_spec's) every rank's keys
     local = tokens // t
     width, u = spec.attention_width, spec.fc1_factor
     ffn, shared = spec.dense_ffn_hidden_size, spec.shared_expert_size or 0
     return {
         "qkv": tuple(2 * tokens * width_in * width_out / t
                      for width_in, width_out in spec.attention_gemms()),
-        "core_attn": (2 * micro_batch_size * s * s * spec.key_width / t,
-                      2 * micro_batch_size * s * s * width / t),
+        "core_attn": (2 * micro_batch_size * s * keys * spec.key_width / t,
+                      2 * micro_batch_size * s * keys * width / t),
         "projection": (2 * tokens * width * h / t,),
         "mlp": (2 * tokens * h * u * ffn / t, 2 * tokens * ffn * h / t),
         "router": (2 * local * h * spec.num_experts,),
@@ -303,6 +307,21 @@ def _mla_tp_collectives(spec: ModelSpec, layout: Layout, tokens: int, profile: P
     forward += scatter(h)
     backward += gather(h)
     return forward, forward + backward
+
+
+def cp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
+                    precision: Precision, layers: Sequence[int]) -> float:
+    """Context parallelism's collectives of `layers` (spec: per_rank_spec's), forward +
+    backward: each layer's attention gathers the keys and values of every CP rank (AG over
+    "cp" of this rank's s / c tokens' keys and values of its heads, --cp-comm-type
+    all_gather) and reduce-scatters their gradients backward; 0 at c = 1."""
+    if layout.cp == 1:
+        return 0.0
+    shard = (spec.seq_length * micro_batch_size * spec.key_value_width // layout.tp
+             * precision.activation_bytes)
+    per_layer = (collective_seconds(profile, layout, "all_gather", "cp", shard)
+                 + collective_seconds(profile, layout, "reduce_scatter", "cp", shard))
+    return len(layers) * per_layer
 
 
 def tp_comm_seconds(spec: ModelSpec, layout: Layout, micro_batch_size: int, profile: Profile,
@@ -504,6 +523,8 @@ def stage_times(spec: ModelSpec, layout: Layout, profile: Profile, moe_layer: Pr
                                                      head=last, layers=stage_layers),
             "tp_comm_s": tp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
                                          embedding=first, head=last, layers=stage_layers),
+            "cp_comm_s": cp_comm_seconds(spec, layout, micro_batch_size, profile, precision,
+                                         stage_layers),
             "framework_s": framework_seconds(spec, profile, num_layers, layout.pp),
             "recompute_s": sum(recomputed[spec.moe_layers[chunk[local]]]
                                for chunk in stage_chunks
@@ -522,13 +543,15 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
     """Predicted step of `spec` on `layout` with `dispatcher` (a schedule with a cost plan in
     the catalog; num_chunks for a chunked one); vpp virtual stages per rank (interleaving),
     with activation recomputation `recompute` (recompute.py)."""
-    data_parallel = layout.group_size("dp")
+    data_parallel = layout.data_parallel_size
     per_step = micro_batch_size * data_parallel
     problem = batch_problem(global_batch_size, micro_batch_size, data_parallel)
     num_microbatches = global_batch_size // per_step
     problem = problem or microbatch_problem(num_microbatches, layout.pp, vpp)
     if problem:
         raise ValueError(problem)
+    tokens_per_step = global_batch_size * spec.seq_length
+    spec = per_rank_spec(spec, layout.cp)  # from here on, one rank's s / c tokens
     shape = layer_shape(spec, layout, micro_batch_size, precision)
     moe_layer = predict(dispatcher, shape, layout, profile, num_chunks, sequence_parallel=True)
     stages = stage_times(spec, layout, profile, moe_layer, micro_batch_size, precision, vpp,
@@ -545,7 +568,8 @@ def step_time(spec: ModelSpec, layout: Layout, profile: Profile, dispatcher: str
         num_microbatches=num_microbatches,
         grad_reduce_s=grad_reduce_seconds(spec, layout, profile, precision,
                                           distributed_optimizer, vpp),
-        tokens_per_step=global_batch_size * spec.seq_length,
+        tokens_per_step=tokens_per_step,
+        cp_comm_s=slowest["cp_comm_s"],
         moe_layer=moe_layer,
         p2p_s=slowest["p2p_s"],
         bubble_s=(sum(totals) - max(totals)) / (vpp or 1),

@@ -47,6 +47,7 @@ layers), and tests/unit/test_planner_models.py those configs whole and every arc
 at TP 1.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, Iterable, Optional, Tuple, Union
@@ -165,6 +166,13 @@ class ModelSpec:
     @property
     def positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def key_value_width(self) -> int:
+        """The keys' and values' channels (all ranks): 2 g c; MLA: a (dk + dr) + a dv."""
+        if self.multi_latent_attention:
+            return self.key_width + self.attention_width
+        return 2 * self.query_groups * self.head_channels
 
     @property
     def head_channels(self) -> int:
@@ -392,3 +400,13 @@ def _widths_problem(spec: ModelSpec, tp: int) -> Optional[str]:
             return (f"{flag} ({width}) must be divisible by --tensor-model-parallel-size "
                     f"({tp})")
     return None
+
+
+def per_rank_spec(spec: ModelSpec, cp: int) -> ModelSpec:
+    """The model as one of cp context-parallel ranks computes it: s / c tokens of each sequence
+    (its queries attend to all s keys: the step and memory models multiply the scores by c);
+    the model itself (its position table) unchanged."""
+    if cp == 1:
+        return spec
+    return dataclasses.replace(spec, seq_length=spec.seq_length // cp,
+                               max_position_embeddings=spec.positions)

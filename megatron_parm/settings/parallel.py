@@ -1,11 +1,11 @@
-"""The parallelism flags (tensor, expert, pipeline, data) and the cluster's (the planners and the
-emulator)."""
+"""The parallelism flags (tensor, context, expert, pipeline, data) and the cluster's (the planners
+and the emulator)."""
 
 from __future__ import annotations
 
 from typing import List
 
-from megatron_parm.layout_rules import expand_pipeline_layout
+from megatron_parm.layout_rules import CP_COMM_TYPES, expand_pipeline_layout
 from megatron_parm.settings import megatron_lm
 from megatron_parm.settings.flag import Flag, positive_int, positive_number
 
@@ -17,6 +17,17 @@ DEFAULT_TIMEOUT_MINUTES = megatron_lm.option("--distributed-timeout-minutes").de
 def flags() -> List[Flag]:
     return [
         Flag("--tensor-model-parallel-size", GROUP, check=positive_int),
+        Flag("--context-parallel-size", GROUP, check=positive_int,
+             help="Context parallelism: each sequence split over this many ranks (in 2 x size "
+                  "chunks, rank r holding chunks r and 2 x size - 1 - r for causal balance); "
+                  "attention gathers the keys and values over them (--cp-comm-type). "
+                  "docs/pretraining.md."),
+        Flag("--cp-comm-type", GROUP, check=_cp_comm_types,
+             help="How attention exchanges the sequence over the context-parallel ranks: "
+                  "all_gather (the keys and values) or a2a (Ulysses: the heads), one value for "
+                  "every layer (a different one per layer fails in Megatron-Core 0.16.1). p2p "
+                  "(Megatron-LM's default) and a2a+p2p need Transformer Engine's attention "
+                  "(--transformer-impl transformer_engine)."),
         Flag("--expert-model-parallel-size", GROUP, check=positive_int),
         Flag("--expert-tensor-parallel-size", GROUP, help="Default: "
              "--tensor-model-parallel-size.", check=positive_int),
@@ -75,6 +86,13 @@ def _layout_reads(flag: str, value) -> None:
     problem = expand_pipeline_layout(value)
     if isinstance(problem, str):
         raise ValueError(problem)
+
+
+def _cp_comm_types(flag: str, values) -> None:
+    """Every value one of the communication types of Megatron-Core's attention."""
+    for value in values:
+        if value not in CP_COMM_TYPES:
+            raise ValueError(f"{flag}: {value!r} is none of {', '.join(CP_COMM_TYPES)}")
 
 
 def cluster_flags() -> List[Flag]:

@@ -79,8 +79,12 @@ NEEDS_GPU_FP8 = "FP8 / FP4 training needs Transformer Engine on a Hopper or newe
 CUDA_GRAPHS = ("CUDA graphs need a GPU, and Parm's dispatchers keep host state a graph cannot "
                "replay (docs/design.md)")
 NEEDS_DEEPEP = "needs DeepEP, HybridEP or grouped_gemm kernels on a GPU"
-CONTEXT_PARALLEL = ("context parallelism is not built yet (the next issue: DeepSeek-V3-style "
-                    "features)")
+HIERARCHICAL_CP = ("hierarchical context parallelism feeds --cp-comm-type a2a+p2p, which needs "
+                   "Transformer Engine's attention (--context-parallel-size with all_gather or a2a "
+                   "runs here)")
+HYBRID_CP = ("hybrid (dynamic) context parallelism splits packed sequences (THD) over a varying "
+             "number of ranks, which needs Transformer Engine's attention and is not built here "
+             "(--context-parallel-size runs here)")
 FSDP = ("FSDP (Megatron-FSDP, torch FSDP2) is not built here, --use-distributed-optimizer shards "
         "the optimizer state")
 MAMBA = "Mamba and hybrid models are not built here"
@@ -277,10 +281,9 @@ NO_EFFECT: Dict[str, str] = {
 }
 
 REFUSED: Dict[str, str] = {
-    "--context-parallel-size": CONTEXT_PARALLEL,
-    "--hierarchical-context-parallel-sizes": CONTEXT_PARALLEL,
-    "--max-seqlen-per-dp-cp-rank": CONTEXT_PARALLEL,
-    "--hybrid-context-parallel": CONTEXT_PARALLEL,
+    "--hierarchical-context-parallel-sizes": HIERARCHICAL_CP,
+    "--max-seqlen-per-dp-cp-rank": HYBRID_CP,
+    "--hybrid-context-parallel": HYBRID_CP,
     "--tp-comm-overlap": NEEDS_TE,
     "--qk-clip": QK_CLIP,
     "--experimental-attention-variant": NOT_BUILT,
@@ -377,7 +380,6 @@ REFUSED: Dict[str, str] = {
     "--use-megatron-fsdp": FSDP,
     "--data-parallel-sharding-strategy": FSDP,
     "--use-torch-fsdp2": FSDP,
-    "--cp-comm-type": CONTEXT_PARALLEL,
     "--fake-process-group": NOT_BUILT,
     "--full-validation": FULL_VALIDATION,
     "--multiple-validation-sets": VALIDATION_SETS,

@@ -19,9 +19,10 @@ from typing import List, Optional
 from megatron_parm import schedules, settings, tuning
 from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
-    architecture_problem, batch_problem, ddp_problem, default_ffn_hidden_size, microbatch_problem,
-    LAYOUT_FLAG, layout_virtual_stages, mla_problem, model_problem, moe_overlap_problem,
-    mtp_problem, pipeline_stage_layers, recompute_problem, shape_problem, virtual_stages)
+    architecture_problem, batch_problem, context_parallel_problem, ddp_problem,
+    default_ffn_hidden_size, microbatch_problem, LAYOUT_FLAG, layout_virtual_stages, mla_problem,
+    model_problem, moe_overlap_problem, mtp_problem, pipeline_stage_layers, recompute_problem,
+    shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision, schedule, upcycling, writers
 from megatron_parm.training.implementation import check_implementation, expert_implementation
@@ -292,8 +293,16 @@ def _validate_layout(args, world_size: int) -> None:
         args.expert_tensor_parallel_size = tp
     validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
                     args.moe_token_dispatcher_type, args.sequence_parallel,
-                    pp=args.pipeline_model_parallel_size)
+                    pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
     _validate_pipeline(args)
+    _refuse(context_parallel_problem(
+        args.context_parallel_size, model_type=getattr(args, "model_type", "gpt"),
+        seq_length=args.seq_length, tp=tp, sequence_parallel=args.sequence_parallel,
+        moe=args.num_experts is not None, comm_types=args.cp_comm_type,
+        num_layers=args.num_layers, transformer_impl=getattr(args, "transformer_impl", "local"),
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=(args.num_query_groups if args.group_query_attention
+                          and not args.multi_latent_attention else None)))
     _refuse(model_problem(
         tp, ep, args.expert_tensor_parallel_size, num_attention_heads=args.num_attention_heads,
         seq_length=args.seq_length, sequence_parallel=args.sequence_parallel,
@@ -316,7 +325,8 @@ def _validate_batch(args, world_size: int) -> None:
     micro-batches per step; args.num_microbatches: the full batch's, which evaluation runs
     (Megatron-LM's)."""
     pp = args.pipeline_model_parallel_size
-    data_parallel_size = world_size // (args.tensor_model_parallel_size * pp)
+    data_parallel_size = world_size // (args.tensor_model_parallel_size * pp
+                                        * args.context_parallel_size)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel_size
     args.data_parallel_size = data_parallel_size

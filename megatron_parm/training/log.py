@@ -205,13 +205,19 @@ def describe_choice(choice) -> str:
     return choice.describe() if hasattr(choice, "describe") else str(choice)
 
 
+def context_text(args) -> str:
+    """'cp=N (all_gather), ' with context parallelism, else ''."""
+    cp = getattr(args, "context_parallel_size", 1)
+    return f"cp={cp} ({' '.join(args.cp_comm_type)}), " if cp > 1 else ""
+
+
 def start_lines(args, experts: str, device_type: str, optional_note: Optional[str]) -> None:
     """The start-up banner on rank 0: layout, dispatcher, experts, device, where output goes."""
     import torch
 
     print_rank_0(f"> {args.model_type.upper()} MoE pretraining: "
                  f"{plural(torch.distributed.get_world_size(), 'rank')} "
-                 f"(tp={args.tensor_model_parallel_size}, "
+                 f"(tp={args.tensor_model_parallel_size}, {context_text(args)}"
                  f"ep={args.expert_model_parallel_size}, "
                  f"etp={args.expert_tensor_parallel_size}, {pipeline_text(args)}"
                  f"dp={args.data_parallel_size}), "

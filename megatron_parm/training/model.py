@@ -22,6 +22,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.utils import openai_gelu
 
 from megatron_parm import tuning
+from megatron_parm.attention import split_for_context_parallel
 from megatron_parm.checkpointing.state import unwrap  # noqa: F401 (the one unwrap; trainer's too)
 from megatron_parm.config import ParmMLATransformerConfig, ParmTransformerConfig
 from megatron_parm.data.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
@@ -60,6 +61,7 @@ def build_config(args) -> ParmTransformerConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        **context_parallel_fields(args),
         **pipeline_fields(args),
         **recompute_fields(args),
         **run_fields(args),
@@ -192,6 +194,15 @@ def recompute_fields(args) -> dict:
                 recompute_num_layers=args.recompute_num_layers,
                 **({"recompute_modules": list(args.recompute_modules)}
                    if args.recompute_modules else {}))
+
+
+def context_parallel_fields(args) -> dict:
+    """The config's context-parallel fields (none without it), as Megatron-LM sets them: the
+    --cp-comm-type of every layer as a string (the same value per layer: the same type)."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp == 1:
+        return {}
+    return dict(context_parallel_size=cp, cp_comm_type=args.cp_comm_type[0])
 
 
 def pipeline_fields(args) -> dict:
@@ -339,6 +350,27 @@ def next_batch(data_iterator, model) -> dict:
     return batch
 
 
+# The GPT batch's tensors split along their sequence: [b, s] ones along dim 1, the attention
+# mask [b, 1, s, s] along its query rows (dim 2), as Megatron-LM's get_batch_on_this_cp_rank.
+CP_SPLIT_DIMS = {"tokens": 1, "labels": 1, "loss_mask": 1, "position_ids": 1,
+                 "attention_mask": 2}
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's part of a GPT micro-batch (every CP rank of a data-parallel
+    rank reads the same one): chunks r and 2c - 1 - r of 2c, for tokens, labels, loss mask,
+    position ids and the attention mask's rows alike; the batch itself without CP."""
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1:
+        return batch
+    cp_rank = parallel_state.get_context_parallel_rank()
+    return {key: split_for_context_parallel(value, CP_SPLIT_DIMS[key], cp_size, cp_rank)
+            if key in CP_SPLIT_DIMS and value is not None else value
+            for key, value in batch.items()}
+
+
 def _masked_mean(losses_bs: torch.Tensor, loss_mask_bs: torch.Tensor) -> torch.Tensor:
     loss_mask_bs = loss_mask_bs.float()
     return (losses_bs.float() * loss_mask_bs).sum() / loss_mask_bs.sum().clamp(min=1.0)
@@ -368,17 +400,42 @@ def _reported(loss: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
 # Megatron-Core's schedules neither divide by the tokens nor by the micro-batches: the
 # gradients are divided by the global batch's token count in finalize_model_grads.
 
-def gpt_loss(loss_mask_bs, losses_bs, per_token: bool = False):
+def gpt_loss(loss_mask_bs, losses_bs, per_token: bool = False, cp_group=None):
     if per_token:
         lm_loss, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
         return lm_loss, num_tokens, {"lm loss": _reported(lm_loss, num_tokens)}
+    if cp_group is not None:
+        return _context_parallel_mean(losses_bs, loss_mask_bs, cp_group)
     lm_loss = _masked_mean(losses_bs, loss_mask_bs)
     return lm_loss, {"lm loss": lm_loss.detach().clone()}
 
 
+def _context_parallel_mean(losses_bs, loss_mask_bs, cp_group):
+    """A CP rank's share of the micro-batch's mean loss: its summed loss over the tokens of the
+    whole sequences (counted over the CP group), as Megatron-LM reduced it with CP before its
+    losses became [sum, tokens]. Megatron-Core's schedule multiplies it by c and DDP averages
+    the gradients over data x context parallel ranks, so they are the mean's, exactly; the
+    report is the whole micro-batch's mean, the same on every CP rank."""
+    lm_sum, num_tokens = _masked_sum(losses_bs, loss_mask_bs)
+    totals = torch.stack([lm_sum.detach(), num_tokens.float()])
+    torch.distributed.all_reduce(totals, group=cp_group)
+    count = totals[1].clamp(min=1.0)
+    return lm_sum / count, {"lm loss": (totals[0] / count).clone()}
+
+
+def _cp_group():
+    """The context-parallel group where it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
 def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
-    batch = next_batch(data_iterator, model)
-    loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model))
+    batch = batch_on_this_cp_rank(next_batch(data_iterator, model))
+    loss_func = partial(gpt_loss, batch["loss_mask"], per_token=_per_token(model),
+                        cp_group=_cp_group())
     if return_schedule_plan:
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"],
                                          batch.get("attention_mask"), labels=batch["labels"],

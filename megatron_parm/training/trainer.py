@@ -203,7 +203,10 @@ def reduce_losses(totals: dict) -> dict:
     names = sorted(totals)
     stacked = torch.tensor([totals[name] for name in names], dtype=torch.float64,
                            device=device.current())
-    torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+    # Over data x context parallel ranks, as Megatron-LM: each CP rank reports its micro-batch's
+    # whole-sequence mean, or its part's [summed loss, tokens].
+    torch.distributed.all_reduce(stacked, group=parallel_state.get_data_parallel_group(
+        with_context_parallel=True))
     return {name: (total / max(count, 1e-30)) for name, (total, count)
             in zip(names, stacked.tolist())}
 
@@ -363,7 +366,8 @@ def initialize(args) -> None:
                               ranks_per_node=args.parm_ranks_per_node,
                               num_distributed_optimizer_instances=(
                                   args.num_distributed_optimizer_instances),
-                              get_embedding_ranks=mtp.embedding_ranks(args))
+                              get_embedding_ranks=mtp.embedding_ranks(args),
+                              cp=args.context_parallel_size)
     set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
@@ -449,7 +453,8 @@ class Run:
         self.progress_log = ProgressLog(args, self.log.flops_per_sample)
         self.progress_log.start(consumed_samples)
         self.num_zeros, self.last_losses = None, {}
-        self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": []}
+        self.summary = {"losses": [], "eval": [], "checkpoint": None, "iteration_times": [],
+                        "grad_norms": []}
         for chunk in model:
             chunk.train()
         config = unwrap(model[0]).config
@@ -506,6 +511,7 @@ class Run:
         losses = from_last_stage(reduce_losses(add_losses(losses_reduced))
                                  if parallel_state.is_pipeline_last_stage() else None)
         self.summary["losses"].append(losses["lm loss"])
+        self.summary["grad_norms"].append(None if grad_norm is None else float(grad_norm))
         self.timer.step_end(self.iteration, losses)
         self.log.interval.add(losses, update_successful, batches.running,
                               batches.num_microbatches)

@@ -170,6 +170,30 @@ MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
 TORCH_FORMAT = ["--ckpt-format", "torch"]
 
 
+# Context parallelism at (2,2,2) on 4 ranks: tp=2 x cp=2, dp=1 (dropout off: these compare
+# losses and weights across layouts), the distributed optimizer sharded over dp x cp.
+CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+CP_RUN = [*DIST, *DIST_RUN, *NO_DROPOUT]
+CP_FORMATS = {"torch_dist": [], "torch": TORCH_FORMAT}
+
+
+def context_parallel_runs(run: Path, train) -> dict:
+    """Per checkpoint format, parm at (2,2,2) with cp=2 saved at 2 and 4, resumed from 2 at
+    cp=2 and loaded at cp=1 (dp=2); and cp=1 trained from the start (its weights at 4)."""
+    results = {}
+    layout = [*layout_flags(2, 2, 2, "parm"), *dispatcher_flags("parm")]
+    for name, ckpt_format in CP_FORMATS.items():
+        saved = f"{run}/cp2 {name}"
+        results[f"cp2 {name}"] = train(*layout, *CP2, *CP_RUN, *ckpt_format,
+                                       "--save", saved)["losses"]
+        results[f"cp2 {name} resumed"] = train(*layout, *CP2, *CP_RUN, *ckpt_format, "--load",
+                                               f"{saved}/iter_0000002")["losses"]
+        results[f"cp2 {name} at cp1"] = train(*layout, *CP_RUN, *ckpt_format, "--load",
+                                              f"{saved}/iter_0000002")["losses"]
+    results["cp1"] = train(*layout, *CP_RUN, "--save", f"{run}/cp1")["losses"]
+    return results
+
+
 def dispatcher_flags(dispatcher: str) -> list:
     """parm with its model's choice: a run resumed while parm still tunes tunes again, and its
     candidates' values differ in the last bits (Megatron's allgather sums a token's experts in
@@ -236,6 +260,7 @@ def distopt_worker(mode: str, run: Path, train) -> dict:
             except ValueError as err:
                 errors[name] = str(err)
         results["errors"] = errors
+        results["context_parallel"] = context_parallel_runs(run, train)
     elif mode in ("distopt_narrow", "distopt_wide"):  # 2 ranks: dp=1; 8 ranks: dp=4
         results["dp"] = train(*layout_flags(2, 1, 2, "alltoall"), *DIST_RUN, *DIST,
                               *NO_DROPOUT, "--load", f"{run}/dp2/iter_0000002")["losses"]
@@ -918,6 +943,32 @@ def test_distopt_loads_at_another_data_parallel_size_and_layout(distopt_runs):
             ("plain 1,4,1", main["fully plain 1,4,1"], main["fully"])):
         assert len(losses) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(losses, reference[2:])), \
             (name, losses, reference)
+
+
+def test_context_parallel_checkpoints_resume_bitwise_and_load_at_cp_1(distopt_runs):
+    """cp=2 (tp=2, dp=1, the distributed optimizer over dp x cp), in both formats: resumed
+    from iteration 2 at cp=2 it prints iterations 3-4 of the uninterrupted run bitwise; loaded
+    at cp=1 (dp=2) it continues with the same losses (1e-5); and cp=1 trained from the start
+    ends with cp=2's weights (1e-5) and losses."""
+    import torch
+
+    from megatron_parm.checkpointing.full import read_full
+
+    run, results, _, _ = distopt_runs
+    cp = results["distopt"]["context_parallel"]
+    for name in CP_FORMATS:
+        reference = cp[f"cp2 {name}"]
+        assert len(reference) == 4 and cp[f"cp2 {name} resumed"] == reference[2:], (name, cp)
+        at_cp1 = cp[f"cp2 {name} at cp1"]
+        assert len(at_cp1) == 2 and max(abs(a - b) for a, b in zip(at_cp1, reference[2:])) \
+            <= 1e-5, (name, cp)
+    assert max(abs(a - b) for a, b in zip(cp["cp1"], cp["cp2 torch_dist"])) <= 1e-5, cp
+    cp2 = read_full(str(run / "cp2 torch_dist/iter_0000004")).tensors
+    cp1 = read_full(str(run / "cp1/iter_0000004")).tensors
+    weights = [key for key in cp1 if not key.startswith("optimizer.")]
+    assert len(weights) > 20 and set(weights) <= set(cp2), sorted(cp1)
+    for key in weights:
+        assert torch.allclose(cp2[key].float(), cp1[key].float(), rtol=0, atol=1e-5), key
 
 
 def test_distopt_moments_carry_over_with_and_without_it(distopt_runs):

@@ -5,10 +5,16 @@ torchrun launch (this file run as a script):
   * the DeepSeek-like one with DeepSeek-V3's router (sigmoid scores, the aux-loss-free expert
     bias, group-limited routing, a top-k scaling factor, the z-loss) and alltoall, parm_hier
     and parm, recording the expert bias after each update;
-  * the DeepSeek-like one with --moe-shared-expert-overlap, alltoall and parm.
+  * the DeepSeek-like one with --moe-shared-expert-overlap, alltoall and parm;
+  * context parallelism on the same ranks (tp=2 x cp=2, dp=1: the global batch as 2
+    micro-batches where cp=1 has 2 data-parallel ranks) for CP_ITERS iterations: the
+    Mixtral-like one (grouped-query attention, rotary) with every dispatcher over
+    --cp-comm-type all_gather, the DeepSeek-like one (MLA, YaRN, sequence aux loss) with
+    alltoall and parm over a2a.
 The tests then check that the loss falls for each family, that every dispatcher's losses match
-alltoall's to 1e-5, that the expert bias moves and the router variant's losses agree, and that
-the shared-expert overlap leaves the losses as they are.
+alltoall's to 1e-5, that the expert bias moves and the router variant's losses agree, that
+the shared-expert overlap leaves the losses as they are, and that cp=2 follows cp=1: losses
+and gradient norms to 1e-5.
 """
 
 from __future__ import annotations
@@ -32,6 +38,15 @@ DEEPSEEK_V3_ROUTER = ["--moe-router-score-function", "sigmoid", "--moe-router-en
                       "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
                       "--moe-z-loss-coeff", "1e-3"]
 VARIANT_DISPATCHERS = ("alltoall", "parm_hier", "parm")
+# cp=2 runs: the first CP_ITERS iterations of the cp=1 runs' schedule
+CP_ITERS = 6
+CONTEXT_PARALLEL = ["--context-parallel-size", "2", "--train-iters", str(CP_ITERS),
+                    "--lr-decay-iters", str(ITERS)]
+CP_COMM = {"mixtral": "all_gather", "deepseek": "a2a"}
+
+
+def context_parallel_dispatchers(family):
+    return dispatchers_to_compare() if family == "mixtral" else ["alltoall", "parm"]
 
 
 def dispatchers_to_compare():
@@ -48,10 +63,16 @@ def worker(out_path: str, run_dir: str) -> None:
     from megatron_parm.training.arguments import parse_args
     from megatron_parm.training.trainer import pretrain
 
-    def train(config, *flags):
-        return pretrain(parse_args(["--config", config, *LAYOUT, *RUN, *flags]))["losses"]
+    grad_norms = {}
 
-    results = {family: {name: train(config, "--moe-token-dispatcher-type", name)
+    def train(config, *flags, record=None):
+        summary = pretrain(parse_args(["--config", config, *LAYOUT, *RUN, *flags]))
+        if record is not None:
+            grad_norms[record] = summary["grad_norms"]
+        return summary["losses"]
+
+    results = {family: {name: train(config, "--moe-token-dispatcher-type", name,
+                                    record=f"{family} {name}")
                         for name in dispatchers_to_compare()}
                for family, config in FAMILIES.items()}
     biases = {}
@@ -65,6 +86,12 @@ def worker(out_path: str, run_dir: str) -> None:
     results["overlap"] = {name: train(FAMILIES["deepseek"], "--moe-shared-expert-overlap",
                                       "--moe-token-dispatcher-type", name)
                           for name in ("alltoall", "parm")}
+    results["context_parallel"] = {
+        family: {name: train(FAMILIES[family], *CONTEXT_PARALLEL, "--cp-comm-type", comm,
+                             "--moe-token-dispatcher-type", name, record=f"cp2 {family} {name}")
+                 for name in context_parallel_dispatchers(family)}
+        for family, comm in CP_COMM.items()}
+    results["grad_norms"] = grad_norms
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     torch.distributed.barrier()
@@ -146,6 +173,24 @@ def test_shared_expert_overlap_leaves_the_losses(run):
     results, _ = run
     for name, losses in results["overlap"].items():
         assert _worst(losses, results["deepseek"][name]) <= 1e-5, name
+
+
+def test_context_parallel_follows_cp_1_with_every_dispatcher(run):
+    """cp=2 against cp=1 from the same seed and global batch: the losses and the gradient norm
+    of every step (so the gradients, and the parameters they update) to 1e-5, every
+    dispatcher over all_gather (Mixtral-like) and alltoall and parm over a2a (DeepSeek-like)."""
+    results, _ = run
+    norms = results["grad_norms"]
+    for family, runs in results["context_parallel"].items():
+        assert sorted(runs) == sorted(context_parallel_dispatchers(family))
+        for name, losses in runs.items():
+            reference = results[family][name][:CP_ITERS]
+            assert len(losses) == CP_ITERS and _worst(losses, reference) <= TOLERANCE, \
+                (family, name, losses, reference)
+            ours, theirs = norms[f"cp2 {family} {name}"], norms[f"{family} {name}"][:CP_ITERS]
+            assert len(ours) == CP_ITERS and all(
+                abs(a - b) <= TOLERANCE * max(1.0, b) for a, b in zip(ours, theirs)), \
+                (family, name, ours, theirs)
 
 
 if __name__ == "__main__":

@@ -83,18 +83,18 @@ def test_the_docs_table_is_current_and_lists_every_flag():
     rows = [line for line in text.splitlines() if line.startswith("| `--")]
     own = [flag for flag in registry.DECLARATIONS if megatron_lm.option(flag.name) is None]
     assert len(rows) == len(megatron_lm.OPTIONS) + len(own)
-    assert "| `--context-parallel-size` | refused | context parallelism" in text
+    assert "| `--hybrid-context-parallel` | refused | hybrid (dynamic) context parallelism" in text
     assert "| `--no-bias-gelu-fusion` | no effect | picks a fused GPU kernel" in text
 
 
 def test_a_refused_flag_is_one_line_naming_each_and_why():
     with pytest.raises(ValueError) as error:
         settings.read(settings.training_parser(),
-                      TINY_GPT + ["--context-parallel-size", "2", "--fp8-format", "hybrid",
+                      TINY_GPT + ["--hybrid-context-parallel", "--fp8-format", "hybrid",
                                   "--moe-token-dispatcher-type", "flex"])
     message = str(error.value)
-    assert message.startswith("not available here: --context-parallel-size 2: context "
-                              "parallelism is not built yet")
+    assert message.startswith("not available here: --hybrid-context-parallel: hybrid (dynamic) "
+                              "context parallelism")
     assert "; --fp8-format hybrid: FP8 / FP4 training needs Transformer Engine" in message
     assert "; --moe-token-dispatcher-type flex: Megatron-Core's flex dispatcher needs DeepEP" \
         in message

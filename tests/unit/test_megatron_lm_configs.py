@@ -117,6 +117,17 @@ def test_a_launch_script_s_arrays_are_read(tool, checkout):
     assert tool.own_dispatcher(pairs) == "allgather"  # Megatron-LM's default
 
 
+def test_context_parallelism_runs_over_all_gather(tool, checkout, tmp_path):
+    """A configuration with --context-parallel-size runs it over all_gather (p2p, Megatron-LM's
+    default, needs Transformer Engine's attention), its world counting cp."""
+    pairs = tool.configurations(str(checkout))["big_fine_grained"]
+    argv, ranks = tool.adapt("cp", [*pairs, ("--context-parallel-size", "2")],
+                             str(tmp_path / "w"))
+    value = dict(zip(argv, argv[1:]))
+    assert value["--context-parallel-size"] == "2" and value["--cp-comm-type"] == "all_gather"
+    assert ranks % (2 * int(value["--tensor-model-parallel-size"])) == 0
+
+
 def test_the_refusal_line_and_the_loss_comparison(tool):
     stderr = ("warning: x\nerror: not available here: --context-parallel-size 2: context "
               "parallelism is not built yet (the next issue); --fp8-format hybrid: FP8 / FP4 "

@@ -21,10 +21,10 @@ from megatron_parm.perf_model.planner import (Cluster, PlanError, _dispatchers_f
                                               _merge_equivalents, enumerate_layouts, plan,
                                               virtual_stage_counts)
 from megatron_parm.perf_model.recompute import NONE, Recompute
-from megatron_parm.perf_model.step_time import (collective_seconds, pipeline_link, stage_times,
-                                                step_time)
+from megatron_parm.perf_model.step_time import (collective_seconds, layer_gemm_flops,
+                                                pipeline_link, stage_times, step_time)
 from megatron_parm.perf_model.transformer import (ModelSpec, check_layout, padded_vocab_size,
-                                                  parameter_counts)
+                                                  parameter_counts, per_rank_spec)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN_LAYOUT = os.path.join(REPO, "tools", "plan_layout.py")
@@ -248,6 +248,35 @@ def test_plan_searches_pipeline_layouts():
     assert "--pipeline-model-parallel-size" not in plan(
         spec, Cluster(2, 2, GIB), PROFILE, 2, 16, Precision("fp32"),
         fixed={"pp": 1}).candidates[0].flags()
+
+
+def test_context_parallel_splits_each_sequence_and_gathers_keys_and_values():
+    """cp=2: Megatron's rank order [dp][cp][tp] (the CP group strides by t, the gradients
+    reduce over data x context ranks, the batch splits over the data-parallel ones); a CP rank
+    routes and computes half of each sequence but its queries see all keys, and pays the
+    gathers of keys and values; the planner plans the given cp (world = tp x cp x pp x dp)."""
+    cp = Layout(tp=2, ep=2, etp=1, nodes=2, ranks_per_node=4, cp=2)
+    assert cp.group_ranks("cp", 5) == [5, 7] and cp.group_ranks("tp", 5) == [4, 5]
+    assert cp.group_size("dp") == 4 and cp.data_parallel_size == 2
+    with pytest.raises(ValueError, match="tp \\* cp"):
+        Layout(tp=2, ep=1, etp=1, nodes=1, ranks_per_node=2, cp=2)
+    spec, fp32 = tiny(), Precision("fp32")
+    plain = Layout(tp=2, ep=2, etp=1, nodes=2, ranks_per_node=4)
+    assert layer_shape(per_rank_spec(spec, 2), cp, 4, fp32).num_tokens * 2 == \
+        layer_shape(spec, plain, 4, fp32).num_tokens
+    gemms, whole = layer_gemm_flops(per_rank_spec(spec, 2), cp, 4), layer_gemm_flops(spec, plain, 4)
+    for module in ("core_attn", "qkv"):  # half the queries (over all keys), half the tokens
+        assert gemms[module] == tuple(flops / 2 for flops in whole[module])
+    step = step_time(spec, cp, PROFILE, "alltoall", None, 4, 16, fp32)
+    assert step.cp_comm_s > 0 and step.num_microbatches == 2  # 16 / (4 x dp 2)
+    assert step_time(spec, plain, PROFILE, "alltoall", None, 4, 16, fp32).cp_comm_s == 0
+    result = plan(spec, Cluster(2, 4, GIB), PROFILE, 2, 16, fp32, fixed={"cp": 2})
+    assert {c.layout.cp for c in result.candidates} == {2}
+    best = result.candidates[0]
+    assert best.flags()[best.flags().index("--context-parallel-size") + 1] == "2"
+    assert best.dp * best.layout.tp * 2 * best.layout.pp == 8
+    with pytest.raises(PlanError, match="multiple of 2 x --context-parallel-size"):
+        plan(tiny(seq_length=62), Cluster(2, 4, GIB), PROFILE, 2, 16, fp32, fixed={"cp": 2})
 
 
 def _by_schedule(result, **sizes):
