@@ -43,6 +43,8 @@ def layout_flags(tp: int, cp: int, ep: int, etp: int, pp: int) -> List[str]:
              str(RANKS_PER_NODE)]
     if tp > 1:
         flags.append("--sequence-parallel")
+    if cp > 1:  # Megatron-LM's default, p2p, needs Transformer Engine
+        flags += ["--cp-comm-type", "all_gather"]
     if pp > 1:
         flags += ["--pipeline-model-parallel-layout", PIPELINE_LAYOUT]
     return flags

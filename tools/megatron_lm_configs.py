@@ -251,12 +251,17 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
 
 
 def _words(value: object) -> List[str]:
-    """A config value as the words Megatron-LM's functional-test runner passes: a value in
-    [ ] is its space-separated words (a list flag's values), any other value one word."""
-    text = str(value).strip()
+    r"""A config value as the words Megatron-LM's functional-test runner passes: it trims the
+    value through xargs (quotes and backslashes read once), then evals the command line (read
+    again): a value in [ ] is its space-separated words (a list flag's values), one in ( ) or
+    with a space one quoted word, any other value the word the shell reads
+    (`Et*2\\|\\(tt\\|\\)*5t\\|tmL` in a YAML file is `Et*2|(tt|)*5t|tmL`)."""
+    text = " ".join(shlex.split(str(value)))  # xargs
     if re.fullmatch(r"\[[^]]+\]", text):
-        return text[1:-1].split()
-    return [text]
+        return shlex.split(text[1:-1])
+    if re.fullmatch(r"\([^)]+\)", text) or " " in text:
+        return [text]
+    return shlex.split(text)
 
 
 def _replace(argv: List[str], flag: str, value: str) -> List[str]:

@@ -28,8 +28,9 @@ def test_each_layout_fits_its_ranks_and_cp_gets_its_cp1_reference(tool):
         assert tp * cp * pp * dp == ranks and (tp * cp * dp) % (ep * etp) == 0
     runs = tool.runs_of((1, 2, 2, 1, 1), ["alltoall", "parm_s2"])
     assert list(runs) == ["alltoall", "parm_s2", "alltoall cp=1"]
+    assert runs["parm_s2"][runs["parm_s2"].index("--cp-comm-type") + 1] == "all_gather"
     flags = dict(zip(runs["alltoall cp=1"], runs["alltoall cp=1"][1:]))
-    assert flags["--context-parallel-size"] == "1"
+    assert flags["--context-parallel-size"] == "1" and "--cp-comm-type" not in flags
     assert flags["--moe-token-dispatcher-type"] == "alltoall"
     pipelined = tool.runs_of((1, 1, 4, 1, 2), ["parm"])["parm"]
     assert pipelined[pipelined.index("--pipeline-model-parallel-layout") + 1] == "Et|ttmL"

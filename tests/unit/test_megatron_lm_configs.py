@@ -159,3 +159,5 @@ def test_a_bracketed_value_is_its_words_as_megatron_lm_s_runner_passes_it(tool):
         "layernorm", "mla_up_proj", "mlp", "moe_act"]
     assert tool._words("([0]*1+[1]*15)") == ["([0]*1+[1]*15)"]  # one word, as the runner quotes
     assert tool._words("0.5 0.5") == ["0.5 0.5"] and tool._words(3) == ["3"]
+    # a YAML plain scalar keeps its backslashes; xargs and the shell's eval each read them once
+    assert tool._words(r"Et*2\\|\\(tt\\|\\)*5t\\|tmL") == ["Et*2|(tt|)*5t|tmL"]
