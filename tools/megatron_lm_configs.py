@@ -407,8 +407,8 @@ def report(records: List[dict], megatron_lm: str) -> str:
         f"relative in bf16, tolerance 2^-7).",
         "",
         "| configuration | ranks | first run | without them | own dispatcher | largest difference"
-        " | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        " | verdict | what stopped it |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in records:
         first = record["first"]
@@ -421,8 +421,36 @@ def report(records: List[dict], megatron_lm: str) -> str:
         worst = record.get("largest_difference")
         lines.append(f"| {record['name']} | {record.get('ranks', '')} | {said} | {second} | "
                      f"{record.get('own_dispatcher', '')} | "
-                     f"{'' if worst is None else f'{worst:.2e}'} | {verdict(record)} |")
+                     f"{'' if worst is None else f'{worst:.2e}'} | {verdict(record)} | "
+                     f"{stop_reason(record)} |")
     return "\n".join(lines) + "\n"
+
+
+def stop_reason(record: dict) -> str:
+    """The line that stopped a configuration that did not train to the end (its refusal of
+    flags that do not all need a GPU or Transformer Engine, or its failure), for the table."""
+    first = record["first"]
+    last = first if first["refused"] and not record.get("gpu_or_te_only") else \
+        record.get("without_refused", first)
+    if last["status"] == 0:
+        return ""
+    tail = last.get("tail") or []
+    line = next((line for line in tail if line.startswith("error:")), tail[-1] if tail else "")
+    if first["refused"] and not record.get("gpu_or_te_only"):
+        line = "; ".join(f"{flag}: {why}" for flag, why in first["refused"]
+                         if not needs_gpu_or_te(why))
+    return line.replace("|", "\\|")[:300]
+
+
+def newest_records(path: str, names: List[str]) -> List[dict]:
+    """The newest record of each configuration in the JSON lines at PATH, in NAMES' order."""
+    newest = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                newest[record["name"]] = record
+    return [newest[name] for name in names if name in newest]
 
 
 def main(argv=None) -> int:
@@ -435,6 +463,9 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default="megatron_lm_configs.jsonl",
                         help="JSON lines, one per configuration (appended)")
     parser.add_argument("--report", help="write the markdown table here (docs/megatron_lm_configs.md)")
+    parser.add_argument("--from-records", action="store_true",
+                        help="run nothing: write --report from --output's records, the newest "
+                             "of each configuration")
     parser.add_argument("--master-port", type=int, default=29571)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     args = parser.parse_args(argv)
@@ -443,6 +474,13 @@ def main(argv=None) -> int:
         found = {name: pairs for name, pairs in found.items() if args.only in name}
         if not found:
             raise ValueError(f"--only {args.only}: no configuration's name holds it")
+    if args.from_records:
+        if not args.report:
+            raise ValueError("--from-records: give --report, the file to write")
+        with open(args.report, "w", encoding="utf-8") as handle:
+            handle.write(report(newest_records(args.output, list(found)),
+                                "Megatron-LM core_v0.16.1"))
+        return 0
     if args.show:
         for name, pairs in found.items():
             command, ranks = adapt(name, pairs, "WORKDIR")

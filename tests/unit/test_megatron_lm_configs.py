@@ -5,6 +5,7 @@ changed, which the training parser reads."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -161,3 +162,23 @@ def test_a_bracketed_value_is_its_words_as_megatron_lm_s_runner_passes_it(tool):
     assert tool._words("0.5 0.5") == ["0.5 0.5"] and tool._words(3) == ["3"]
     # a YAML plain scalar keeps its backslashes; xargs and the shell's eval each read them once
     assert tool._words(r"Et*2\\|\\(tt\\|\\)*5t\\|tmL") == ["Et*2|(tt|)*5t|tmL"]
+
+
+def test_the_report_takes_each_configuration_s_newest_record_and_says_what_stopped_it(
+        tool, tmp_path):
+    refused = {"status": 2, "losses": [], "tail": ["error: not available here: ..."],
+               "refused": [["--use-megatron-fsdp", "FSDP is not built here"]]}
+    failed = {"status": 2, "losses": [], "refused": [], "tail": ["x", "error: --a: wrong"]}
+    records = [{"name": "b", "first": refused, "gpu_or_te_only": False},
+               {"name": "a", "first": {**refused, "refused": [["--transformer-impl",
+                                                               "needs Transformer Engine"]]},
+                "gpu_or_te_only": True, "without_refused": failed},
+               {"name": "b", "first": {**failed, "status": 0, "tail": []},
+                "losses_follow": True, "largest_difference": 1e-6}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    newest = tool.newest_records(str(path), ["a", "b", "c"])
+    assert [record["name"] for record in newest] == ["a", "b"] and newest[1]["losses_follow"]
+    assert tool.stop_reason(newest[0]) == "error: --a: wrong"
+    assert tool.stop_reason(records[0]) == "--use-megatron-fsdp: FSDP is not built here"
+    assert tool.stop_reason(newest[1]) == ""
