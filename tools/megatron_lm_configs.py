@@ -77,11 +77,13 @@ def read_test_case(path: str) -> Optional[List[Tuple[str, object]]]:
 
 def read_script(path: str) -> List[Tuple[str, object]]:
     """The flags of a launch script's bash arrays (NAME=( --flag value ... )) as (flag, value)
-    pairs, a switch's value True."""
+    pairs, a switch's value True; DISTRIBUTED_ARGS, torchrun's own, left out."""
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     pairs: List[Tuple[str, object]] = []
-    for body in re.findall(r"^\s*\w+=\(\s*(.*?)^\s*\)", text, flags=re.S | re.M):
+    for name, body in re.findall(r"^\s*(\w+)=\(\s*(.*?)^\s*\)", text, flags=re.S | re.M):
+        if name == "DISTRIBUTED_ARGS":  # torchrun's, not the training script's
+            continue
         words = shlex.split(body.replace("\\\n", " "), comments=True)
         for index, word in enumerate(words):
             if not word.startswith("--"):

@@ -52,6 +52,10 @@ INFERENCE = "MODE: inference\nMODEL_ARGS:\n  --num-layers: 2\n"
 SCRIPT = """\
 #!/bin/bash
 GPUS_PER_NODE=8
+DISTRIBUTED_ARGS=(
+    --nproc_per_node $GPUS_PER_NODE
+    --nnodes 1
+)
 MODEL_ARGS=(
     --num-layers 32
     --hidden-size 4096   # the width
@@ -61,7 +65,7 @@ MOE_ARGS=(
     --num-experts 8
     --moe-router-topk 2
 )
-torchrun ${MODEL_ARGS[@]} ${MOE_ARGS[@]}
+torchrun ${DISTRIBUTED_ARGS[@]} ${MODEL_ARGS[@]} ${MOE_ARGS[@]}
 """
 
 
