@@ -131,8 +131,10 @@ class DeferredWeightGrads:
         out.register_hook(grad.append)
 
     def _weight_grad(self, calls) -> Optional[torch.Tensor]:
+        """The gradient over the calls whose output gradient arrived; None where that is no
+        row at all (a zero gradient, left to the caller)."""
         done = [(rows, tokens, grad[0]) for rows, tokens, _, grad in calls if grad]
-        if not done:
+        if sum(rows.shape[0] for rows, _, _ in done) == 0:
             return None
         if len(done) == 1:  # the call's own offsets
             (rows, _, grad), offsets = done[0], next(o for _, _, o, g in calls if g)
@@ -151,13 +153,18 @@ class DeferredWeightGrads:
                 offsets = offsets.to(rows.device, non_blocking=True)
         return self.experts._gmm(rows.t(), grad, offs=offsets)
 
-    def weight_grads(self) -> List[Optional[torch.Tensor]]:
-        """Every weight's gradient over the recorded calls (None: no call's backward ran);
-        the records are dropped."""
+    def weight_grads(self) -> List[torch.Tensor]:
+        """Every weight's gradient over the recorded calls; the records are dropped.
+
+        Zero where no row of any call reached the weight (a rank whose local experts got no
+        token), as Megatron-Core's GroupedMLP gives its weights for no tokens: never None,
+        which AccumulateGrad would pass on to the weight's hooks as a missing gradient
+        (Megatron-Core's DDP refuses that with --overlap-grad-reduce)."""
         grads = []
         for name in self.NAMES:
+            weight = getattr(self.experts, name)
             grad = self._weight_grad(self.calls.pop(name))
-            grads.append(None if grad is None else grad.view(getattr(self.experts, name).shape))
+            grads.append(torch.zeros_like(weight) if grad is None else grad.view(weight.shape))
         return grads
 
     def backward_dw(self) -> None:

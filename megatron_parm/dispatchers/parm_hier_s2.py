@@ -225,7 +225,7 @@ class _HierPipeline:
             chunk = chunks[i]
             grad_y = row_order.gather(gathered[0], chunk.to_expert)
             x, x_probs, y = self.saved.pop(i)  # freed once used
-            if y.requires_grad and y.shape[0] > 0:
+            if y.requires_grad:  # empty too: the expert weights' (zero) gradient, as in S2
                 torch.autograd.backward([y], [grad_y])
             grad_x = x.grad if x.grad is not None else torch.zeros_like(x)
             grad_p = x_probs.grad if x_probs.grad is not None else torch.zeros_like(x_probs)

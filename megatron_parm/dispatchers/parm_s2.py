@@ -301,8 +301,10 @@ class _ChunkedExperts:
             subs = range(d.first_sub[i], d.first_sub[i] + len(d.sub_rows[i]))
             saved = [self.saved.pop(k) for k in subs]  # freed once used
             ys, grads, start, whole = [], [], 0, len(saved) == 1
+            # every sub-chunk's graph, empty ones too: a rank whose experts got no row still
+            # owes its expert weights a (zero) gradient, which Megatron-Core's DDP waits for
             for (_, _, y), count in zip(saved, d.sub_rows[i]):
-                if y.requires_grad and count > 0:
+                if y.requires_grad:
                     ys.append(y)
                     grads.append(grad_y if whole else grad_y[start : start + count])
                 start += count

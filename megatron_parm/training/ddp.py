@@ -149,11 +149,12 @@ class GradReadyCounts:
 
     Megatron-Core 0.16.1 counts in the first step how often each parameter's gradient hook
     fires, and from the second step on starts a bucket's reduction as soon as every parameter
-    of the bucket has reached its count. parm_s2 runs the experts' backward once per chunk
-    (one autograd call each) and skips an expert in a chunk that routed it no tokens, so with
+    of the bucket has reached its count. parm_s2 runs the experts' backward once per backward
+    chunk (one autograd call each, over every sub-chunk's graph, empty ones too), so with
     experts that do not defer their weight gradients (SequentialMLP) an expert's weight hooks
-    fire once per chunk that routed it tokens, or never: a count that changes with the
-    routing, from step to step. A count that grows would start the reduction with part of the
+    fire once per backward chunk: a count that changes with the schedule's chunking (parm
+    may choose another; it changed with the routing too while S2 skipped the backward of a
+    rank's empty sub-chunks). A count that grows would start the reduction with part of the
     gradients (the later chunks' added to a buffer already being reduced); one that shrinks
     never starts it (Megatron's assertion "Communication call has not been issued", seen on the
     emulated cluster at (2,2,1)); a hook that never fired in the first step fails Megatron's
