@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -321,13 +322,21 @@ def run(argv: List[str], ranks: int, port: int, timeout: int) -> dict:
     command = [sys.executable, "-m", "megatron_parm.launch", "--nproc-per-node", str(ranks),
                "--master-port", str(port), "pretrain_scripts/pretrain_gpt2_moe.py", *argv]
     start = time.time()
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        status, out, err = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as expired:
-        status, out, err = "timeout", expired.stdout or "", expired.stderr or ""
-        out, err = (text.decode() if isinstance(text, bytes) else text for text in (out, err))
+        out, err = proc.communicate(timeout=timeout)
+        status = proc.returncode
+    except subprocess.TimeoutExpired:
+        # SIGTERM: the launcher stops its ranks (each in a session of its own) and exits; a
+        # SIGKILL would leave them running, orphaned, slowing every later launch
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        status = "timeout"
     losses = {int(it): float(loss) for it, loss in _LOSS.findall(out)}
     return dict(status=status, seconds=round(time.time() - start, 1),
                 losses=[losses[k] for k in sorted(losses)], refused=refused_flags(err),
