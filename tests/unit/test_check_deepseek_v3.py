@@ -4,22 +4,17 @@ tests/e2e/test_modern_models.py trains DeepSeek-like models with context paralle
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("check_deepseek_v3",
-                                                  REPO / "tools" / "check_deepseek_v3.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_deepseek_v3")
 
 
 def test_each_layout_fits_its_ranks_and_cp_gets_its_cp1_reference(tool):

@@ -5,7 +5,6 @@ Single process, CPU, a slice of the shipped corpus; run from the repository root
 """
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
@@ -31,19 +30,13 @@ from megatron_parm.data.datasets import (  # noqa: E402
 from megatron_parm.data.loaders import PretrainingBatchSampler, build_data_iterator  # noqa: E402
 from megatron_parm.data.preprocess import preprocess_jsonl, split_sentences  # noqa: E402
 from megatron_parm.data.tokenizers import _bytes_to_unicode, build_tokenizer  # noqa: E402
+from launch import load_tool  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "corpus.jsonl"
 SPM_MODEL = REPO / "data" / "tokenizer" / "spm_8k.model"
 NUM_DOCS = 300
 SPM_ARGS = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(SPM_MODEL)}
-
-
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +260,7 @@ def test_train_tokenizer_tool(tmp_path, documents):
     jsonl = tmp_path / "small.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents[:100]),
                      encoding="utf-8")
-    _load_tool("train_tokenizer").main([
+    load_tool("train_tokenizer").main([
         "--input", str(jsonl), "--vocab-size", "600", "--output-prefix", str(tmp_path / "sp"),
         "--num-threads", "1"])
     assert (tmp_path / "sp.vocab").is_file()
@@ -276,13 +269,13 @@ def test_train_tokenizer_tool(tmp_path, documents):
     assert tokenizer.vocab_size == 600 and tokenizer.has_bert_special_tokens()
     assert tokenizer.detokenize(tokenizer.tokenize(documents[0])) == documents[0]
     with pytest.raises(ValueError, match="--input: file not found"):
-        _load_tool("train_tokenizer").main([
+        load_tool("train_tokenizer").main([
             "--input", str(tmp_path / "missing.jsonl"), "--vocab-size", "600",
             "--output-prefix", str(tmp_path / "sp2")])
     (tmp_path / "one.jsonl").write_text(json.dumps({"text": "a tiny corpus"}) + "\n")
     with pytest.raises(ValueError, match=r"^--vocab-size 600 is more pieces than the input "
                                          r"holds: give --vocab-size \d+ or less"):
-        _load_tool("train_tokenizer").main([
+        load_tool("train_tokenizer").main([
             "--input", str(tmp_path / "one.jsonl"), "--vocab-size", "600",
             "--output-prefix", str(tmp_path / "sp3"), "--num-threads", "1"])
 
@@ -326,7 +319,7 @@ def test_preprocess_bert_sentences(data_dir, documents, spm_tokenizer):
 
 
 def test_preprocess_tool_cli_and_workers(data_dir, tmp_path):
-    tool = _load_tool("preprocess_data")
+    tool = load_tool("preprocess_data")
     common = ["--input", str(data_dir / "tiny.jsonl"), "--tokenizer-type",
               "SentencePieceTokenizer", "--tokenizer-model", str(SPM_MODEL), "--append-eod",
               "--json-keys", "text", "title"]
@@ -353,7 +346,7 @@ def test_preprocess_tool_with_huggingface_tokenizer(data_dir, documents, tmp_pat
     _write_hf_tokenizer(directory, documents[:50], ["<|endoftext|>", "</s>"],
                         config={"eos_token": "</s>"})
     tokenizer = build_tokenizer(_hf_args(directory))
-    _load_tool("preprocess_data").main([
+    load_tool("preprocess_data").main([
         "--input", str(data_dir / "tiny.jsonl"), "--output-prefix", str(tmp_path / "hf_data"),
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory),
         "--append-eod"])
@@ -371,7 +364,7 @@ def test_preprocess_tool_with_huggingface_tokenizer(data_dir, documents, tmp_pat
     tokens = next(build_data_iterator(train, 4))["tokens"]
     assert tokens.shape == (4, 32) and int(tokens.max()) < tokenizer.vocab_size
     with pytest.raises(ValueError, match="--tokenizer-model: no tokenizer.json in"):
-        _load_tool("preprocess_data").main([
+        load_tool("preprocess_data").main([
             "--input", str(data_dir / "tiny.jsonl"), "--output-prefix", str(tmp_path / "x"),
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])
 

@@ -8,7 +8,6 @@ tests/e2e/test_user_errors.py; the documented commands in tests/e2e/test_docs.py
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import pickle
 import shutil
@@ -23,6 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from launch import load_tool  # noqa: E402
 from megatron_parm import cli  # noqa: E402
 from megatron_parm.wording import plural  # noqa: E402
 from megatron_parm.checkpointing import CheckpointError, read_checkpoint_info  # noqa: E402
@@ -36,13 +36,6 @@ from megatron_parm.checkpointing.full import (  # noqa: E402
 from megatron_parm.checkpointing.paths import resolve_load  # noqa: E402
 from megatron_parm.checkpointing.safe_load import load_torch_file, read_sharded_objects  # noqa: E402
 from megatron_parm.checkpointing.verify import read_metadata, tensor_checksums  # noqa: E402
-
-
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +236,7 @@ def test_whole_dataset_passes_and_damage_is_named(dataset):
 # ---------------------------------------------------------------------------------------------
 
 def test_grid_exclusions_are_declarative(tmp_path):
-    bench = _load_tool("bench_moe_layer")
+    bench = load_tool("bench_moe_layer")
     configs = bench.load_grid(str(REPO / "configs/bench/small.yaml"))
     capped = [c for c in configs if c["capacity_factor"] is not None]
     assert len(configs) == 10 and len(capped) == 2
@@ -268,7 +261,7 @@ def test_grid_exclusions_are_declarative(tmp_path):
 def test_checkpoint_flags_of_an_earlier_version_get_todays_defaults():
     """tools/convert_checkpoint.py builds the target layout's model from the saved flags: those
     of a checkpoint saved before today's architecture flags existed still build."""
-    convert = _load_tool("convert_checkpoint")
+    convert = load_tool("convert_checkpoint")
     flags = convert.saved_flags({"num_layers": 2, "layernorm_epsilon": 1e-6, "swiglu": False})
     assert flags["norm_epsilon"] == 1e-6 and "layernorm_epsilon" not in flags
     assert (flags["normalization"], flags["position_embedding_type"], flags["moe_layer_freq"],
@@ -297,7 +290,7 @@ def test_conversion_refusals_come_before_any_process_and_name_the_tools_flags(
     """tools/convert_checkpoint.py checks everything the target layout's ranks would refuse
     before it starts them (relayout_problem), in this tool's flags (--target-*, --load), not
     training's (--tensor-model-parallel-size, --use-distributed-optimizer alone)."""
-    convert = _load_tool("convert_checkpoint")
+    convert = load_tool("convert_checkpoint")
     plain = {"args": _TINY_SAVED, "optimizer_step": 40,
              "layout": {"world_size": 4, "tensor_model_parallel_size": 2,
                         "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
@@ -313,7 +306,7 @@ def test_every_shipped_grid_loads():
     benchmark reads it (an old expression-style exclude_if is refused there)."""
     import yaml
 
-    bench = _load_tool("bench_moe_layer")
+    bench = load_tool("bench_moe_layer")
     for path in sorted((REPO / "configs/bench").glob("*.yaml")):
         if "grid" in (yaml.safe_load(path.read_text()) or {}):
             assert bench.load_grid(str(path)), path
@@ -513,7 +506,7 @@ def test_the_payload_would_run_without_the_allow_list(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_verify_checksums_diff_to_the_changed_expert(tmp_path):
-    inspect = _load_tool("inspect_checkpoint")
+    inspect = load_tool("inspect_checkpoint")
     full = _tiny_full()
     before = list(inspect.checksum_lines(tensor_checksums(full.tensors)))
     key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"

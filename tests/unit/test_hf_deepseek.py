@@ -111,15 +111,9 @@ def test_export_of_a_model_deepseek_cannot_hold_is_refused(change, expected):
 def tiny_v3(tmp_path_factory):
     """tools/tiny_hf_model.py's DeepSeek-V3, with its MTP layer (model.layers.3)."""
     pytest.importorskip("transformers")
-    import importlib.util
+    from launch import load_tool
 
-    from launch import REPO
-
-    spec = importlib.util.spec_from_file_location("tiny_hf_model",
-                                                  REPO / "tools" / "tiny_hf_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.write("deepseek_v3", str(tmp_path_factory.mktemp("hf") / "deepseek_v3"))
+    return load_tool("tiny_hf_model").write("deepseek_v3", str(tmp_path_factory.mktemp("hf") / "deepseek_v3"))
 
 
 def test_the_mtp_layer_is_left_out_unless_asked_for(tiny_v3):

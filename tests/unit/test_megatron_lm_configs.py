@@ -4,12 +4,11 @@ changed, which the training parser reads."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from launch import REPO
+from launch import REPO, load_tool
 from megatron_parm import settings
 
 CONFIG = """\
@@ -71,11 +70,7 @@ torchrun ${DISTRIBUTED_ARGS[@]} ${MODEL_ARGS[@]} ${MOE_ARGS[@]}
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("megatron_lm_configs",
-                                                  REPO / "tools" / "megatron_lm_configs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("megatron_lm_configs")
 
 
 @pytest.fixture
