@@ -441,15 +441,16 @@ def stop_reason(record: dict) -> str:
     """The line that stopped a configuration that did not train to the end (its refusal of
     flags that do not all need a GPU or Transformer Engine, or its failure), for the table."""
     first = record["first"]
-    last = first if first["refused"] and not record.get("gpu_or_te_only") else \
-        record.get("without_refused", first)
-    if last["status"] == 0:
-        return ""
-    tail = last.get("tail") or []
-    line = next((line for line in tail if line.startswith("error:")), tail[-1] if tail else "")
     if first["refused"] and not record.get("gpu_or_te_only"):
         line = "; ".join(f"{flag}: {why}" for flag, why in first["refused"]
                          if not needs_gpu_or_te(why))
+    else:
+        last = record.get("without_refused", first)
+        if last["status"] == 0:
+            return ""
+        tail = last.get("tail") or []
+        line = next((line for line in tail if line.startswith("error:")),
+                    tail[-1] if tail else "")
     return line.replace("|", "\\|")[:300]
 
 
