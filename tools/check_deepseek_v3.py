@@ -188,4 +188,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_parm import cli
+
+    cli.run(main)  # a mistake in the arguments: one error line, status 2

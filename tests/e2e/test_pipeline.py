@@ -18,7 +18,8 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
   * that checkpoint loaded at pp=1 and at pp=4 (tp=1, ep=1), one iteration each;
   * multi-token prediction (--mtp-num-layers 1, rope) from its own pp=1 start: at pp=1, at
     pp=2 by --pipeline-model-parallel-layout Et|t|tt|mL with parm, at pp=4 by Et|tt|tm|L (the
-    MTP layer a stage of its own), iterations 2-4;
+    MTP layer a stage of its own, saving at iteration 2), iterations 2-4; the pp=4 one resumed
+    from its iteration-2 checkpoint;
   * BERT MoE (its tiny config, 2 layers: one a stage) from its own one-iteration pp=1 start,
     at pp=1 and at pp=2 with parm, iterations 2-6.
 8 ranks:
@@ -28,7 +29,8 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
 The tests then check that the pipelined losses (GPT's, BERT's, MTP's) follow the reference (1e-4,
 as the dispatchers follow alltoall in test_pretrain.py), that recompute leaves a dispatcher's
 pipelined losses as they are without it (1e-6; parm, which tunes, 1e-4) while each step routes
-again once per layer and micro-batch, that a same-layout resume repeats them bitwise, that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
+again once per layer and micro-batch, that a same-layout resume repeats them bitwise (with MTP
+too), that a checkpoint saved at pp=2 gives the same next loss at pp=1 and pp=4 (1e-6), and
 that the converter and the inspector read pipelined checkpoints.
 """
 
@@ -74,6 +76,7 @@ MTP_RUNS = [("pp1", REFERENCE, "alltoall"),
             ("pp2 Et|t|tt|mL parm", PP2 + [LAYOUT, "Et|t|tt|mL"] + PARM_DECIDES, "parm"),
             ("pp4 Et|tt|tm|L", ["--pipeline-model-parallel-size", "4", LAYOUT, "Et|tt|tm|L"],
              "alltoall")]
+MTP_SAVED = "mtp_pp4"  # the pp4 run saves here at iteration 2; a run resumes from it
 
 
 def dispatchers():
@@ -107,7 +110,8 @@ def worker(world: str, run_dir: str) -> None:
                           + ["--moe-token-dispatcher-type", dispatcher], model_type=model)
         began, routed[0] = time.time(), 0
         summary = pretrain(args)
-        return {"losses": summary["losses"], "seconds": time.time() - began,
+        return {"losses": summary["losses"], "grad_norms": summary["grad_norms"],
+                "seconds": time.time() - began,
                 "forwards": routed[0]}
 
     results = {}
@@ -143,9 +147,14 @@ def worker(world: str, run_dir: str) -> None:
         # transformer layers) with parm; at pp=4 with the MTP layer in a stage of its own
         mtp_start = str(run / "mtp_start")
         train(*REFERENCE, *MTP, "--save", mtp_start, "--exit-interval", "1")
+        mtp_saved = str(run / MTP_SAVED)
         results["mtp"] = {name: train(*flags, *MTP, "--load", mtp_start, "--exit-interval", "4",
+                                      *(("--save", mtp_saved, "--save-interval", "2")
+                                        if name.startswith("pp4") else ()),
                                       dispatcher=dispatcher)
                           for name, flags, dispatcher in MTP_RUNS}
+        results["mtp"]["pp4 resumed"] = train(*MTP_RUNS[-1][1], *MTP, "--load",
+                                              f"{mtp_saved}/iter_0000002", "--exit-interval", "4")
         bert_start = str(run / "bert_start")
         train(*REFERENCE, "--save", bert_start, "--exit-interval", "1", model="bert")
         results["bert_reference"] = train(*REFERENCE, "--load", bert_start, "--exit-interval",
@@ -261,6 +270,16 @@ def test_resume_at_the_same_pipeline_layout_is_bitwise(runs):
     uninterrupted = results["pp2"]["alltoall"]["losses"]  # iterations 2-11
     assert results["resumed"]["losses"] == uninterrupted[4:]  # iterations 6-11
     assert "RNG states restored" in outputs["4"]
+
+
+def test_resume_with_multi_token_prediction_is_bitwise(runs):
+    """The pp=4 MTP run (the MTP layer in a stage of its own) resumed from its iteration-2
+    checkpoint repeats iterations 3-4: the LM losses, and the gradient norms, to which the MTP
+    layer's own weights and loss contribute."""
+    results = runs[0]["mtp"]
+    uninterrupted, resumed = results["pp4 Et|tt|tm|L"], results["pp4 resumed"]
+    assert resumed["losses"] == uninterrupted["losses"][1:]  # iterations 3-4
+    assert resumed["grad_norms"] == uninterrupted["grad_norms"][1:]
 
 
 def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(runs):

@@ -114,7 +114,10 @@ def bad_inputs(run: Path) -> dict:
             "no ReduceOp.AVG"),
         "unknown YAML key": (["--config", str(run / "typo.yaml")],
                              "unknown keys num_layer (keys are flag names"),
-        "empty --load": (["--load", str(run / "empty")], "no checkpoint found"),
+        # an empty --load alone is a fresh start, as in Megatron-LM; a step of it is not there
+        "--ckpt-step of an empty --load": (["--load", str(run / "empty"), "--ckpt-step", "5"],
+                                           "(complete iterations in " + str(run / "empty")
+                                           + ": none)"),
         "mismatched model shape": (["--load", ckpt, "--save", ckpt, "--hidden-size", "128"],
                                    "it was saved with --hidden-size 64, this run has 128"),
         "another schedule": (["--load", ckpt, "--save", ckpt, "--train-iters", "4"],
@@ -387,6 +390,8 @@ TOOL_MISTAKES = {
     "calibrate.py": ([], {}, "launch with torchrun or give --parm-ranks-per-node"),
     "convert_checkpoint.py": (["--load", MISSING, "--to-single-file", "{tmp}/ckpt.pt"], {},
                               f"--load {MISSING}: no such directory"),
+    "check_deepseek_v3.py": (["--dispatchers", "parm_s3"], {},
+                             "--dispatchers: unknown dispatcher 'parm_s3'"),
     "count_ops.py": (["--dispatchers", "parm_s3"], {}, "--dispatchers"),
     "emulate_cluster.py": (["--nnodes", "0", "--", "true"], {}, "--nnodes"),
     "fault_loop.py": (["--faults", "crash"], {}, "--faults"),
