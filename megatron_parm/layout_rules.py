@@ -229,6 +229,28 @@ def layout_problem(world_size: int, tp: int, ep: int, etp: int,
     return experts_problem(num_experts, ep)
 
 
+# Megatron-Core's rank orders, by Megatron-LM's --use-tp-pp-dp-mapping: the default puts the
+# pipeline stages outermost (a stage is consecutive ranks), the other puts data parallelism
+# outermost (a pipeline group strides by tp x cp). TP, CP and the ESP x EP blocks are the same
+# consecutive ranks in both, so the dispatchers' groups, parm_hier's node split and the
+# per-layer cost plans do not depend on the order; the data-parallel and pipeline groups do.
+RANK_ORDERS = {False: "tp-cp-ep-dp-pp", True: "tp-cp-ep-pp-dp"}
+
+
+def rank_order_problem(tp_pp_dp: bool, tp: int, cp: int, ep: int, etp: int,
+                       pp: int) -> Optional[str]:
+    """Why --use-tp-pp-dp-mapping cannot order this layout, or None: with pipelining,
+    Megatron-Core 0.16.1 needs the expert layers' data-parallel size equal to attention's
+    where the stages are not outermost."""
+    if tp_pp_dp and pp > 1 and ep * etp != tp * cp:
+        return (f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp}: "
+                f"--expert-model-parallel-size x --expert-tensor-parallel-size ({ep} x {etp}) "
+                f"must equal --tensor-model-parallel-size x {CP_FLAG} ({tp} x {cp}), so that "
+                f"the expert layers' data-parallel size is attention's (Megatron-Core's rule "
+                f"where the pipeline stages are not the outermost ranks)")
+    return None
+
+
 CP_FLAG = "--context-parallel-size"
 CP_COMM_FLAG = "--cp-comm-type"
 # The values of --cp-comm-type that Megatron-Core's attention knows (Transformer Engine's), and

@@ -20,7 +20,7 @@ import torch
 
 from megatron_parm import schedules
 from megatron_parm.comm.accounting import ranks_per_node as node_rule
-from megatron_parm.layout_rules import layout_problem
+from megatron_parm.layout_rules import RANK_ORDERS, layout_problem, rank_order_problem
 from megatron_parm.perf_model.layout import ep_node_blocks, node_split_problem
 
 # --distributed-timeout-minutes (Megatron-LM's default): a collective that waits longer (a peer
@@ -77,7 +77,8 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
                               vpp: Optional[int] = None,
                               ranks_per_node: Optional[int] = None,
                               num_distributed_optimizer_instances: int = 1,
-                              get_embedding_ranks=None, cp: int = 1) -> None:
+                              get_embedding_ranks=None, cp: int = 1,
+                              tp_pp_dp: bool = False) -> None:
     """Check the layout, then build Megatron's process groups (torch.distributed must be up),
     each with group_timeout() (timeout_minutes sets it first), destroying the groups the
     previous call made.
@@ -90,12 +91,16 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     groups); get_embedding_ranks: the ranks of a pipeline group that hold the word embeddings
     (Megatron-Core's argument; None: its default, the first and last); cp:
     --context-parallel-size (Megatron-Core's CP, TP x CP and DP x CP groups, and its expert
-    groups over the TP x CP x DP ranks)."""
+    groups over the TP x CP x DP ranks); tp_pp_dp: --use-tp-pp-dp-mapping (Megatron-Core's
+    rank order with the data-parallel groups outermost, layout_rules.RANK_ORDERS)."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
                     pp=pp, cp=cp)
+    problem = rank_order_problem(tp_pp_dp, tp, cp, ep, tp if etp is None else etp, pp)
+    if problem:
+        raise ValueError(problem)
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
     if ranks_per_node is not None:
@@ -109,7 +114,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-        get_embedding_ranks=get_embedding_ranks,
+        get_embedding_ranks=get_embedding_ranks, order=RANK_ORDERS[tp_pp_dp],
         distributed_timeout_minutes=group_timeout().total_seconds() / 60)
     _groups_made[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
     # Megatron-Core 0.16.1 makes its expert-data-parallel gloo group without the timeout it

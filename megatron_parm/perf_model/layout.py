@@ -24,6 +24,9 @@ stage is r + S.
 A node holds ranks [node * ranks_per_node, (node + 1) * ranks_per_node). E.g. 2 nodes x 2
 ranks at p = 2: stage 0 is ranks 0, 1 (node 0), stage 1 ranks 2, 3 (node 1); every TP, EP and
 data-parallel group stays in a node and every p2p send (0 -> 2, 1 -> 3) crosses nodes.
+Megatron-Core's other order (--use-tp-pp-dp-mapping, layout_rules.RANK_ORDERS) makes the same
+TP, CP and ESP x EP groups, so the per-layer plans hold for it; its pipeline groups stride by
+t * c and its data-parallel groups by t * c * p, which the step model does not price.
 
 parm_hier splits each EP group by node (``ep_node_blocks``): "ep_inter" is the group of the
 EP ranks at one position of every node (its inter-node stage), "ep_intra" the EP ranks of

@@ -63,7 +63,8 @@ def flags() -> List[Flag]:
                   "--pipeline-model-parallel-size: depth first)."),
         Flag("--use-tp-pp-dp-mapping", GROUP,
              help="Megatron-Core's other rank order (tensor, pipeline, then data parallel); "
-                  "without pipelining it is the default order."),
+                  "without pipelining it is the default order, with it the expert layers' "
+                  "data-parallel size must be attention's."),
         Flag("--distributed-timeout-minutes", GROUP, float, check=positive_number,
              differs="a fraction of a minute is taken too",
              help="Timeout of every process group's collectives, as in Megatron-LM: a rank that "

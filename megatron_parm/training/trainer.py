@@ -367,7 +367,8 @@ def initialize(args) -> None:
                               num_distributed_optimizer_instances=(
                                   args.num_distributed_optimizer_instances),
                               get_embedding_ranks=mtp.embedding_ranks(args),
-                              cp=args.context_parallel_size)
+                              cp=args.context_parallel_size,
+                              tp_pp_dp=args.use_tp_pp_dp_mapping)
     set_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     get_moe_layer_wise_logging_tracker().clear()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None

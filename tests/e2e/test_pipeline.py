@@ -23,7 +23,8 @@ others load it (a checkpoint loads in any layout) and train iterations 2-11 of t
   * BERT MoE (its tiny config, 2 layers: one a stage) from its own one-iteration pp=1 start,
     at pp=1 and at pp=2 with parm, iterations 2-6.
 8 ranks:
-  * pp=2 with tp=2, ep=2 (etp=1), alltoall;
+  * pp=2 with tp=2, ep=2 (etp=1), alltoall; the same in Megatron-Core's other rank order
+    (--use-tp-pp-dp-mapping) with parm_s2, iterations 2-6;
   * the pp=2 checkpoint loaded at pp=1 (tp=2, ep=4, etp=2) and at pp=4 (tp=2, ep=1), one
     iteration each.
 The tests then check that the pipelined losses (GPT's, BERT's, MTP's) follow the reference (1e-4,
@@ -89,6 +90,7 @@ def worker(world: str, run_dir: str) -> None:
     """Every rank runs this under torchrun; rank 0 writes RUN_DIR/results_<world>.json."""
     sys.path.insert(0, str(REPO))
     import torch
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_parm.training.arguments import parse_args
@@ -163,6 +165,11 @@ def worker(world: str, run_dir: str) -> None:
                                     dispatcher="parm", model="bert")
     else:
         results["pp2_tp2_ep2"] = train(*PP2, "--load", start)
+        # Megatron-Core's other rank order: the stages are no longer consecutive ranks
+        results["tp_pp_dp"] = train(*PP2, "--use-tp-pp-dp-mapping", "--load", start,
+                                    "--exit-interval", "6", dispatcher="parm_s2")
+        results["tp_pp_dp"]["pp_group"] = torch.distributed.get_process_group_ranks(
+            parallel_state.get_pipeline_model_parallel_group())
         iter5 = str(run / "pp2" / "iter_0000005")
         results["at_pp1_ep4_etp2"] = train(
             "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
@@ -280,6 +287,15 @@ def test_resume_with_multi_token_prediction_is_bitwise(runs):
     uninterrupted, resumed = results["pp4 Et|tt|tm|L"], results["pp4 resumed"]
     assert resumed["losses"] == uninterrupted["losses"][1:]  # iterations 3-4
     assert resumed["grad_norms"] == uninterrupted["grad_norms"][1:]
+
+
+def test_tp_pp_dp_rank_order_trains_as_the_default_one(runs):
+    """--use-tp-pp-dp-mapping at pp=2 on 8 ranks (tp=2, ep=2): Megatron-Core's groups in that
+    order (rank 0's pipeline group strides by tp), and parm_s2 follows alltoall's losses in
+    the default order."""
+    results = runs[0]
+    assert results["tp_pp_dp"]["pp_group"] == [0, 2]  # [0, 4] in the default order
+    _close(results["tp_pp_dp"]["losses"], results["pp2_tp2_ep2"]["losses"][:5], CURVE_TOLERANCE)
 
 
 def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(runs):

@@ -445,9 +445,13 @@ def test_pipeline_flags():
                 world_size=2)
     assert "needs --num-virtual-stages-per-pipeline-rank" in refusal(
         ["--microbatch-group-size-per-virtual-pipeline-stage", "2"])
-    assert "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size > 1 is not built" in \
-        refusal([*pipeline, "--use-tp-pp-dp-mapping"], world_size=2)
-    assert parse(["--use-tp-pp-dp-mapping"]).use_tp_pp_dp_mapping
+    assert parse([*pipeline, "--use-tp-pp-dp-mapping"], world_size=2).use_tp_pp_dp_mapping
+    # Megatron-Core's rule where the stages are not outermost: the experts' data-parallel size
+    # is attention's
+    assert "--expert-model-parallel-size x --expert-tensor-parallel-size (2 x 1) must equal " \
+           "--tensor-model-parallel-size x --context-parallel-size (1 x 1)" in \
+        refusal([*pipeline, "--use-tp-pp-dp-mapping", "--expert-model-parallel-size", "2"],
+                world_size=4)
 
 
 @pytest.mark.parametrize("tp,ep,etp,world", [(2, 2, 1, 8), (1, 4, 2, 8), (2, 4, 2, 16)])
@@ -463,6 +467,27 @@ def test_tp_pp_dp_order_is_megatrons_default_without_pipelining(tp, ep, etp, wor
                   for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")]
         for name in names:
             assert orders[0].get_ranks(name) == orders[1].get_ranks(name), name
+
+
+@pytest.mark.parametrize("tp,cp,ep,etp,world", [(2, 1, 2, 1, 8), (4, 1, 2, 2, 16),
+                                                 (1, 2, 2, 1, 8), (2, 2, 2, 2, 16)])
+def test_tp_pp_dp_order_keeps_the_dispatchers_groups_under_pipelining(tp, cp, ep, etp, world):
+    """layout_rules.RANK_ORDERS: at pp 2 Megatron-Core's two orders make the same TP, CP and
+    ESP x EP groups (the dispatchers', parm_hier's node split and the per-layer plans hold in
+    both), and other pipeline groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_parm.layout_rules import RANK_ORDERS, rank_order_problem
+
+    assert rank_order_problem(True, tp, cp, ep, etp, 2) is None
+    for group_tp, group_cp, group_ep, names in ((tp, cp, 1, ("tp", "cp", "tp-cp")),
+                                                (etp, 1, ep, ("tp", "ep", "tp-ep"))):
+        dp = world // (group_tp * group_cp * group_ep * 2)
+        orders = [RankGenerator(tp=group_tp, ep=group_ep, dp=dp, pp=2, cp=group_cp, order=order)
+                  for order in RANK_ORDERS.values()]
+        for name in names:
+            assert orders[0].get_ranks(name) == orders[1].get_ranks(name), name
+        assert orders[0].get_ranks("pp") != orders[1].get_ranks("pp")
 
 
 def test_data_parallel_gradient_flags(megatron_world):
