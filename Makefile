@@ -43,7 +43,7 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 	touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache
