@@ -136,6 +136,10 @@ def _layout(pairs: Dict[str, object]) -> Dict[str, int]:
     etp = pairs.get("--expert-tensor-parallel-size")
     etp = tp if etp is None else min(int(etp), tp)
     ep = _int(pairs, "--expert-model-parallel-size", 1)
+    if pairs.get("--use-tp-pp-dp-mapping") and pp > 1 and tp * cp % ep == 0:
+        # Megatron-Core's rule where the stages are not outermost: ep x etp = tp x cp
+        etp = min(etp, tp * cp // ep)
+        ep = tp * cp // etp
     instances = _int(pairs, "--num-distributed-optimizer-instances", 1)
 
     def fits(dp: int) -> bool:
@@ -175,7 +179,9 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
       data-parallel rank, 20 iterations (--train-samples, the lr schedule's iterations and
       samples, intervals and evaluation scaled to them), as many layers as a --moe-layer-freq
       pattern names or at most 2 per pipeline stage (and virtual stage), the parallel sizes
-      cut to 8 ranks (_layout), a --pipeline-model-parallel-layout left as written;
+      cut to 8 ranks (_layout; with --use-tp-pp-dp-mapping and pipelining, ep x etp kept
+      equal to tp x cp, Megatron-Core's rule), a --pipeline-model-parallel-layout left as
+      written, a --split with a part under 0.1% (empty on the corpus) 98,1,1;
     - --moe-token-dispatcher-type parm; with context parallelism --cp-comm-type all_gather (the
       attention without Transformer Engine)."""
     given = dict(pairs)
@@ -206,8 +212,10 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
               "--num-layers-per-virtual-pipeline-stage": max(1, layers // (layout["pp"] * vpp)),
               "--recompute-num-layers": 1, "--decoder-first-pipeline-num-layers": 1,
               "--decoder-last-pipeline-num-layers": 1}
-    if "--expert-tensor-parallel-size" in given:
+    if "--expert-tensor-parallel-size" in given or layout["etp"] != layout["tp"]:
         sizes["--expert-tensor-parallel-size"] = layout["etp"]
+    if "--split" in given:
+        sizes["--split"] = _split(given["--split"])
     argv: List[str] = []
     done = set()
     for flag, value in pairs:
@@ -231,8 +239,8 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
             argv.extend(str(value).split() if flag == "--rampup-batch-size" else _words(value))
     for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size", "--num-layers",
                  "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
-                 "--global-batch-size", "--log-interval"):
-        if flag not in done:
+                 "--global-batch-size", "--log-interval", "--expert-tensor-parallel-size"):
+        if flag not in done and flag in sizes:
             argv += [flag, str(sizes[flag])]
     if "--train-iters" not in done and "--train-samples" not in done:
         argv += ["--train-iters", str(ITERATIONS)]
@@ -251,6 +259,14 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         if flag not in done:
             raise ValueError(f"{name}: no {flag}")
     return argv, layout["world"]
+
+
+def _split(value: object) -> str:
+    """--split for the shipped corpus (about 2700 sequences of 64 tokens): as given, unless a
+    part is under 0.1%, which holds no sequence of it (examples/mixtral's 99990,8,2), then
+    98,1,1."""
+    parts = [float(part) for part in str(value).replace("/", ",").split(",")]
+    return str(value) if min(parts) * 1000 >= sum(parts) else "98,1,1"
 
 
 def _words(value: object) -> List[str]:

@@ -154,6 +154,21 @@ def test_the_layout_leaves_every_optimizer_instance_a_data_parallel_group(tool):
         tool._layout({**flags, "--num-distributed-optimizer-instances": "16"})
 
 
+def test_the_layout_keeps_megatron_core_s_rule_of_the_tp_pp_dp_order(tool):
+    """With --use-tp-pp-dp-mapping and pipelining, Megatron-Core needs ep x etp = tp x cp: the
+    tp 4 of a config cut to 2 takes etp 1 (its ep kept); without the order, etp stays."""
+    flags = {"--tensor-model-parallel-size": "4", "--pipeline-model-parallel-size": "2",
+             "--expert-model-parallel-size": "2", "--expert-tensor-parallel-size": "2"}
+    assert tool._layout(flags)["etp"] == 2
+    layout = tool._layout({**flags, "--use-tp-pp-dp-mapping": True})
+    assert (layout["tp"], layout["ep"], layout["etp"]) == (2, 2, 1)
+
+
+def test_a_split_that_leaves_a_part_empty_on_the_corpus_is_widened(tool):
+    assert tool._split("99990,8,2") == "98,1,1"  # examples/mixtral's
+    assert tool._split("949,50,1") == "949,50,1"
+
+
 def test_a_bracketed_value_is_its_words_as_megatron_lm_s_runner_passes_it(tool):
     assert tool._words("[layernorm mla_up_proj mlp moe_act]") == [
         "layernorm", "mla_up_proj", "mlp", "moe_act"]
