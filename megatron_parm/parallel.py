@@ -57,14 +57,16 @@ def update_group_timeout(seconds: float) -> timedelta:
 
 def validate_layout(world_size: int, tp: int, ep: int, etp: Optional[int], num_experts: Optional[int] = None,
                     dispatcher: Optional[str] = None, sequence_parallel: bool = True,
-                    pp: int = 1, cp: int = 1) -> None:
+                    pp: int = 1, cp: int = 1, tp_pp_dp: bool = False) -> None:
     """Raise ValueError naming the flag for any layout Megatron or a dispatcher cannot run.
 
-    The rules are layout_rules.layout_problem's; the dispatcher's own are its schedule catalog
-    entry's (megatron_parm/schedules.py).
+    The rules are layout_rules.layout_problem's and, in the rank order tp_pp_dp
+    (--use-tp-pp-dp-mapping) names, its rank_order_problem's; the dispatcher's own are its
+    schedule catalog entry's (megatron_parm/schedules.py).
     """
     etp = tp if etp is None else etp
-    problem = layout_problem(world_size, tp, ep, etp, num_experts, pp, cp)
+    problem = (layout_problem(world_size, tp, ep, etp, num_experts, pp, cp)
+               or rank_order_problem(tp_pp_dp, tp, cp, ep, etp, pp))
     if problem:
         raise ValueError(problem)
     if dispatcher is not None:
@@ -97,10 +99,7 @@ def initialize_model_parallel(tp: int = 1, ep: int = 1, etp: Optional[int] = Non
     from torch.distributed import distributed_c10d
 
     validate_layout(torch.distributed.get_world_size(), tp, ep, etp, num_experts, dispatcher,
-                    pp=pp, cp=cp)
-    problem = rank_order_problem(tp_pp_dp, tp, cp, ep, tp if etp is None else etp, pp)
-    if problem:
-        raise ValueError(problem)
+                    pp=pp, cp=cp, tp_pp_dp=tp_pp_dp)
     if timeout_minutes is not None:
         set_group_timeout(timeout_minutes)
     if ranks_per_node is not None:

@@ -21,8 +21,8 @@ from megatron_parm.data.tokenizer_files import huggingface_tokenizer_file
 from megatron_parm.layout_rules import (
     architecture_problem, batch_problem, context_parallel_problem, ddp_problem,
     default_ffn_hidden_size, microbatch_problem, LAYOUT_FLAG, layout_virtual_stages, mla_problem,
-    model_problem, moe_overlap_problem, mtp_problem, pipeline_stage_layers, rank_order_problem,
-    recompute_problem, shape_problem, virtual_stages)
+    model_problem, moe_overlap_problem, mtp_problem, pipeline_stage_layers, recompute_problem,
+    shape_problem, virtual_stages)
 from megatron_parm.parallel import validate_layout
 from megatron_parm.training import mixed_precision, schedule, upcycling, writers
 from megatron_parm.training.implementation import check_implementation, expert_implementation
@@ -293,7 +293,8 @@ def _validate_layout(args, world_size: int) -> None:
         args.expert_tensor_parallel_size = tp
     validate_layout(world_size, tp, ep, args.expert_tensor_parallel_size, args.num_experts,
                     args.moe_token_dispatcher_type, args.sequence_parallel,
-                    pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
+                    pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
+                    tp_pp_dp=args.use_tp_pp_dp_mapping)
     _validate_pipeline(args)
     _refuse(context_parallel_problem(
         args.context_parallel_size, model_type=getattr(args, "model_type", "gpt"),
@@ -313,8 +314,6 @@ def _validate_layout(args, world_size: int) -> None:
         _refuse(mla_problem(tp, args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim))
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split.
-    _refuse(rank_order_problem(args.use_tp_pp_dp_mapping, tp, args.context_parallel_size, ep,
-                               args.expert_tensor_parallel_size, args.pipeline_model_parallel_size))
 
 
 def _validate_batch(args, world_size: int) -> None:

@@ -113,7 +113,8 @@ def tiny_v3(tmp_path_factory):
     pytest.importorskip("transformers")
     from launch import load_tool
 
-    return load_tool("tiny_hf_model").write("deepseek_v3", str(tmp_path_factory.mktemp("hf") / "deepseek_v3"))
+    folder = tmp_path_factory.mktemp("hf") / "deepseek_v3"
+    return load_tool("tiny_hf_model").write("deepseek_v3", str(folder))
 
 
 def test_the_mtp_layer_is_left_out_unless_asked_for(tiny_v3):
