@@ -120,7 +120,7 @@ def architecture_problem(*, model_type: str, num_layers: int, num_attention_head
 
 def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embedding_type: str,
                 recompute_method: Optional[str], recompute_num_layers: Optional[int],
-                overlap_moe_comm: bool = False) -> Optional[str]:
+                overlap_moe_comm: bool = False, pp: int = 1) -> Optional[str]:
     """Why --mtp-num-layers cannot run with the other flags (Megatron-LM's and Megatron-Core
     0.16.1's rules), or None."""
     if not mtp_num_layers:
@@ -134,10 +134,11 @@ def mtp_problem(mtp_num_layers: Optional[int], *, model_type: str, position_embe
     if recompute_method == "uniform" and recompute_num_layers != 1:
         return (f"{MTP_FLAG} with --recompute-method uniform needs --recompute-num-layers 1 "
                 f"(Megatron-Core 0.16.1 recomputes an MTP layer only so)")
-    if overlap_moe_comm:
-        return (f"{MTP_FLAG} with --overlap-moe-expert-parallel-comm is not built here: the "
-                f"overlapped schedule's multi-token prediction node (Megatron-Core 0.16.1: one "
-                f"MTP layer, pipelined) is not run or tested on this project's schedules")
+    if overlap_moe_comm and pp == 1:
+        return (f"{MTP_FLAG} with --overlap-moe-expert-parallel-comm needs "
+                f"--pipeline-model-parallel-size > 1 (Megatron-Core 0.16.1 runs the MTP layer's "
+                f"nodes in the interleaved pipeline schedule only): add pipeline stages, or drop "
+                f"one of the two")
     return None
 
 

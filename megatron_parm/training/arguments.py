@@ -214,7 +214,8 @@ def _validate_model(args) -> None:
                         position_embedding_type=args.position_embedding_type,
                         recompute_method=args.recompute_method,
                         recompute_num_layers=args.recompute_num_layers,
-                        overlap_moe_comm=args.overlap_moe_expert_parallel_comm))
+                        overlap_moe_comm=args.overlap_moe_expert_parallel_comm,
+                        pp=args.pipeline_model_parallel_size))
     _validate_rope_type(args)
 
 

@@ -426,7 +426,8 @@ def test_pipeline_layout_flag():
     (["--mtp-num-layers", "0"], ["--mtp-num-layers must be a positive integer"]),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope",
       "--overlap-moe-expert-parallel-comm", "--bf16"],
-     ["--mtp-num-layers with --overlap-moe-expert-parallel-comm is not built here"]),
+     ["--mtp-num-layers with --overlap-moe-expert-parallel-comm needs "
+      "--pipeline-model-parallel-size > 1"]),
 ])
 def test_bad_mtp_input_names_the_flags(flags, fragments):
     message = error(TINY_GPT + flags, world_size=1)
