@@ -159,6 +159,12 @@ def _layout(pairs: Dict[str, object]) -> Dict[str, int]:
         ep //= 2
 
 
+# multi-latent attention's sizes, where a configuration gives them: at the configs' own (a
+# 1536-wide query latent beside a hidden size of 64) its attention is most of the step
+MLA_SIZES = {"--q-lora-rank": 48, "--kv-lora-rank": 32, "--qk-head-dim": 16,
+             "--qk-pos-emb-head-dim": 8, "--v-head-dim": 16}
+
+
 def _num_layers(pairs: Dict[str, object], pp: int, vpp: int) -> int:
     freq = pairs.get("--moe-layer-freq")
     if isinstance(freq, str) and "[" in freq:
@@ -175,7 +181,8 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
       files (a tokenizer type that reads other files becomes SentencePieceTokenizer), and the
       output folders are under WORKDIR;
     - sizes: hidden 64, 4 heads of 16 channels (2 query groups with GQA), FFN 128, expert FFN
-      64, sequences of 64 tokens, 2 samples per micro-batch and 2 micro-batches per
+      64, multi-latent attention's latents and heads as configs/deepseek_v3_tiny_moe.yaml's
+      (MLA_SIZES; before 2026-12-05 they were the configs' own), sequences of 64 tokens, 2 samples per micro-batch and 2 micro-batches per
       data-parallel rank, 20 iterations (--train-samples, the lr schedule's iterations and
       samples, intervals and evaluation scaled to them), as many layers as a --moe-layer-freq
       pattern names or at most 2 per pipeline stage (and virtual stage), the parallel sizes
@@ -198,6 +205,7 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         "--hidden-size": 64, "--num-attention-heads": 4, "--kv-channels": 16,
         "--ffn-hidden-size": 128, "--moe-ffn-hidden-size": 64,
         "--moe-shared-expert-intermediate-size": 64, "--seq-length": 64,
+        **MLA_SIZES,
         "--max-position-embeddings": 64, "--micro-batch-size": micro_batch,
         "--global-batch-size": global_batch, "--num-query-groups": 2,
         "--log-interval": 1, "--eval-interval": ITERATIONS // 2, "--eval-iters": 2,

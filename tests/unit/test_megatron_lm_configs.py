@@ -110,6 +110,17 @@ def test_only_paths_sizes_and_the_dispatcher_change(tool, checkout, tmp_path):
     assert args.num_experts == 64 and args.moe_layer_freq == [0, 0] + [1] * 14
 
 
+def test_multi_latent_attention_s_sizes_are_cut_where_given(tool, checkout, tmp_path):
+    pairs = tool.configurations(str(checkout))["big_fine_grained"] + [
+        ("--multi-latent-attention", True), ("--q-lora-rank", 1536), ("--kv-lora-rank", 512),
+        ("--qk-head-dim", 128), ("--qk-pos-emb-head-dim", 64), ("--v-head-dim", 128)]
+    argv, _ = tool.adapt("mla", pairs, str(tmp_path / "w"))
+    value = dict(zip(argv, argv[1:]))
+    assert {flag: value[flag] for flag in tool.MLA_SIZES} == {
+        flag: str(size) for flag, size in tool.MLA_SIZES.items()}
+    assert "--q-lora-rank" not in tool.adapt("plain", pairs[:-6], str(tmp_path / "w"))[0]
+
+
 def test_a_launch_script_s_arrays_are_read(tool, checkout):
     pairs = tool.read_script(str(checkout / tool.EXAMPLE))
     assert pairs == [("--num-layers", "32"), ("--hidden-size", "4096"), ("--swiglu", True),
