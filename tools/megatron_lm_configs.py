@@ -175,7 +175,8 @@ def _num_layers(pairs: Dict[str, object], pp: int, vpp: int) -> int:
     return max(pp * vpp, min(layers, 2 * pp * vpp))
 
 
-def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[List[str], int]:
+def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str,
+          iterations: int = ITERATIONS) -> Tuple[List[str], int]:
     """(argv, ranks) of one configuration on this machine. What changes, and nothing else:
     - paths: the shipped GPT corpus and SentencePiece model replace the data and tokenizer
       files (a tokenizer type that reads other files becomes SentencePieceTokenizer), and the
@@ -183,7 +184,7 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
     - sizes: hidden 64, 4 heads of 16 channels (2 query groups with GQA), FFN 128, expert FFN
       64, multi-latent attention's latents and heads as configs/deepseek_v3_tiny_moe.yaml's
       (MLA_SIZES; before 2026-12-05 they were the configs' own), sequences of 64 tokens, 2 samples per micro-batch and 2 micro-batches per
-      data-parallel rank, 20 iterations (--train-samples, the lr schedule's iterations and
+      data-parallel rank, ITERATIONS iterations (--iterations; --train-samples, the lr schedule's iterations and
       samples, intervals and evaluation scaled to them), as many layers as a --moe-layer-freq
       pattern names or at most 2 per pipeline stage (and virtual stage), the parallel sizes
       cut to 8 ranks (_layout; with --use-tp-pp-dp-mapping and pipelining, ep x etp kept
@@ -208,14 +209,14 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         **MLA_SIZES,
         "--max-position-embeddings": 64, "--micro-batch-size": micro_batch,
         "--global-batch-size": global_batch, "--num-query-groups": 2,
-        "--log-interval": 1, "--eval-interval": ITERATIONS // 2, "--eval-iters": 2,
-        "--save-interval": ITERATIONS // 2,
+        "--log-interval": 1, "--eval-interval": iterations // 2, "--eval-iters": 2,
+        "--save-interval": iterations // 2,
     }
-    samples = ITERATIONS * global_batch
-    scaled = {"--train-iters": ITERATIONS, "--train-samples": samples,
-              "--lr-decay-iters": ITERATIONS, "--lr-decay-samples": samples,
+    samples = iterations * global_batch
+    scaled = {"--train-iters": iterations, "--train-samples": samples,
+              "--lr-decay-iters": iterations, "--lr-decay-samples": samples,
               "--lr-warmup-iters": 2, "--lr-warmup-samples": 2 * global_batch,
-              "--lr-wsd-decay-iters": ITERATIONS // 2, "--lr-wsd-decay-samples": samples // 2,
+              "--lr-wsd-decay-iters": iterations // 2, "--lr-wsd-decay-samples": samples // 2,
               "--num-virtual-stages-per-pipeline-rank": vpp,
               "--num-layers-per-virtual-pipeline-stage": max(1, layers // (layout["pp"] * vpp)),
               "--recompute-num-layers": 1, "--decoder-first-pipeline-num-layers": 1,
@@ -251,7 +252,7 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str) -> Tuple[Lis
         if flag not in done and flag in sizes:
             argv += [flag, str(sizes[flag])]
     if "--train-iters" not in done and "--train-samples" not in done:
-        argv += ["--train-iters", str(ITERATIONS)]
+        argv += ["--train-iters", str(iterations)]
     if "--tokenizer-type" not in done or given.get("--tokenizer-type") not in (
             "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         argv = _replace(argv, "--tokenizer-type", "SentencePieceTokenizer")
@@ -382,15 +383,16 @@ def compare(losses: List[float], reference: List[float], bf16: bool) -> Tuple[fl
     return worst, worst <= FP32_TOLERANCE
 
 
-def check(name: str, pairs: List[Tuple[str, object]], port: int, timeout: int) -> dict:
+def check(name: str, pairs: List[Tuple[str, object]], port: int, timeout: int,
+          iterations: int = ITERATIONS) -> dict:
     """The three steps of the module docstring for one configuration (each launch with folders
     of its own)."""
-    record: dict = dict(name=name, own_dispatcher=own_dispatcher(pairs))
+    record: dict = dict(name=name, own_dispatcher=own_dispatcher(pairs), iterations=iterations)
     removed: List[str] = []
 
     def launch(dispatcher: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="mlm-config-") as workdir:
-            argv, ranks = adapt(name, pairs, workdir)
+            argv, ranks = adapt(name, pairs, workdir, iterations)
             argv = _replace(without(argv, removed), "--moe-token-dispatcher-type", dispatcher)
             record.update(ranks=ranks, argv=argv)
             return run(argv, ranks, port, timeout)
@@ -438,7 +440,7 @@ def report(records: List[dict], megatron_lm: str) -> str:
         f"line did. *Without them*: the run without the flags the refusal named, where each needs "
         f"a GPU or Transformer Engine. *Own dispatcher*: the same command line with the "
         f"configuration's own dispatcher (flex as alltoall); the largest difference of the lm "
-        f"loss over {ITERATIONS} iterations (absolute in fp32, tolerance {FP32_TOLERANCE}; "
+        f"loss over {ITERATIONS} iterations unless the cell says otherwise (absolute in fp32, tolerance {FP32_TOLERANCE}; "
         f"relative in bf16, tolerance 2^-7).",
         "",
         "| configuration | ranks | first run | without them | own dispatcher | largest difference"
@@ -454,9 +456,11 @@ def report(records: List[dict], megatron_lm: str) -> str:
         second = "" if second is None else ("trained" if second["status"] == 0 else
                                             f"failed ({second['status']})")
         worst = record.get("largest_difference")
+        iterations = record.get("iterations", ITERATIONS)
+        over = "" if iterations == ITERATIONS else f" ({iterations} iterations)"
         lines.append(f"| {record['name']} | {record.get('ranks', '')} | {said} | {second} | "
                      f"{record.get('own_dispatcher', '')} | "
-                     f"{'' if worst is None else f'{worst:.2e}'} | {verdict(record)} | "
+                     f"{'' if worst is None else f'{worst:.2e}{over}'} | {verdict(record)} | "
                      f"{stop_reason(record)} |")
     return "\n".join(lines) + "\n"
 
@@ -504,7 +508,13 @@ def main(argv=None) -> int:
                              "of each configuration")
     parser.add_argument("--master-port", type=int, default=29571)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    parser.add_argument("--iterations", type=int, default=ITERATIONS,
+                        help="training iterations of each launch (fewer for the configs that "
+                             "take this machine longest; the report says so)")
     args = parser.parse_args(argv)
+    if args.iterations < 2:
+        raise ValueError(f"--iterations {args.iterations}: give 2 or more (a checkpoint and an "
+                         f"evaluation halfway)")
     found = configurations(args.megatron_lm)
     if args.only:
         found = {name: pairs for name, pairs in found.items() if args.only in name}
@@ -524,7 +534,7 @@ def main(argv=None) -> int:
         return 0
     records = []
     for name, pairs in found.items():
-        record = check(name, pairs, args.master_port, args.timeout)
+        record = check(name, pairs, args.master_port, args.timeout, args.iterations)
         records.append(record)
         print(f"{name}: {verdict(record)}", flush=True)
         with open(args.output, "a", encoding="utf-8") as handle:

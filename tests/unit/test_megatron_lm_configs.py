@@ -121,6 +121,19 @@ def test_multi_latent_attention_s_sizes_are_cut_where_given(tool, checkout, tmp_
     assert "--q-lora-rank" not in tool.adapt("plain", pairs[:-6], str(tmp_path / "w"))[0]
 
 
+def test_fewer_iterations_scale_the_schedule_and_the_report_says_so(tool, checkout, tmp_path):
+    pairs = tool.configurations(str(checkout))["big_fine_grained"]
+    argv, _ = tool.adapt("big", pairs, str(tmp_path / "w"), iterations=6)
+    value = dict(zip(argv, argv[1:]))
+    batch = int(value["--global-batch-size"])
+    assert (value["--train-samples"], value["--lr-decay-samples"]) == (str(6 * batch),) * 2
+    record = {"name": "big", "first": {"status": 0, "refused": []}, "iterations": 6,
+              "largest_difference": 1e-6, "losses_follow": True}
+    assert "| 1.00e-06 (6 iterations) | losses follow |" in tool.report([record], "M")
+    with pytest.raises(ValueError, match="--iterations 1"):
+        tool.main(["--megatron-lm", str(checkout), "--iterations", "1"])
+
+
 def test_a_launch_script_s_arrays_are_read(tool, checkout):
     pairs = tool.read_script(str(checkout / tool.EXAMPLE))
     assert pairs == [("--num-layers", "32"), ("--hidden-size", "4096"), ("--swiglu", True),
