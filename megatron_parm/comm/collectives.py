@@ -32,8 +32,9 @@ async collective: every Pending made here is waited on by its caller.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,12 @@ def record_bytes(kind: str, name: Optional[str], group, bytes_per_peer: Sequence
     get_comm_stats().record(kind, name, me, list(zip(ranks, bytes_per_peer)))
 
 
+# Context-manager factories entered around every blocking wait of a Pending, while this
+# process waits for its peers (the combined 1F1B's communication thread on the CPU registers
+# one: mcore_compat.comm_stream.rng_lock_released).
+WAIT_CONTEXTS: List[Callable[[], ContextManager]] = []
+
+
 class Pending:
     """An in-flight collective; ``wait()`` returns its result (once).
 
@@ -76,7 +83,10 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with contextlib.ExitStack() as waiting:
+                for context in WAIT_CONTEXTS:
+                    waiting.enter_context(context())
+                self._work.wait()
         result = self._finish()
         self._keep = ()
         return result

@@ -665,8 +665,9 @@ REDIRECTS: Dict[str, Redirect] = {
             'overlap. That stream becomes a thread that runs the nodes submitted to it in order '
             '(ScheduleNode._forward/_backward submit there and wait where a result is first '
             "needed; TransformerModelChunkSchedulePlan.run hands back tensors), and activation "
-            "recompute's _fork_rng excludes its forward nodes (comm_stream.py says why it stays "
-            'exact).'
+            "recompute's _fork_rng excludes its forward nodes except while they wait for "
+            "their peers' part of a collective (collectives.WAIT_CONTEXTS; comm_stream.py "
+            'says why it stays exact and free of deadlocks).'
         )),
     "combined_1f1b_bert": Redirect(
         _patch_combined_1f1b_bert, with_cuda=True,

@@ -25,7 +25,11 @@ What keeps it exact and free of deadlocks:
   * random numbers: the nodes that draw them (dropout in the combine node, on the worker;
     attention's on the compute thread) are ordered by their data, and activation recompute's
     swap of the generator states (Megatron's ``_fork_rng``) excludes the worker's forward
-    nodes (``RNG_LOCK``), so every dropout mask is the one the plain schedule draws;
+    nodes (``RNG_LOCK``), so every dropout mask is the one the plain schedule draws; the
+    worker lets the lock go while it waits for its peers in a collective
+    (``rng_lock_released``): held there, it stopped a peer whose compute thread recomputed
+    under the lock, in a tensor-parallel collective with this rank's compute thread, which
+    waited for the lock (a deadlock of 8 ranks, MLA's selective recompute at TP 2);
   * work that must keep the compute thread's order across ranks (a gradient hook that may
     start a data-parallel reduction, ``on_compute_thread``) is queued by the worker and run
     by the compute thread when it resolves that node's Promise, a point of its program that
@@ -226,6 +230,22 @@ def charge_waits(account: Callable[[float], None]) -> None:
             task.node.wait_account = account
 
 
+@contextlib.contextmanager
+def rng_lock_released():
+    """On the worker, RNG_LOCK let go for the block (a wait for peers: no random number is
+    drawn in it) and taken back after; elsewhere nothing. A recompute that runs meanwhile
+    restores the generator states before it lets the lock go, so the worker's next draws are
+    the ones it would have made."""
+    if not on_worker() or not RNG_LOCK._is_owned():
+        yield
+        return
+    state = RNG_LOCK._release_save()
+    try:
+        yield
+    finally:
+        RNG_LOCK._acquire_restore(state)
+
+
 def on_compute_thread(call: Callable[[], None]) -> None:
     """Run CALL now, or, on the worker, when the compute thread resolves the running node."""
     task = getattr(_WORKER, "task", None)
@@ -300,10 +320,14 @@ def patch(compute_stream) -> None:
     from megatron.core.pipeline_parallel import utils
     from megatron.core.tensor_parallel import random as mrandom
 
+    from megatron_parm.comm import collectives
+
     utils.ScheduleNode._forward = _node_call(utils.ScheduleNode._forward, forward=True)
     utils.ScheduleNode._backward = _node_call(utils.ScheduleNode._backward, forward=False)
     chunk = plans.TransformerModelChunkSchedulePlan
     chunk.run = staticmethod(_chunk_run(chunk.run))
     mrandom._fork_rng = _locked(mrandom._fork_rng)
+    if rng_lock_released not in collectives.WAIT_CONTEXTS:
+        collectives.WAIT_CONTEXTS.append(rng_lock_released)
     # Megatron's own set_streams with both streams given; its later calls keep them.
     utils.set_streams(comp_stream=compute_stream, comm_stream=WorkerStream())

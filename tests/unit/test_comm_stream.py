@@ -115,6 +115,45 @@ def test_a_forward_node_on_the_worker_excludes_recompute_rng_swaps():
     assert order == ["node", "recompute"]
 
 
+def test_a_forward_node_lets_recompute_in_while_it_waits_for_its_peers():
+    """A forward node on the worker that waits in a collective lets RNG_LOCK go meanwhile: a
+    recompute on the compute thread (which a peer may need, in a tensor-parallel collective,
+    before it can join this one) runs then, and the node goes on after it."""
+    mcore_compat.setup()
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's communication stream only")
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_parm.comm.collectives import Pending
+
+    waiting, peers_done, order = threading.Event(), threading.Event(), []
+
+    class PeersWork:  # a collective whose peers join once this process has recomputed
+        def wait(self):
+            waiting.set()
+            peers_done.wait(10)
+
+    def forward_node():
+        with comm_stream.RNG_LOCK:
+            Pending(PeersWork(), lambda: torch.zeros(1)).wait()
+            order.append("node")
+
+    promise = WorkerStream().submit(forward_node)
+    assert waiting.wait(10)
+
+    def recompute():
+        with mrandom._fork_rng():
+            order.append("recompute")
+        peers_done.set()
+
+    compute = threading.Thread(target=recompute, daemon=True)
+    compute.start()
+    compute.join(5)
+    assert not compute.is_alive(), "the recompute waited for a node that waits for its peers"
+    promise.value()
+    assert order == ["recompute", "node"]
+
+
 def _node_graph(stream_of_middle):
     """A three-node chain as Megatron's schedule runs one: compute -> (stream) -> compute,
     forward then backward through ScheduleNode; returns the output and the input's gradient."""
