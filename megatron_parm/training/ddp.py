@@ -46,8 +46,8 @@ work; nothing here reduces a gradient):
   --num-distributed-optimizer-instances N   the distributed optimizer sharded within groups of
                                DP / N ranks (reduce-scatter there, then an all-reduce of each
                                shard across the N groups), N copies of its state.
-  --use-megatron-fsdp          the chunks in Megatron-Core's FullyShardedDataParallel (Megatron-FSDP)
-                               instead of its DDP, sharding what --data-parallel-sharding-strategy
+  --use-megatron-fsdp          the chunks in Megatron-Core's FullyShardedDataParallel
+                               (Megatron-FSDP) instead of its DDP, sharding what --data-parallel-sharding-strategy
                                says over the data-parallel ranks (expert parameters over the
                                expert data-parallel ones): optim (ZeRO-1), optim_grads (ZeRO-2:
                                gradients reduce-scattered after each micro-batch's backward),

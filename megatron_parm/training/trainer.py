@@ -251,7 +251,8 @@ def evaluate(forward_step, data_iterator, model, args, time_up=None) -> Optional
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
-    each in Megatron's DDP (or Megatron-FSDP), their optimizer and the learning-rate and weight-decay schedule."""
+    each in Megatron's DDP (or Megatron-FSDP), their optimizer and the learning-rate and
+    weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
     ddp_config = ddp.ddp_config(args, chunks)
