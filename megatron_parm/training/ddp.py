@@ -47,9 +47,9 @@ work; nothing here reduces a gradient):
                                DP / N ranks (reduce-scatter there, then an all-reduce of each
                                shard across the N groups), N copies of its state.
   --use-megatron-fsdp          the chunks in Megatron-Core's FullyShardedDataParallel
-                               (Megatron-FSDP) instead of its DDP, sharding what --data-parallel-sharding-strategy
-                               says over the data-parallel ranks (expert parameters over the
-                               expert data-parallel ones): optim (ZeRO-1), optim_grads (ZeRO-2:
+                               (Megatron-FSDP) instead of its DDP, sharding what
+                               --data-parallel-sharding-strategy says over the data-parallel
+                               ranks (expert parameters over the expert data-parallel ones): optim (ZeRO-1), optim_grads (ZeRO-2:
                                gradients reduce-scattered after each micro-batch's backward),
                                optim_grads_params (ZeRO-3: each transformer layer's parameters
                                all-gathered before its forward and backward, freed after);
