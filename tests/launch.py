@@ -11,6 +11,26 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Packages hidden from the processes the tests start (tests/hidden/transformers says why).
+HIDDEN = str(REPO / "tests" / "hidden")
+
+
+def hide_test_only_packages() -> None:
+    """Put HIDDEN first on the PYTHONPATH every process started from now on inherits."""
+    paths = [HIDDEN, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                       if p and p != HIDDEN)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+
+def without_hidden(env: dict) -> dict:
+    """ENV with HIDDEN off its PYTHONPATH: for a process that imports a test-only package."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HIDDEN]
+    env = dict(env)
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
 
 
 def load_tool(name: str):
