@@ -83,6 +83,16 @@ def convert_checkpoint(*args, timeout: int = 600) -> subprocess.CompletedProcess
                           env=_quiet_env())
 
 
+def convert_all(jobs: dict, parallel: int = 2) -> dict:
+    """{name: convert_checkpoint(*args)} for JOBS {name: args} with no job reading another's
+    output, PARALLEL at a time (each is one process, mostly its imports: 2 fill 2 cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = {name: pool.submit(convert_checkpoint, *args) for name, args in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def build_wheel(folder: Path) -> Path:
     """`pip wheel --no-deps` of a copy of the package's sources (pyproject.toml, README.md,
     megatron_parm/) in FOLDER, offline; returns the wheel (about 10 s on 2 cores)."""
