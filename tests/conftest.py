@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, hide_test_only_packages
+
+hide_test_only_packages()  # for every process the tests start (tests/hidden/transformers)
 
 CACHE_PREFIXES = ("data/cache/gpt_text_document", "data/cache/bert_text_sentence")
 

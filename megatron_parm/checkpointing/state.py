@@ -45,9 +45,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel / BertModel inside DDP and Float16Module (--bf16 / --fp16): Megatron-LM
     stores the model under its own names (decoder.layers...), not the wrappers' module.*."""
     from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import MegatronFSDP
     from megatron.core.transformer.module import Float16Module
 
-    while isinstance(model, (DistributedDataParallel, Float16Module)):
+    while isinstance(model, (DistributedDataParallel, FullyShardedDataParallel, MegatronFSDP,
+                             Float16Module)):
         model = model.module
     return model
 

@@ -412,6 +412,12 @@ def _patch_missing_te() -> None:
     # isinstance(linear_proj, TELinear) of MultiLatentAttention.__init__ raises TypeError.
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    # The FSDP adapter (--use-megatron-fsdp) asks isinstance(module, (TELinear,)) of every
+    # module with parameters under tensor parallelism: no module is a TELinear without TE.
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = type("TELinearAbsent", (), {})
 
 
 # ----------------------------------------------------------------------------------------
@@ -549,6 +555,99 @@ def _patch_pipeline_embedding_sync() -> None:
             torch.Tensor.cuda = to_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# ----------------------------------------------------------------------------------------
+# Megatron-FSDP (--use-megatron-fsdp) on the CPU with gloo
+# ----------------------------------------------------------------------------------------
+
+
+class _HostNamedDeviceTorch:
+    """torch as seen by one Megatron-FSDP module: torch.device('cuda...') (built there from
+    f"cuda:{torch.cuda.current_device()}") is the CPU; every other name is torch's own."""
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name != "device":
+            return attr
+
+        def device(spec, *args, **kwargs):
+            if isinstance(spec, str) and spec.startswith("cuda"):
+                return torch.device("cpu")
+            return attr(spec, *args, **kwargs)
+
+        return device
+
+
+class _HostDeviceMesh:
+    """torch's DeviceMesh as the FSDP adapter sees it: a mesh it builds on 'cuda' is a CPU
+    mesh (DTensor.from_local moves each local shard to its mesh's device)."""
+
+    def __getattr__(self, name):
+        from torch.distributed import DeviceMesh
+
+        return getattr(DeviceMesh, name)
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        host_type = "cpu" if device_type == "cuda" else device_type
+        return DeviceMesh.from_group(group, host_type, *args, **kwargs)
+
+
+def _patch_megatron_fsdp() -> None:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import (
+        megatron_fsdp,
+        param_and_grad_buffer,
+        uneven_dtensor,
+    )
+
+    for module in (mcore_fsdp_adapter, megatron_fsdp):
+        module.torch = _HostNamedDeviceTorch()
+    mcore_fsdp_adapter.DeviceMesh = _HostDeviceMesh()
+
+    validate, to_cuda = uneven_dtensor.validate_uneven_dtensor, torch.Tensor.cuda
+
+    def validate_on_host(dtensor):
+        torch.Tensor.cuda = _stay_on_host(to_cuda)
+        try:
+            return validate(dtensor)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    uneven_dtensor.validate_uneven_dtensor = validate_on_host
+    param_and_grad_buffer.validate_uneven_dtensor = validate_on_host
+
+    preprocess = param_and_grad_buffer.gradient_reduce_preprocessing
+
+    def scale_then_sum(grad_data, scaling_factor, ddp_config):
+        if scaling_factor is not None and not ddp_config.average_in_collective and \
+                not grad_data.is_cuda:
+            grad_data.mul_(scaling_factor)
+            return torch.distributed.ReduceOp.SUM
+        return preprocess(grad_data, scaling_factor, ddp_config)
+
+    param_and_grad_buffer.gradient_reduce_preprocessing = scale_then_sum
+
+
+def _patch_megatron_fsdp_one_rank_grads() -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    buffer_init = param_and_grad_buffer.DataParallelBuffer.__init__
+
+    def __init__(self, ddp_config, params, is_data_distributed, *args, **kwargs):
+        group = kwargs.get("data_parallel_group")
+        # Only a gradient buffer is given a gradient scaling factor.
+        if "gradient_scaling_factor" in kwargs and not is_data_distributed and \
+                group is not None and group.size() == 1 and \
+                ddp_config.data_parallel_sharding_strategy in ("optim_grads",
+                                                               "optim_grads_params"):
+            is_data_distributed = True
+        buffer_init(self, ddp_config, params, is_data_distributed, *args, **kwargs)
+
+    param_and_grad_buffer.DataParallelBuffer.__init__ = __init__
 
 
 # ----------------------------------------------------------------------------------------
@@ -749,7 +848,9 @@ REDIRECTS: Dict[str, Redirect] = {
             'contexts do nothing. multi_latent_attention takes TE for present when its import '
             'of the TE extension succeeds, whose TELinear is then a placeholder no isinstance '
             'accepts (MultiLatentAttention.__init__ raises TypeError): its HAVE_TE is set '
-            'False. This one is about TE, not CUDA, so '
+            "False; the FSDP adapter's isinstance(module, (TELinear,)) (--use-megatron-fsdp "
+            'with tensor parallelism) gets a class no module is an instance of. This one is '
+            'about TE, not CUDA, so '
             'setup() applies it wherever TE is missing.'
         )),
     "cuda_device_literals": Redirect(
@@ -805,6 +906,32 @@ REDIRECTS: Dict[str, Redirect] = {
             "through CUDA buffers (Tensor.cuda(), ShardedTensor.init_data('cuda'), "
             "empty_like(device='cuda') in exchange_utils). While its load runs, those buffers "
             "are CPU tensors, which gloo broadcasts."
+        )),
+    "megatron_fsdp": Redirect(
+        _patch_megatron_fsdp, with_cuda=False,
+        why=(
+            "Megatron-FSDP (--use-megatron-fsdp) builds torch.device(f'cuda:{current_device}') "
+            '(FullyShardedDataParallel, MegatronFSDP), its DeviceMesh on device_type '
+            "'cuda' (DTensor.from_local then moves every shard there), moves a check's flags "
+            'with .cuda() (validate_uneven_dtensor), and divides the gradients inside the '
+            "reduce-scatter with NCCL's PREMUL_SUM (gradient_reduce_preprocessing), which "
+            "gloo refuses. On the CPU: those two modules' torch.device('cuda...') is the CPU, "
+            "the adapter's meshes are CPU meshes, the check's .cuda() leaves its tensor where it "
+            'is, and CPU gradients are multiplied by the factor in place before a SUM '
+            "reduce-scatter (Megatron-FSDP's own path without gradient_reduce_div_fusion: "
+            'the same sum).'
+        )),
+    "megatron_fsdp_one_rank_grads": Redirect(
+        _patch_megatron_fsdp_one_rank_grads, with_cuda=True,
+        why=(
+            "A bug of Megatron-FSDP 0.16.1 (NVIDIA/Megatron-LM#6660, fixed upstream later): "
+            'with --data-parallel-sharding-strategy optim_grads or optim_grads_params, a '
+            'gradient buffer whose data-parallel group has one rank (DP = 1, or expert DP = 1: '
+            'EP x ETP = world size / PP) is not distributed, so its reduce-scatter reads and '
+            'then adds into the same buffer: every reduction doubles those gradients. Such a '
+            'buffer is built distributed over its one rank instead: gradients go through a '
+            "temporary bucket as on more ranks, and the reduction is the identity it should "
+            'be. Not about CUDA: applied everywhere.'
         )),
     # Changes made elsewhere, next to the code they serve.
     "writer_results_queue": Redirect(

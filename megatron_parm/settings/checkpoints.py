@@ -8,8 +8,9 @@ from typing import List
 from megatron_parm.settings.flag import Flag, non_negative_int, positive_int
 
 GROUP = "checkpoints"
-# --ckpt-format's values that run here (the others are FSDP's formats).
-CKPT_FORMATS = ("torch_dist", "torch")
+# --ckpt-format's values that run here (torch_dcp is torch FSDP2's format; fsdp_dtensor,
+# Megatron-FSDP's, is taken with --use-megatron-fsdp, which saves and loads nothing here).
+CKPT_FORMATS = ("torch_dist", "torch", "fsdp_dtensor")
 # --non-persistent-ckpt-type's values that run here ('local' needs NVIDIA's resiliency package).
 NON_PERSISTENT_TYPES = ("global",)
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # no process can handle them
@@ -71,12 +72,14 @@ def _format_flags() -> List[Flag]:
     """How a checkpoint is written and read (Megatron-Core's strategies)."""
     return [
         Flag("--ckpt-format", GROUP, supported=CKPT_FORMATS,
-             unsupported="torch_dcp and fsdp_dtensor are the formats of FSDP, which is not "
-                         "built here (torch_dist and torch are)",
+             unsupported="torch_dcp is the format of torch FSDP2, which is not built here "
+                         "(torch_dist and torch are)",
              help="torch_dist: Megatron-Core's distributed checkpoint (loads in any layout); "
                   "torch: Megatron-LM's per-rank files iter_N/mp_rank_TT[_PPP][_EEE]/"
                   "model_optim_rng.pt (loads at the same tp, pp, vpp, ep and etp). With "
-                  "torch_dist, a --load folder of either format loads."),
+                  "torch_dist, a --load folder of either format loads. fsdp_dtensor: "
+                  "Megatron-FSDP's, which --use-megatron-fsdp needs (as in Megatron-LM); its "
+                  "saving and loading is not built here."),
         Flag("--auto-detect-ckpt-format", GROUP,
              help="Load whichever format the --load folder holds (with --ckpt-format torch, a "
                   "torch_dist folder too)."),

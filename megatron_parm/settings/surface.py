@@ -29,7 +29,13 @@ CUDA_GRAPHS_OFF = "a setting of CUDA graphs, which are off here"
 FP8_OFF = "a setting of FP8 / FP4 training, which is off here"
 FLEX_OFF = "a setting of the flex dispatcher (DeepEP / HybridEP), which is refused here"
 MUON_OFF = "a setting of --optimizer muon / dist_muon, which is refused here"
-FSDP_OFF = "a setting of FSDP, which is not built here"
+FSDP2_OFF = "a setting of torch FSDP2, which is not built here (--use-megatron-fsdp is)"
+FSDP_BUFFERS = ("sizes or keeps Megatron-FSDP's communication buffers (double buffering, the "
+                "prefetch unit), with the same results: its defaults run here")
+FSDP_CKPT_OFF = ("a setting of --ckpt-format fsdp_dtensor checkpoints, whose saving and loading "
+                 "is not built here")
+HSDP_OFF = ("a setting of hybrid sharded Megatron-FSDP (with --num-distributed-optimizer-instances "
+            "> 1), which is refused here")
 PRECISION_AWARE_OFF = ("a setting of --use-precision-aware-optimizer, which needs Transformer "
                        "Engine")
 RELATIVE_OFF = "a setting of relative position embeddings (T5), which are not built here"
@@ -85,8 +91,10 @@ HIERARCHICAL_CP = ("hierarchical context parallelism feeds --cp-comm-type a2a+p2
 HYBRID_CP = ("hybrid (dynamic) context parallelism splits packed sequences (THD) over a varying "
              "number of ranks, which needs Transformer Engine's attention and is not built here "
              "(--context-parallel-size runs here)")
-FSDP = ("FSDP (Megatron-FSDP, torch FSDP2) is not built here, --use-distributed-optimizer shards "
-        "the optimizer state")
+FSDP2 = ("torch FSDP2 is not built here (Megatron-FSDP is: --use-megatron-fsdp "
+         "--data-parallel-sharding-strategy)")
+META_INIT = ("building the model on the meta device and materializing it in FSDP's shards is not "
+             "built here")
 MAMBA = "Mamba and hybrid models are not built here"
 LEGACY_MODELS = "Megatron-LM's legacy models are not built here, Megatron-Core's are"
 RENAMED = "Megatron-LM refuses it too, its newer flag replaces it"
@@ -226,7 +234,7 @@ NO_EFFECT: Dict[str, str] = {
     "--replication-factor": REPLICATION_OFF,
     "--dist-ckpt-format": DEPRECATED_FORMAT,
     "--ckpt-fully-parallel-save": PARALLEL_SAVE_DEFAULT,
-    "--no-strict-fsdp-dtensor-load": FSDP_OFF,
+    "--no-strict-fsdp-dtensor-load": FSDP_CKPT_OFF,
     "--use-dist-ckpt": ALWAYS_MCORE,
     "--fp16-lm-cross-entropy": UNREAD_BY_CORE,
     "--reuse-grad-buf-for-mxfp8-param-ag": FP8_OFF,
@@ -243,13 +251,13 @@ NO_EFFECT: Dict[str, str] = {
     "--use-sharp": NCCL,
     "--sharp-enabled-group": NCCL,
     "--create-all-gather-group": NCCL,
-    "--outer-dp-sharding-strategy": FSDP_OFF,
+    "--outer-dp-sharding-strategy": HSDP_OFF,
     "--no-gradient-reduce-div-fusion": FUSED_KERNEL,
-    "--fsdp-double-buffer": FSDP_OFF,
-    "--suggested-communication-unit-size": FSDP_OFF,
+    "--fsdp-double-buffer": FSDP_BUFFERS,
+    "--suggested-communication-unit-size": FSDP_BUFFERS,
     "--keep-fp8-transpose-cache": FP8_OFF,
-    "--enable-full-sharding-in-hsdp": FSDP_OFF,
-    "--torch-fsdp2-no-reshard-after-forward": FSDP_OFF,
+    "--enable-full-sharding-in-hsdp": HSDP_OFF,
+    "--torch-fsdp2-no-reshard-after-forward": FSDP2_OFF,
     "--nccl-communicator-config-path": NCCL,
     "--dataloader-fast-cache-load": INDEX_SPEED,
     "--dataloader-defer-npy-index-mmap": INDEX_SPEED,
@@ -297,7 +305,7 @@ REFUSED: Dict[str, str] = {
     "--linear-value-head-dim": NOT_BUILT,
     "--linear-num-key-heads": NOT_BUILT,
     "--linear-num-value-heads": NOT_BUILT,
-    "--init-model-with-meta-device": FSDP,
+    "--init-model-with-meta-device": META_INIT,
     "--fp8-format": NEEDS_GPU_FP8,
     "--use-kitchen-attention": NOT_BUILT,
     "--kitchen-attention-backend": NOT_BUILT,
@@ -377,9 +385,7 @@ REFUSED: Dict[str, str] = {
     "--ckpt-convert-update-legacy-dist-opt-format": NOT_BUILT,
     "--model-parallel-size": RENAMED,
     "--lazy-mpu-init": NOT_BUILT,
-    "--use-megatron-fsdp": FSDP,
-    "--data-parallel-sharding-strategy": FSDP,
-    "--use-torch-fsdp2": FSDP,
+    "--use-torch-fsdp2": FSDP2,
     "--fake-process-group": NOT_BUILT,
     "--full-validation": FULL_VALIDATION,
     "--multiple-validation-sets": VALIDATION_SETS,

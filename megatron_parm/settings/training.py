@@ -83,6 +83,17 @@ def flags() -> List[Flag]:
         Flag("--ddp-reduce-scatter-with-fp32-accumulation", GROUP,
              help="With --use-distributed-optimizer: reduce-scatter the gradients as an "
                   "all-to-all and a sum in fp32 (for bf16 gradients)."),
+        Flag("--use-megatron-fsdp", GROUP,
+             help="Wrap the model in Megatron-Core's Megatron-FSDP instead of its DDP, sharding "
+                  "over the data-parallel ranks what --data-parallel-sharding-strategy says "
+                  "(needs --ckpt-format fsdp_dtensor, as in Megatron-LM; its checkpoints are "
+                  "not built here: no --save or --load)."),
+        Flag("--data-parallel-sharding-strategy", GROUP,
+             help="With --use-megatron-fsdp: what is sharded over the data-parallel ranks. "
+                  "no_shard: nothing (gradients all-reduced); optim: the optimizer state "
+                  "(ZeRO-1); optim_grads: and the gradients, reduce-scattered after each "
+                  "micro-batch's backward (ZeRO-2); optim_grads_params: and the parameters, "
+                  "all-gathered per transformer layer before its forward and backward (ZeRO-3)."),
         Flag("--ddp-average-in-collective", GROUP,
              help="Average gradients in the collective (ReduceOp.AVG; NCCL only) instead of "
                   "dividing by the data-parallel size before summing."),

@@ -582,6 +582,7 @@ def _validate_implementation(args) -> None:
         shared_expert_overlap=args.moe_shared_expert_overlap,
         multi_latent_attention=args.multi_latent_attention))
     _validate_ddp(args, _cuda_available())
+    _validate_fsdp(args)
     mixed_precision.validate(args)
     _refuse(moe_overlap_problem(
         args.overlap_moe_expert_parallel_comm, args.delay_wgrad_compute,
@@ -641,6 +642,85 @@ def _validate_ddp(args, cuda: bool) -> None:
                         num_buckets=args.ddp_num_buckets, bucket_size=args.ddp_bucket_size,
                         reduce_scatter_with_fp32_accumulation=(
                             args.ddp_reduce_scatter_with_fp32_accumulation)))
+
+
+# What Megatron-FSDP (--use-megatron-fsdp) does not run with here: flag -> (is it set, why).
+_FSDP_NOT_HERE = {
+    "--pipeline-model-parallel-size": (lambda a: a.pipeline_model_parallel_size > 1,
+                                       "pipeline parallelism with Megatron-FSDP is not built here"),
+    "--context-parallel-size": (lambda a: a.context_parallel_size > 1,
+                                "context parallelism with Megatron-FSDP is not built here"),
+    "--num-distributed-optimizer-instances": (
+        lambda a: a.num_distributed_optimizer_instances > 1,
+        "hybrid sharded Megatron-FSDP (HSDP) is not built here"),
+    "--overlap-grad-reduce": (lambda a: a.overlap_grad_reduce,
+                              "Megatron-FSDP's overlapped reductions are not built here"),
+    "--overlap-param-gather": (lambda a: a.overlap_param_gather,
+                               "Megatron-FSDP's overlapped all-gathers are not built here"),
+    "--overlap-moe-expert-parallel-comm": (
+        lambda a: a.overlap_moe_expert_parallel_comm,
+        "the combined 1F1B schedule calls the layers' parts without their forward, which "
+        "Megatron-FSDP 0.16.1 hooks"),
+}
+
+
+def _validate_fsdp(args) -> None:
+    """--use-megatron-fsdp and --ckpt-format fsdp_dtensor: Megatron-LM's rules between them,
+    and what Megatron-FSDP does not run with here (training/ddp.py wraps the model)."""
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise ValueError("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's "
+                         "rule: it is Megatron-FSDP's format)")
+    if not args.use_megatron_fsdp:
+        return
+    if args.ckpt_format != "fsdp_dtensor":
+        raise ValueError(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (Megatron-LM's "
+                         f"rule), got {args.ckpt_format}")
+    given = [flag for flag, value in (("--save", args.save), ("--load", args.load),
+                                      ("--pretrained-checkpoint", args.pretrained_checkpoint),
+                                      ("--non-persistent-save-interval",
+                                       args.non_persistent_save_interval))
+             if value]
+    if given:
+        raise ValueError(f"{given[0]} with --use-megatron-fsdp: saving and loading Megatron-FSDP's "
+                         f"checkpoints (--ckpt-format fsdp_dtensor) is not built here; drop "
+                         f"{' and '.join(given)}")
+    strategy = args.data_parallel_sharding_strategy
+    if strategy == "no_shard":
+        raise ValueError("--data-parallel-sharding-strategy no_shard (its default) with "
+                         "--use-megatron-fsdp: Megatron-FSDP 0.16.1 fails with it here (it "
+                         "fetches from a parameter buffer no_shard does not build); give optim, "
+                         "optim_grads or optim_grads_params")
+    if not args.use_distributed_optimizer:
+        raise ValueError("--use-megatron-fsdp needs --use-distributed-optimizer here: without it "
+                         "Megatron-Core 0.16.1's optimizer clips with the gradient norm of this "
+                         "rank's shard only")
+    for flag, (is_set, why) in _FSDP_NOT_HERE.items():
+        if is_set(args):
+            raise ValueError(f"{flag} with --use-megatron-fsdp: {why}; drop one of the two")
+    if strategy == "optim_grads_params" and \
+            args.check_weight_hash_across_dp_replicas_interval is not None:
+        raise ValueError("--check-weight-hash-across-dp-replicas-interval with "
+                         "--data-parallel-sharding-strategy optim_grads_params: each "
+                         "data-parallel rank holds a different shard of the weights "
+                         "(Megatron-LM's rule)")
+    if strategy in ("optim_grads", "optim_grads_params") and args.num_experts and \
+            _may_pipeline(args.moe_token_dispatcher_type) and expert_implementation(
+                args.transformer_impl, args.moe_grouped_gemm, cuda=_cuda_available(),
+                bf16=args.bf16) == "SequentialMLP":
+        raise ValueError(
+            f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} with "
+            f"--data-parallel-sharding-strategy {strategy} and SequentialMLP experts: a pipelined "
+            f"schedule runs the experts' backward once per chunk, and Megatron-FSDP 0.16.1 "
+            f"reduces a bucket's gradients as soon as each of its parameters has one: add "
+            f"--moe-grouped-gemm (its experts compute their weight gradients once), or use "
+            f"--data-parallel-sharding-strategy optim")
+
+
+def _may_pipeline(dispatcher: str) -> bool:
+    """Whether DISPATCHER runs a pipelined schedule, or may choose one (parm)."""
+    schedule = schedules.get(dispatcher)
+    return schedule.pipelined or (schedule.kind == schedules.AUTO and any(
+        candidate.pipelined for candidate in schedules.candidates()))
 
 
 def _refuse(problem: Optional[str]) -> None:

@@ -13,6 +13,8 @@ training maps them.
     broadcast_params(model, args)    --data-parallel-random-init: the first data-parallel
                                      rank's weights on every one
     WeakHookDDP(config, ddp_config, module)   Megatron-Core's DDP, freed when a run ends
+    wrap(config, ddp_config, chunk, index)    a model chunk in that DDP, or with
+                                     --use-megatron-fsdp in Megatron-FSDP
     set_sync_funcs(config, model, args)   the schedule's no_sync / grad_sync / param_sync hooks
     GradReadyCounts(model, args)     --overlap-grad-reduce's hook counts, learnt again where
                                      S2's chunks or parm's tuning change them
@@ -44,6 +46,15 @@ work; nothing here reduces a gradient):
   --num-distributed-optimizer-instances N   the distributed optimizer sharded within groups of
                                DP / N ranks (reduce-scatter there, then an all-reduce of each
                                shard across the N groups), N copies of its state.
+  --use-megatron-fsdp          the chunks in Megatron-Core's FullyShardedDataParallel
+                               (Megatron-FSDP) instead of its DDP, sharding what
+                               --data-parallel-sharding-strategy says over the data-parallel
+                               ranks (expert parameters over the expert data-parallel ones): optim (ZeRO-1), optim_grads (ZeRO-2:
+                               gradients reduce-scattered after each micro-batch's backward),
+                               optim_grads_params (ZeRO-3: each transformer layer's parameters
+                               all-gathered before its forward and backward, freed after);
+                               get_megatron_optimizer then builds Megatron-Core's optimizer over
+                               its shards. What it cannot run here: arguments._validate_fsdp.
 """
 
 from __future__ import annotations
@@ -89,7 +100,9 @@ def ddp_config(args, chunks=()) -> DistributedDataParallelConfig:
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=bucket_size,
         reduce_scatter_with_fp32_accumulation=fp32_accumulation,
-        average_in_collective=args.ddp_average_in_collective)
+        average_in_collective=args.ddp_average_in_collective,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy)
 
 
 def broadcast_params(model, args) -> None:
@@ -126,6 +139,18 @@ class WeakHookDDP(DistributedDataParallel):
                 on_compute_thread(lambda: make(ddp, param)(*unused))
 
         return hook
+
+
+def wrap(config, ddp_config, chunk, index: int):
+    """Model chunk INDEX in Megatron-Core's DDP, or with --use-megatron-fsdp in its
+    FullyShardedDataParallel, as Megatron-LM's get_model wraps it: only the first chunk's
+    gradients are bucketed (the others' reductions wait for the end of the step anyway)."""
+    if ddp_config.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                        disable_bucketing=index > 0)
+    return WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
 
 
 def _per_chunk(functions):

@@ -251,14 +251,12 @@ def evaluate(forward_step, data_iterator, model, args, time_up=None) -> Optional
 
 def build_model_and_optimizer(args, vocab_size: int, padded_vocab_size=None):
     """This rank's model chunks (one per virtual pipeline stage; one without interleaving),
-    each in Megatron's DDP, their optimizer and the learning-rate and weight-decay schedule."""
+    each in Megatron's DDP (or Megatron-FSDP), their optimizer and the learning-rate and
+    weight-decay schedule."""
     chunks = build_model_chunks(args, vocab_size, padded_vocab_size)
     config = chunks[0].config
     ddp_config = ddp.ddp_config(args, chunks)
-    # As Megatron-LM: only the first chunk's gradients are bucketed (the others' reductions
-    # wait for the end of the step anyway).
-    model = [ddp.WeakHookDDP(config, ddp_config, chunk, disable_bucketing=index > 0)
-             for index, chunk in enumerate(chunks)]
+    model = [ddp.wrap(config, ddp_config, chunk, index) for index, chunk in enumerate(chunks)]
     ddp.broadcast_params(model, args)
     # With --bf16 / --fp16: Megatron-Core's mixed-precision optimizer (fp32 main parameters).
     optimizer = build_optimizer(args, model)

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import without_hidden
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = sorted([REPO / "README.md", REPO / "data/README.md", *(REPO / "docs").glob("*.md")])
@@ -199,7 +200,8 @@ def _noise(path: Path, text: str, output: str) -> list:
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=_block_id)
 def test_documented_command_runs(block, repo_copy):
     path, number, _, text = block
-    env = dict(os.environ, PATH=_fresh_shell_path(), OMP_NUM_THREADS="1")
+    # a reader's shell: the test extra's transformers importable (tools/tiny_hf_model.py)
+    env = without_hidden(dict(os.environ, PATH=_fresh_shell_path(), OMP_NUM_THREADS="1"))
     for name in ("PYTHONWARNINGS", "VIRTUAL_ENV"):
         env.pop(name, None)
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=repo_copy, env=env,

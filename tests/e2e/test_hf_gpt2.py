@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from launch import convert_checkpoint as convert, torchrun  # noqa: E402
+from launch import convert_all, convert_checkpoint as convert, torchrun  # noqa: E402
 from reference_gpt2 import gpt2_logits, random_gpt2, write_hf_gpt2  # noqa: E402
 
 HF_CONFIG = {"vocab_size": 8000, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4,
@@ -105,9 +105,9 @@ def hf_dir(tmp_path_factory):
 def runs(tmp_path_factory, hf_dir, prepared_data):
     run = tmp_path_factory.mktemp("hf_runs")
     write_configs(run)
-    conversions = {"dense": convert("--from-hf", hf_dir[0], "--save", run / "hf_dense"),
-                   "moe": convert("--upcycle", "--load", hf_dir[0], "--save", run / "hf_moe",
-                                  "--num-experts", 4, "--moe-router-topk", 2)}
+    conversions = convert_all({"dense": ("--from-hf", hf_dir[0], "--save", run / "hf_dense"),
+                               "moe": ("--upcycle", "--load", hf_dir[0], "--save", run / "hf_moe",
+                                       "--num-experts", 4, "--moe-router-topk", 2)})
     for name, proc in conversions.items():
         assert proc.returncode == 0, f"{name}: {proc.stdout}\n{proc.stderr[-3000:]}"
     torchrun(str(Path(__file__).relative_to(REPO)), 4, "worker", str(run), timeout=900)

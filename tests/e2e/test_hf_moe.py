@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tools")]
 
-from launch import convert_checkpoint as convert, torchrun  # noqa: E402
+from launch import convert_all, convert_checkpoint as convert, torchrun  # noqa: E402
 from tiny_hf_model import FAMILIES, write as write_hf_model  # noqa: E402  (vocabulary 8064)
 
 SEQ, BATCH = 32, 2
@@ -214,12 +214,11 @@ def hf_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, hf_models, prepared_data):
     run = tmp_path_factory.mktemp("hf_moe")
-    conversions = {family: convert("--from-hf", hf_models[family], "--save",
-                                   run / f"ckpt_{family}", *IMPORT_FLAGS.get(family, ()))
-                   for family in MOE}
-    conversions["llama_moe"] = convert("--upcycle", "--load", hf_models["llama"], "--save",
-                                       run / "ckpt_llama_moe", "--num-experts", 4,
-                                       "--moe-router-topk", 2)
+    jobs = {family: ("--from-hf", hf_models[family], "--save", run / f"ckpt_{family}",
+                     *IMPORT_FLAGS.get(family, ())) for family in MOE}
+    jobs["llama_moe"] = ("--upcycle", "--load", hf_models["llama"], "--save",
+                         run / "ckpt_llama_moe", "--num-experts", 4, "--moe-router-topk", 2)
+    conversions = convert_all(jobs)
     for name, proc in conversions.items():
         assert proc.returncode == 0, f"{name}: {proc.stdout}\n{proc.stderr[-3000:]}"
     proc = torchrun(str(Path(__file__).relative_to(REPO)), 4, "worker", str(run / "results.json"),
@@ -238,8 +237,8 @@ def exports(run):
     _, _, folder = run
     sources = {family: folder / f"ckpt_{family}" for family in MOE}
     sources["trained"] = folder / "trained_qwen3_moe"
-    procs = {name: convert("--to-hf", folder / f"export_{name}", "--load", source,
-                           "--max-shard-size", "150KB") for name, source in sources.items()}
+    procs = convert_all({name: ("--to-hf", folder / f"export_{name}", "--load", source,
+                                "--max-shard-size", "150KB") for name, source in sources.items()})
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}: {proc.stdout}\n{proc.stderr[-3000:]}"
     return {name: folder / f"export_{name}" for name in procs}, procs

@@ -9,6 +9,9 @@ One torchrun launch (this file run as a script) trains, in one process per rank:
   * GPT-2 MoE for 4 iterations with Megatron-LM's data-parallel flags (DDP_RUNS; the
     distributed optimizer's with the schedule in samples and Megatron-LM's data flags), and with
     the step's time breakdown written (alltoall, parm_s2);
+  * GPT-2 MoE for 4 iterations with Megatron-FSDP (--use-megatron-fsdp, ZeRO-3), with alltoall
+    (a DDP run) and with parm_s2 and grouped-GEMM experts, next to the same with Megatron's DDP
+    (FSDP_PARM);
   * GPT-2 MoE for 4 iterations with activation recompute, full and selective (recompute_runs);
   * GPT-2 MoE for 4 iterations on Megatron-Core's mock data with the NullTokenizer (MOCK);
   * GPT-2 MoE (output layer untied) for 4 iterations with Megatron-LM's logging flags
@@ -23,6 +26,7 @@ The tests then check, from the recorded summaries and the console output:
   * parm's losses are the same tuned and untuned, and with failing candidates (skipped, one
     warning each); the choice is logged once per layer, measured, then cached;
   * the checkpoint is in Megatron-LM's layout and the console lines are in its format;
+  * Megatron-FSDP's losses and gradient norms are DDP's (with the distributed optimizer);
   * each data-parallel flag, the timing breakdown, activation recompute and the data flags
     that change no sample (2 DataLoader workers per rank, no attention mask in the batch, no
     mmap) leave the losses as they are, and the breakdown has the parts each run must have;
@@ -81,8 +85,10 @@ def worker(out_path: str, run_dir: str) -> None:
                                                    "--no-parm-tune"])
     results["parm_no_tune"] = pretrain(args)["losses"]
     results["tune_fail"], results["tune_fail_warnings"] = tune_with_failures(run_dir)
-    results["ddp"] = {name: pretrain(parse_args(ddp_argv(name, run_dir)))["losses"]
-                      for name in DDP_RUNS}
+    ddp_runs = {name: pretrain(parse_args(ddp_argv(name, run_dir))) for name in DDP_RUNS}
+    results["ddp"] = {name: summary["losses"] for name, summary in ddp_runs.items()}
+    results["ddp_grad_norms"] = {name: summary["grad_norms"] for name, summary in ddp_runs.items()}
+    results["fsdp_parm"] = {name: fsdp_parm_run(flags) for name, flags in FSDP_PARM.items()}
     results["recompute"] = recompute_runs()
     results["mock"] = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + MOCK))["losses"]
     results["logging"] = logging_run(run_dir)
@@ -134,7 +140,29 @@ DDP_RUNS = {
     "overlap_grad_reduce_parm_s2": lambda d: ["--moe-token-dispatcher-type", "parm_s2",
                                               "--overlap-grad-reduce", "--ddp-bucket-size",
                                               "20000"],
+    # Megatron-FSDP sharding parameters, gradients and optimizer state (ZeRO-3), as Megatron-LM's
+    # functional test gpt3_mcore_te_tp2_zp_z3_* runs it (tp2, ep2): expert DP is 1 here, whose
+    # gradient buffers Megatron-FSDP 0.16.1 doubled (mcore_compat's megatron_fsdp_one_rank_grads)
+    "megatron_fsdp": lambda d: MEGATRON_FSDP,
 }
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+# Parm's pipelined schedule (parm_s2: the experts' backward in chunks; parm's tuning would pick
+# schedules by their timings, another in each run) with Megatron-FSDP and with Megatron's DDP:
+# grouped-GEMM experts, whose weight gradients come once per backward (with SequentialMLP a
+# pipelined schedule is refused under ZeRO-2 / ZeRO-3: arguments._validate_fsdp)
+FSDP_PARM = {name: ["--moe-token-dispatcher-type", "parm_s2", "--moe-grouped-gemm"] + flags
+             for name, flags in (("ddp", ["--use-distributed-optimizer"]),
+                                 ("megatron_fsdp", MEGATRON_FSDP))}
+
+
+def fsdp_parm_run(flags: list) -> dict:
+    """One FSDP_PARM run on DDP_ITERS: its losses and gradient norms."""
+    from megatron_parm.training.arguments import parse_args
+    from megatron_parm.training.trainer import pretrain
+
+    summary = pretrain(parse_args(TINY_GPT + LAYOUT + SHORT + DDP_ITERS + flags))
+    return {"losses": summary["losses"], "grad_norms": summary["grad_norms"]}
 
 
 def ddp_argv(name: str, run_dir: str) -> list:
@@ -450,6 +478,19 @@ def test_data_parallel_flags_and_timing_leave_the_losses(run):
     # --train-samples 32 at global batch 8: the iteration-based run's 4 iterations (and, by
     # the losses above, its learning rates)
     assert len(results["ddp"]["distributed_optimizer"]) == 4
+
+
+def test_megatron_fsdp_trains_as_ddp(run):
+    """Megatron-FSDP (ZeRO-3) with alltoall and with parm_s2: the losses of Megatron's DDP with
+    the distributed optimizer to 1e-5, its gradient norms to 1e-4 (the shards' sums in another
+    order: 3e-6 apart at 2 ranks; Megatron-FSDP 0.16.1's doubled gradients were 30% off)."""
+    results, _, _ = run
+    norms = results["ddp_grad_norms"]
+    assert norms["megatron_fsdp"] == pytest.approx(norms["distributed_optimizer"], rel=1e-4)
+    ddp, fsdp = results["fsdp_parm"]["ddp"], results["fsdp_parm"]["megatron_fsdp"]
+    assert len(fsdp["losses"]) == 4
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
+    assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-4)
 
 
 def test_mock_data_with_null_tokenizer_trains(run):

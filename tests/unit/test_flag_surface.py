@@ -160,7 +160,7 @@ def test_checkpoint_flags_as_config_keys_and_their_refused_values(tmp_path):
     assert str(error.value) == (
         "not available here: --replication: replicates local non-persistent checkpoints, which "
         "need NVIDIA's resiliency package (nvidia-resiliency-ext), not used here; --ckpt-format "
-        "torch_dcp: torch_dcp and fsdp_dtensor are the formats of FSDP, which is not built here "
+        "torch_dcp: torch_dcp is the format of torch FSDP2, which is not built here "
         "(torch_dist and torch are); --non-persistent-ckpt-type local: local (and in_memory) "
         "non-persistent checkpoints need NVIDIA's resiliency package (nvidia-resiliency-ext), "
         "which is not used here (global is built)")

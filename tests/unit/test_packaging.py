@@ -3,11 +3,14 @@ the package and its data (the performance model's profiles)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import zipfile
 
 import megatron_parm
-from launch import REPO, build_wheel
+from launch import REPO, build_wheel, without_hidden
 
 
 def test_the_changelog_names_the_package_version():
@@ -62,3 +65,19 @@ def test_test_files_have_distinct_names():
             clashes.append(f"{seen[path.name]} and {rel}")
         seen.setdefault(path.name, rel)
     assert not clashes, "test files share a name: " + "; ".join(clashes)
+
+
+def test_the_processes_the_tests_start_run_without_the_test_extra():
+    """Ranks and tools started by the tests cannot import transformers (tests/hidden says why);
+    without_hidden gives it back to a process that needs it."""
+    check = [sys.executable, "-c", "import transformers"]
+    hidden = subprocess.run(check, capture_output=True, text=True)
+    assert hidden.returncode == 1 and "tests/hidden/transformers" in hidden.stderr
+    assert "ModuleNotFoundError" in hidden.stderr
+    shown = subprocess.run(check, capture_output=True, text=True,
+                           env=without_hidden(dict(os.environ)))
+    try:
+        import transformers  # noqa: F401  (installed with the test extra)
+    except ImportError:
+        return
+    assert shown.returncode == 0, shown.stderr

@@ -617,6 +617,54 @@ def test_checkpoint_flag_rules_as_megatron_lm_checks_them():
     assert args.no_load_optim and args.ckpt_format == "torch" and args.no_save_rng
 
 
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--use-distributed-optimizer",
+        "--data-parallel-sharding-strategy", "optim_grads_params"]
+FSDP_LAYOUT = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+               "--sequence-parallel"]
+
+
+def test_megatron_fsdp_flags_as_megatron_lm_reads_them():
+    args = parse_args(TINY_GPT + FSDP_LAYOUT + FSDP + ["--moe-grouped-gemm",
+                                                       "--moe-token-dispatcher-type", "parm"],
+                      world_size=4)
+    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
+    from megatron_parm.training.ddp import ddp_config
+
+    config = ddp_config(args)
+    assert config.use_megatron_fsdp and config.data_parallel_sharding_strategy == \
+        "optim_grads_params"
+    # ZeRO-1 reduces after the backward: a pipelined schedule of SequentialMLP experts is fine
+    parse_args(TINY_GPT + FSDP_LAYOUT + FSDP + ["--data-parallel-sharding-strategy", "optim",
+                                                "--moe-token-dispatcher-type", "parm_s2"],
+               world_size=4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor "
+                              "(Megatron-LM's rule), got torch_dist"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
+    (FSDP + ["--save", "s"], "--save with --use-megatron-fsdp: saving and loading "
+                             "Megatron-FSDP's checkpoints (--ckpt-format fsdp_dtensor) is not "
+                             "built here; drop --save"),
+    (FSDP + ["--data-parallel-sharding-strategy", "no_shard"],
+     "--data-parallel-sharding-strategy no_shard (its default) with --use-megatron-fsdp"),
+    ([flag for flag in FSDP if flag != "--use-distributed-optimizer"],
+     "--use-megatron-fsdp needs --use-distributed-optimizer here"),
+    (FSDP + ["--overlap-grad-reduce"], "--overlap-grad-reduce with --use-megatron-fsdp: "
+                                       "Megatron-FSDP's overlapped reductions are not built here"),
+    (FSDP + ["--check-weight-hash-across-dp-replicas-interval", "2"],
+     "each data-parallel rank holds a different shard of the weights"),
+    (FSDP + ["--moe-token-dispatcher-type", "parm"],
+     "--moe-token-dispatcher-type parm with --data-parallel-sharding-strategy "
+     "optim_grads_params and SequentialMLP experts: a pipelined schedule runs the experts' "
+     "backward once per chunk"),
+    (["--use-torch-fsdp2"], "not available here: --use-torch-fsdp2: torch FSDP2 is not built "
+                            "here"),
+])
+def test_megatron_fsdp_rules_name_the_flag(flags, message):
+    assert message in error(TINY_GPT + FSDP_LAYOUT + flags)
+
+
 # ---------------------------------------------------------------------------------------------
 # run control (training/run_control.py): Megatron-LM's rules between its flags
 # ---------------------------------------------------------------------------------------------
