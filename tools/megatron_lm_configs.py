@@ -217,6 +217,8 @@ def adapt(name: str, pairs: List[Tuple[str, object]], workdir: str,
               "--lr-decay-iters": iterations, "--lr-decay-samples": samples,
               "--lr-warmup-iters": 2, "--lr-warmup-samples": 2 * global_batch,
               "--lr-wsd-decay-iters": iterations // 2, "--lr-wsd-decay-samples": samples // 2,
+              # a multiple of --save-interval (Megatron-LM's rule)
+              "--save-retain-interval": 2 * (iterations // 2),
               "--num-virtual-stages-per-pipeline-rank": vpp,
               "--num-layers-per-virtual-pipeline-stage": max(1, layers // (layout["pp"] * vpp)),
               "--recompute-num-layers": 1, "--decoder-first-pipeline-num-layers": 1,

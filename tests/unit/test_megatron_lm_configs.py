@@ -127,6 +127,10 @@ def test_fewer_iterations_scale_the_schedule_and_the_report_says_so(tool, checko
     value = dict(zip(argv, argv[1:]))
     batch = int(value["--global-batch-size"])
     assert (value["--train-samples"], value["--lr-decay-samples"]) == (str(6 * batch),) * 2
+    retained = tool.adapt("big", pairs + [("--save-interval", 100), ("--save-retain-interval",
+                                                                      2500)], "w", 6)[0]
+    value = dict(zip(retained, retained[1:]))
+    assert (value["--save-interval"], value["--save-retain-interval"]) == ("3", "6")
     record = {"name": "big", "first": {"status": 0, "refused": []}, "iterations": 6,
               "largest_difference": 1e-6, "losses_follow": True}
     assert "| 1.00e-06 (6 iterations) | losses follow |" in tool.report([record], "M")
