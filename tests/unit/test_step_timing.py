@@ -122,7 +122,8 @@ def flags(**given):
                   ddp_average_in_collective=False, save=None, load=None, bf16=False,
                   fp16=False, accumulate_allreduce_grads_in_fp32=False,
                   num_distributed_optimizer_instances=1, ddp_num_buckets=None,
-                  ddp_reduce_scatter_with_fp32_accumulation=False)
+                  ddp_reduce_scatter_with_fp32_accumulation=False, use_megatron_fsdp=False,
+                  data_parallel_sharding_strategy="no_shard")
     values.update(given)
     return argparse.Namespace(**values)
 
@@ -136,6 +137,10 @@ def test_ddp_config_carries_the_flags_as_megatron_lm_does():
     plain = ddp.ddp_config(flags())
     assert not (plain.overlap_grad_reduce or plain.use_distributed_optimizer) \
         and plain.bucket_size is None
+    fsdp = ddp.ddp_config(flags(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                data_parallel_sharding_strategy="optim_grads_params"))
+    assert (fsdp.use_megatron_fsdp, fsdp.data_parallel_sharding_strategy) == (
+        True, "optim_grads_params")
 
 
 @pytest.mark.parametrize("given, cuda, message", [
